@@ -1,0 +1,36 @@
+"""The expert compute over MoonEP's expert-grouped shard.
+
+For each ``cu_seqlens`` group ``g`` (rows ``[cu[g-1], cu[g])`` of ``x``) with weights
+``(gate_g [I,H], up_g [I,H], down_g [H,I])``::
+
+    y[rows] = (silu(x[rows] @ gate_g^T) * (x[rows] @ up_g^T) * route_w[rows, None]) @ down_g^T
+
+Weights come through ``GroupedWeights``, a per-group row source: a list of pools (tensors of
+rows) and, for each group, which pool and row serve it. One contiguous ``[G, out, in]`` tensor is
+the simplest source; the symmetric layout's home rows, slots, peers' rows and a shared slot pool
+are others, with no copies. Implementations (``impl=``):
+
+- ``reference``: plain torch, one matmul per non-empty group (CPU or GPU; reads
+  ``cu_seqlens`` on the host). The oracle.
+- ``grouped_mm``: three ``torch._grouped_mm`` calls plus elementwise ops, as vLLM 0.33's
+  proof of concept does (bf16 on sm90+), over a source whose used groups are the rows of one
+  dense tensor.
+- ``triton``: the fused Triton kernels in ``triton_kernels.py`` (any source, pointer table).
+- ``auto``: triton on CUDA when it is importable, else grouped_mm where it applies, else reference.
+
+Rows past ``cu_seqlens[-1]`` are not computed: the output there is unspecified (zero in the
+reference), and nothing downstream reads them.
+"""
+
+from vllm_moonep.common.grouped_gemm.api import IMPLS, GroupedWeights, available_impls, expert_ffn, resolve_impl
+from vllm_moonep.common.grouped_gemm.reference import expert_ffn_float64, expert_ffn_reference
+
+__all__ = [
+    "IMPLS",
+    "GroupedWeights",
+    "available_impls",
+    "expert_ffn",
+    "expert_ffn_float64",
+    "expert_ffn_reference",
+    "resolve_impl",
+]

@@ -1,0 +1,160 @@
+"""``GroupedWeights`` (the per-group row source) and the ``expert_ffn`` dispatcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vllm_moonep.engine.errors import MoonEPInputError
+
+IMPLS = ("auto", "reference", "grouped_mm", "triton")
+
+
+@dataclass(frozen=True)
+class GroupedWeights:
+    """Where each ``cu_seqlens`` group's expert weights live.
+
+    Attributes:
+        gate, up: pools of rows, each ``[N_p, I, H]``; ``down``: pools ``[N_p, H, I]`` (same
+            pool count; pool ``p`` of each projection holds the same experts).
+        group_pool, group_row: ``[G]`` int64 on the host: group ``g`` reads row
+            ``group_row[g]`` of pool ``group_pool[g]``; ``-1`` means the group has no weights
+            and must be empty.
+        dense_groups: optional ``[N_0]`` int64: when set, row ``j`` of pool 0 serves group
+            ``dense_groups[j]`` and every other group is empty by construction, so pool 0 can
+            be handed to ``torch._grouped_mm`` as one dense tensor.
+    """
+
+    gate: Sequence[torch.Tensor]
+    up: Sequence[torch.Tensor]
+    down: Sequence[torch.Tensor]
+    group_pool: torch.Tensor
+    group_row: torch.Tensor
+    dense_groups: torch.Tensor | None = None
+
+    @staticmethod
+    def contiguous(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> "GroupedWeights":
+        """One ``[G, out, in]`` tensor per projection; group ``g`` reads row ``g``."""
+        G = gate.shape[0]
+        ar = torch.arange(G, dtype=torch.int64)
+        return GroupedWeights([gate], [up], [down], torch.zeros(G, dtype=torch.int64), ar, ar)
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_pool.numel())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate[0].dtype
+
+    @property
+    def hidden(self) -> int:
+        return int(self.gate[0].shape[2])
+
+    @property
+    def intermediate(self) -> int:
+        return int(self.gate[0].shape[1])
+
+    def rows(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(gate [I,H], up [I,H], down [H,I])`` of group ``g``."""
+        p = int(self.group_pool[g])
+        if p < 0:
+            raise MoonEPInputError(f"group {g} has rows but no weights (its row source is -1)")
+        r = int(self.group_row[g])
+        return self.gate[p][r], self.up[p][r], self.down[p][r]
+
+    def validate(self) -> None:
+        n = len(self.gate)
+        if not (n == len(self.up) == len(self.down)) or n == 0:
+            raise MoonEPInputError("GroupedWeights: gate, up and down need the same, non-zero number of pools")
+        I, H = self.intermediate, self.hidden
+        for p in range(n):
+            g, u, d = self.gate[p], self.up[p], self.down[p]
+            if g.dim() != 3 or tuple(g.shape[1:]) != (I, H) or tuple(u.shape) != tuple(g.shape):
+                raise MoonEPInputError(f"GroupedWeights pool {p}: gate/up must be [N, I={I}, H={H}], got {list(g.shape)}, {list(u.shape)}")
+            if d.dim() != 3 or tuple(d.shape[1:]) != (H, I) or d.shape[0] != g.shape[0]:
+                raise MoonEPInputError(f"GroupedWeights pool {p}: down must be [N={g.shape[0]}, H={H}, I={I}], got {list(d.shape)}")
+            if len({g.dtype, u.dtype, d.dtype, self.dtype}) != 1:
+                raise MoonEPInputError(f"GroupedWeights pool {p}: all weights must share one dtype")
+
+
+def _triton_usable(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda":
+        return False
+    try:
+        from vllm_moonep.common.grouped_gemm import triton_kernels  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _grouped_mm_usable(x: torch.Tensor, w: GroupedWeights) -> bool:
+    return (
+        x.device.type == "cuda"
+        and w.dense_groups is not None
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+
+
+def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:
+    out = ["reference"]
+    if _grouped_mm_usable(x, w):
+        out.append("grouped_mm")
+    if _triton_usable(x):
+        out.append("triton")
+    return out
+
+
+def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights) -> str:
+    if impl not in IMPLS:
+        raise MoonEPInputError(f"expert_ffn: impl must be one of {IMPLS}, got {impl!r}")
+    avail = available_impls(x, w)
+    if impl == "auto":
+        for cand in ("triton", "grouped_mm", "reference"):
+            if cand in avail:
+                return cand
+    if impl not in avail:
+        raise MoonEPInputError(f"expert_ffn: impl={impl!r} cannot run here (available: {avail})")
+    return impl
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    route_w: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    weights: GroupedWeights,
+    *,
+    impl: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The MoonEP expert compute: ``[NvS, H]`` rows in, ``[NvS, H]`` rows out (see the package doc)."""
+    if x.dim() != 2 or x.shape[1] != weights.hidden:
+        raise MoonEPInputError(f"expert_ffn: x must be [NvS, H={weights.hidden}], got {list(x.shape)}")
+    if route_w.shape != (x.shape[0],):
+        raise MoonEPInputError(f"expert_ffn: route_w must be [NvS={x.shape[0]}], got {list(route_w.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() != weights.num_groups:
+        raise MoonEPInputError(
+            f"expert_ffn: cu_seqlens must have one entry per group ({weights.num_groups}), got {list(cu_seqlens.shape)}"
+        )
+    if x.dtype != weights.dtype:
+        raise MoonEPInputError(f"expert_ffn: x is {x.dtype}, weights are {weights.dtype}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype:
+        raise MoonEPInputError(f"expert_ffn: out must be {list(x.shape)} {x.dtype}")
+    which = resolve_impl(impl, x, weights)
+    if which == "reference":
+        from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
+
+        return expert_ffn_reference(x, route_w, cu_seqlens, weights, out=out)
+    if which == "grouped_mm":
+        from vllm_moonep.common.grouped_gemm.torch_grouped_mm import expert_ffn_grouped_mm
+
+        return expert_ffn_grouped_mm(x, route_w, cu_seqlens, weights, out=out)
+    from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
+
+    return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out)

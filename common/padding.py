@@ -1,0 +1,55 @@
+"""Padding a step to the buffer's capacity, and sanitizing router output for the planner."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_moonep.engine import MoonEPInputError
+
+
+def sanitize_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ids and float32 weights; negative (invalid) ids become expert 0 with weight 0.
+
+    MoonEP's planner has no sentinel for invalid ids, so such slots cost a little compute and
+    contribute nothing.
+    """
+    if topk_ids.shape != topk_weights.shape:
+        raise MoonEPInputError(
+            f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must have the same shape"
+        )
+    if topk_ids.is_floating_point():
+        raise MoonEPInputError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    ids = topk_ids.to(torch.int32)
+    w = topk_weights.to(torch.float32)
+    invalid = ids < 0
+    ids = torch.where(invalid, torch.zeros_like(ids), ids).contiguous()
+    w = torch.where(invalid, torch.zeros_like(w), w).contiguous()
+    return ids, w
+
+
+def pad_to_capacity(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Sanitize and zero-pad ``[s, ...]`` inputs to ``capacity`` rows; returns ``(..., s)``.
+
+    Padding rows route to expert 0 with weight 0 and hidden 0.
+    """
+    s = hidden.shape[0]
+    if s > capacity:
+        raise MoonEPInputError(f"MoonEP buffer capacity exceeded: {s} tokens > S={capacity}")
+    if topk_ids.shape[0] != s:
+        raise MoonEPInputError(f"topk_ids has {topk_ids.shape[0]} rows, hidden states {s}")
+    ids, w = sanitize_routing(topk_ids, topk_weights)
+    hidden = hidden.contiguous()
+    pad = capacity - s
+    if pad:
+        hidden = F.pad(hidden, (0, 0, 0, pad))
+        ids = F.pad(ids, (0, 0, 0, pad))
+        w = F.pad(w, (0, 0, 0, pad))
+    return hidden, ids, w, s
+
+
+def tokens_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Local bincount of the (sanitized) ids, int32 ``[E]``."""
+    return torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=num_experts).to(torch.int32)

@@ -1,0 +1,79 @@
+"""``MoonEPBufferPool``: MoonEP buffers at power-of-two token capacities, made on first use.
+
+A ``Buffer`` fixes its capacity ``S`` at construction, so one full-size buffer would pad every
+decode step to the prefill size. The pool serves the smallest power of two (at least 128, at
+most the configured maximum) that fits the step. The choice must be the same on every rank,
+since dispatch and construction are collective: callers pass the max token count across DP
+ranks. At most ``log2(max / 128) + 2`` buffers ever exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, make_buffer
+
+MIN_CAPACITY = 128
+
+
+def capacity_for(num_tokens: int, max_tokens_per_rank: int, min_capacity: int = MIN_CAPACITY) -> int:
+    """Smallest power of two >= ``num_tokens`` (and >= ``min_capacity``), capped at the maximum."""
+    if num_tokens < 0:
+        raise MoonEPInputError(f"token count must be >= 0, got {num_tokens}")
+    if num_tokens > max_tokens_per_rank:
+        raise MoonEPInputError(
+            f"MoonEP capacity exceeded: {num_tokens} tokens > max_tokens_per_rank={max_tokens_per_rank}"
+        )
+    cap = 1 << max(num_tokens - 1, 0).bit_length()
+    return min(max(cap, min_capacity), max_tokens_per_rank)
+
+
+class MoonEPBufferPool:
+    """Lazily made buffers keyed by capacity.
+
+    Args:
+        buffer_kwargs: the ``Buffer`` arguments except ``S`` (``H, K, E, num_ep_ranks, B,
+            token_padding, group, num_sms, device, ...``).
+        max_tokens_per_rank: the largest capacity.
+        engine: ``auto`` | ``builtin`` | ``moonep`` (``vllm_moonep.engine.make_buffer``).
+    """
+
+    def __init__(self, buffer_kwargs: dict[str, Any], max_tokens_per_rank: int, engine: str = "auto", min_capacity: int = MIN_CAPACITY):
+        if max_tokens_per_rank <= 0:
+            raise MoonEPInputError(f"max_tokens_per_rank must be > 0, got {max_tokens_per_rank}")
+        self._kwargs = {k: v for k, v in buffer_kwargs.items() if k != "S"}
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self.min_capacity = int(min_capacity)
+        self.engine = engine
+        self.buffers: dict[int, Any] = {}
+        self._destroyed = False
+
+    def capacity_for(self, num_tokens: int) -> int:
+        return capacity_for(num_tokens, self.max_tokens_per_rank, self.min_capacity)
+
+    def get(self, num_tokens: int) -> tuple[int, Any]:
+        """``(capacity, buffer)`` for a step of ``num_tokens`` (the max across DP ranks)."""
+        if self._destroyed:
+            raise MoonEPStateError("MoonEPBufferPool.get: the pool was destroyed")
+        cap = self.capacity_for(num_tokens)
+        buf = self.buffers.get(cap)
+        if buf is None:
+            buf = make_buffer(S=cap, engine=self.engine, **self._kwargs)
+            self.buffers[cap] = buf
+        return cap, buf
+
+    @property
+    def max_buffers(self) -> int:
+        """Upper bound on how many buffers this pool can hold."""
+        n, c = 1, self.min_capacity
+        while c < self.max_tokens_per_rank:
+            c *= 2
+            n += 1
+        return n
+
+    def destroy(self) -> None:
+        """Destroy every buffer (collective); idempotent."""
+        for buf in self.buffers.values():
+            buf.destroy()
+        self.buffers.clear()
+        self._destroyed = True

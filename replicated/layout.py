@@ -1,0 +1,94 @@
+"""The replicated ``[E+B]`` layout (vLLM 0.33's proof of concept, our A/B baseline).
+
+Every rank all-gathers every rank's local experts once at load time into contiguous
+``[E+B, out, in]`` gate, up and down tensors in global expert order; rows ``[E, E+B)`` are the
+prefetch slots, filled by the engine's ``prefetch_weight``. Contiguous, so ``torch._grouped_mm``
+reads it directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vllm_moonep.common.grouped_gemm import GroupedWeights
+from vllm_moonep.common.layout import check_local_experts
+from vllm_moonep.common.memory import MemoryReport, replicated_accounting
+from vllm_moonep.engine import MoonEPStateError
+
+
+def _world(group) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group), dist.get_rank(group)
+    return 1, 0
+
+
+def _all_gather_rows(t: torch.Tensor, group, world: int) -> torch.Tensor:
+    if world == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+class ReplicatedWeightLayout:
+    """``[E+B]`` gate/up/down on every rank, built from this rank's ``w13 [epn,2I,H]``, ``w2 [epn,H,I]``.
+
+    ``keeps_local_params`` says whether the caller keeps its own local parameters allocated
+    beside the copy (vLLM's PoC does); it only affects the memory report.
+    """
+
+    kind = "replicated"
+
+    def __init__(self, w13_local: torch.Tensor, w2_local: torch.Tensor, num_experts: int, num_slots: int,
+                 group=None, *, keeps_local_params: bool = True):
+        world, rank = _world(group)
+        epn, I, H = check_local_experts(w13_local, w2_local, num_experts, world, num_slots)
+        self.num_experts, self.num_slots = num_experts, num_slots
+        self.hidden_size, self.intermediate_size = H, I
+        self.world_size, self.rank, self.epn = world, rank, epn
+        self.keeps_local_params = keeps_local_params
+        E, B = num_experts, num_slots
+        dev = w13_local.device
+        w13 = _all_gather_rows(w13_local, group, world)  # [E, 2I, H]
+        w2 = _all_gather_rows(w2_local, group, world)  # [E, H, I]
+        self.full_gate_weight = torch.zeros(E + B, I, H, dtype=torch.bfloat16, device=dev)
+        self.full_up_weight = torch.zeros(E + B, I, H, dtype=torch.bfloat16, device=dev)
+        self.full_down_weight = torch.zeros(E + B, H, I, dtype=torch.bfloat16, device=dev)
+        self.full_gate_weight[:E].copy_(w13[:, :I])
+        self.full_up_weight[:E].copy_(w13[:, I:])
+        self.full_down_weight[:E].copy_(w2)
+        del w13, w2
+        self._weights = GroupedWeights.contiguous(self.full_gate_weight, self.full_up_weight, self.full_down_weight)
+        self._destroyed = False
+
+    def _alive(self, what: str) -> None:
+        if self._destroyed:
+            raise MoonEPStateError(f"ReplicatedWeightLayout.{what}: the layout was destroyed")
+
+    def grouped_weights(self) -> GroupedWeights:
+        self._alive("grouped_weights")
+        return self._weights
+
+    def prefetch(self, buffer, plan) -> None:
+        self._alive("prefetch")
+        buffer.prefetch_weight(
+            plan=plan,
+            full_gate_weight=self.full_gate_weight,
+            full_up_weight=self.full_up_weight,
+            full_down_weight=self.full_down_weight,
+        )
+
+    def memory_report(self) -> MemoryReport:
+        return replicated_accounting(
+            self.num_experts, self.world_size, self.num_slots, self.hidden_size, self.intermediate_size,
+            dtype=self.full_gate_weight.dtype, keeps_local_params=self.keeps_local_params,
+        )
+
+    def destroy(self) -> None:
+        """Release the tensors; idempotent."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        self._weights = None
+        self.full_gate_weight = self.full_up_weight = self.full_down_weight = None
