@@ -1,0 +1,61 @@
+"""Shared test set-up: hardware markers, rank pools, seeds.
+
+- ``gpu``: skipped without CUDA; ``multi_gpu``: skipped with fewer than 2 CUDA devices (NCCL
+  needs one GPU per rank); ``multi_node``: runs only under a torchrun launch over several nodes;
+  ``vllm``: skipped only where vLLM is not importable (CI installs it, so there they run).
+- Multi-rank tests call ``ranks(R, fn, *args)``: spawned gloo ranks by default (pools reused
+  across tests), or the launched group under torchrun, where tests for another world size skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from vllm_moonep.multicast import disable_multicast_by_default
+
+disable_multicast_by_default()
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    n_gpu = _cuda_count()
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    nnodes = int(os.environ.get("VLLM_MOONEP_NNODES", "1"))
+    for item in items:
+        if "gpu" in item.keywords and n_gpu == 0:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none here)"))
+        if "multi_gpu" in item.keywords and n_gpu < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs for NCCL (have {n_gpu})"))
+        if "multi_node" in item.keywords and nnodes < 2:
+            item.add_marker(pytest.mark.skip(reason="needs a torchrun launch over >= 2 nodes (VLLM_MOONEP_NNODES)"))
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(pytest.mark.skip(reason="vLLM is not importable here"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_rank_pools():
+    yield
+    from vllm_moonep.tools.launch import shutdown_pools
+
+    shutdown_pools()
+
+
+def ranks(world_size: int, fn, *args, **kwargs):
+    """Run ``fn(*args)`` on ``world_size`` ranks; skip when launched with another world size."""
+    from vllm_moonep.tools.launch import launched_world_size, run_on_ranks
+
+    launched = launched_world_size()
+    if launched is not None and launched != world_size:
+        pytest.skip(f"launched with WORLD_SIZE={launched}; this case needs {world_size}")
+    return run_on_ranks(world_size, fn, *args, **kwargs)

@@ -1,0 +1,222 @@
+"""The built-in engine on R real ranks (gloo): rows land where the contract says, combine sums,
+route weights come back, prefetch copies, bad input is rejected and the next step still works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import ranks
+from tests.reference_planner import reference_placement, reference_plan
+from vllm_moonep.common.routing import route
+from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPStateError
+
+
+def _inputs(S, E, K, H, sigma, seed, rank, dtype):
+    ids, w = route(S, E, K, sigma=sigma, seed=seed, rank=rank)
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(S, H, generator=g).to(dtype)
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+    return x, w, ids, tpe
+
+
+def _device():
+    return torch.device("cpu")
+
+
+def traceable_rows(S, H, K, E, B, tp, sigma, seed):
+    """Encode (source rank, token) in the hidden values and check every row's position."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=_device(), dtype=torch.float32)
+    _, w, ids, tpe = _inputs(S, E, K, H, sigma, seed, r, torch.float32)
+    x = torch.zeros(S, H)
+    x[:, 0] = r + 1
+    x[:, 1] = torch.arange(S, dtype=torch.float32)
+    x[:, 2:] = torch.randn(S, H - 2, generator=torch.Generator().manual_seed(r))
+    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    # the reference plan, from every rank's routing (regenerated from the shared seeds)
+    all_ids = [route(S, E, K, sigma=sigma, seed=seed, rank=q)[0] for q in range(R)]
+    all_w = [route(S, E, K, sigma=sigma, seed=seed, rank=q)[1] for q in range(R)]
+    tpe_all = [torch.bincount(i.reshape(-1).long(), minlength=E).tolist() for i in all_ids]
+    ref = reference_plan(tpe_all, S, K, B, tp)
+    dests, rows = reference_placement(tpe_all, [i.reshape(-1).tolist() for i in all_ids], ref)
+    assert cu.dtype == torch.int32 and cu.tolist() == ref["cu"][r]
+    assert plan.experts_to_copy.tolist() == ref["etc"]
+    real = torch.zeros(buf.NvS, dtype=torch.bool)
+    for q in range(R):
+        for i, (d, row) in enumerate(zip(dests[q], rows[q])):
+            if d != r:
+                continue
+            real[row] = True
+            assert xn[row, 0].item() == q + 1 and xn[row, 1].item() == i // K, (q, i, row)
+            assert wn[row].item() == all_w[q].reshape(-1)[i].item()
+    assert int(real.sum()) == S * K
+    end = int(cu[-1])
+    pad = ~real[:end]
+    assert bool((xn[:end][pad] == 0).all()) and bool((wn[:end][pad] == 0).all())
+    # route weights come back exactly; identity expert sums K copies
+    out, rw, _ = buf.combine(plan, xn, wn)
+    assert torch.equal(rw, w)
+    torch.testing.assert_close(out, K * x, rtol=0, atol=1e-5)
+    buf.destroy()
+    return plan.slots_used
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+@pytest.mark.parametrize("sigma", [0.0, 2.5])
+def test_rows_land_where_the_plan_says(R, sigma):
+    E = 12 if R == 3 else 16
+    slots = ranks(R, traceable_rows, 24, 16, 4, E, E // R, 8, sigma, 7 + R)
+    assert len(set(slots)) == 1
+    if sigma > 0:
+        assert slots[0] > 0, "skewed routing must use prefetch slots"
+
+
+def per_expert_scale(S, H, K, E, B, tp, sigma, seed):
+    """An expert that scales its segment by a per-expert factor matches the dense computation (bf16)."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=_device())
+    x, w, ids, tpe = _inputs(S, E, K, H, sigma, seed, r, torch.bfloat16)
+    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    factor = torch.linspace(0.5, 2.0, E)
+    etc = plan.experts_to_copy[r]
+    y = torch.zeros_like(xn)
+    start = 0
+    for g, end in enumerate(cu.tolist()):
+        e = g if g < E else int(etc[g - E])
+        if end > start:
+            assert e >= 0
+            y[start:end] = (xn[start:end].float() * factor[e] * wn[start:end, None]).to(torch.bfloat16)
+        start = end
+    out, _, _ = buf.combine(plan, y)
+    y_rows = (x.float()[:, None, :] * (factor[ids.long()] * w)[:, :, None]).to(torch.bfloat16).float()
+    ref = y_rows.sum(dim=1)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    return plan.slots_used
+
+
+@pytest.mark.parametrize("R", [2, 3, 4])
+def test_per_expert_scale_matches_dense(R):
+    E = 12 if R == 3 else 16
+    slots = ranks(R, per_expert_scale, 40, 32, 3, E, E // R, 16, 3.0, 5)
+    assert slots[0] > 0
+
+
+def prefetch_slots(R_unused, sigma):
+    r, R = dist.get_rank(), dist.get_world_size()
+    S, H, K, E, B = 32, 8, 4, 4 * R, 4
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=4, device=_device())
+    x, w, ids, tpe = _inputs(S, E, K, H, sigma, 21, r, torch.bfloat16)
+    _, _, _, plan = buf.dispatch(x, w, ids, tpe)
+    g = torch.Generator().manual_seed(99)
+    gate = torch.randn(E + B, 6, H, generator=g).to(torch.bfloat16)
+    up = torch.randn(E + B, 6, H, generator=g).to(torch.bfloat16)
+    down = torch.randn(E + B, H, 6, generator=g).to(torch.bfloat16)
+    sentinel = torch.tensor(-7.0, dtype=torch.bfloat16)
+    for t in (gate, up, down):
+        t[E:] = sentinel
+    before = [t.clone() for t in (gate, up, down)]
+    buf.prefetch_weight(plan=plan, full_gate_weight=gate, full_up_weight=up, full_down_weight=down)
+    etc = plan.experts_to_copy[r].tolist()
+    for t, t0 in zip((gate, up, down), before):
+        assert torch.equal(t[:E], t0[:E])
+        for b, e in enumerate(etc):
+            if e >= 0:
+                assert torch.equal(t[E + b], t0[e])
+            else:
+                assert bool((t[E + b] == sentinel).all())
+    return sum(e >= 0 for e in etc)
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_prefetch_copies_used_slots_and_leaves_unused(R):
+    used = ranks(R, prefetch_slots, R, 3.0)
+    assert sum(used) > 0
+    assert any(u < 4 for u in used), "some slot must stay unused to check the sentinel"
+
+
+def bad_inputs_then_valid():
+    r, R = dist.get_rank(), dist.get_world_size()
+    S, H, K, E = 16, 8, 2, 4 * R
+    buf = Buffer(S, H, K, E, R, B=2, token_padding=4, device=_device())
+    x, w, ids, tpe = _inputs(S, E, K, H, 1.0, 3, r, torch.bfloat16)
+    cases = {
+        "fp16 hidden": ((x.half(), w, ids, tpe), "must be torch.bfloat16"),
+        "short hidden": ((x[:-1], w, ids, tpe), "callers pad"),
+        "int64 ids": ((x, w, ids.long(), tpe), "int32"),
+        "id out of range": ((x, w, torch.where(ids == ids[0, 0], E, ids), tpe), f"must be in [0, {E})"),
+        "negative id": ((x, w, torch.where(ids == ids[0, 0], -1, ids), tpe), "sanitize"),
+        "tpe sum": ((x, w, ids, tpe + 1), "must be S*K"),
+        "tpe mismatch": ((x, w, ids, tpe.roll(1)), "not the bincount"),
+        "nan weight": ((x, torch.full_like(w, float("nan")), ids, tpe), "non-finite"),
+        "fp64 weights": ((x, w.double(), ids, tpe), "float32"),
+    }
+    msgs = {}
+    for name, (args, needle) in cases.items():
+        with pytest.raises(MoonEPInputError) as ei:
+            buf.dispatch(*args)
+        assert needle in str(ei.value), (name, str(ei.value))
+        msgs[name] = str(ei.value)
+    # a foreign plan and a destroyed buffer are state errors
+    other = Buffer(S, H, K, E, R, B=2, token_padding=4, device=_device())
+    _, _, _, foreign = other.dispatch(x, w, ids, tpe)
+    with pytest.raises(MoonEPStateError):
+        buf.combine(foreign, torch.zeros(buf.NvS, H, dtype=torch.bfloat16))
+    other.combine(foreign, torch.zeros(other.NvS, H, dtype=torch.bfloat16))
+    other.destroy()
+    other.destroy()  # idempotent
+    with pytest.raises(MoonEPStateError):
+        other.dispatch(x, w, ids, tpe)
+    # the next valid step on the same buffer is still right
+    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    with pytest.raises(MoonEPInputError):
+        buf.combine(plan, xn[:, :-1])
+    out, rw, _ = buf.combine(plan, xn, wn)
+    torch.testing.assert_close(out.float(), (K * x.float()).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(rw, w)
+    return len(msgs)
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_bad_inputs_raise_and_next_step_works(R):
+    assert ranks(R, bad_inputs_then_valid) == [9] * R
+
+
+def config_mismatch():
+    r, R = dist.get_rank(), dist.get_world_size()
+    try:
+        Buffer(16, 8 if r == 0 else 16, 2, 8, R, device=_device())
+    except MoonEPInputError as exc:
+        return str(exc)
+    return ""
+
+
+def test_config_mismatch_across_ranks_is_reported():
+    msgs = ranks(2, config_mismatch)
+    assert all("differs across ranks" in m for m in msgs)
+
+
+def world_size_mismatch():
+    with pytest.raises(MoonEPInputError, match="does not match the process group"):
+        Buffer(16, 8, 2, 24, dist.get_world_size() + 1, device=_device())
+    return True
+
+
+def test_world_size_mismatch():
+    assert ranks(2, world_size_mismatch) == [True, True]
+
+
+def test_config_bounds_single_process():
+    with pytest.raises(MoonEPInputError, match="divisible"):
+        Buffer(16, 8, 2, 9, 2, device="cpu")
+    with pytest.raises(MoonEPInputError, match="top-k"):
+        Buffer(16, 8, 33, 8, 1, device="cpu")
+    with pytest.raises(MoonEPInputError, match="B .prefetch slots."):
+        Buffer(16, 8, 2, 8, 1, B=0, device="cpu")
+    with pytest.raises(MoonEPInputError, match="token_padding"):
+        Buffer(16, 8, 2, 8, 1, token_padding=0, device="cpu")
+    with pytest.raises(MoonEPInputError, match="2\\*\\*24"):
+        Buffer(2**20, 8, 32, 8, 1, device="cpu")
+    b = Buffer(16, 8, 2, 8, 1, device="cpu")
+    assert b.B == 8 and b._ctx["NvS"] == 16 * 2 + 127 * 2 * 8
