@@ -1,0 +1,100 @@
+"""Pool capacities, padding and sanitizing, engine selection, the core importing without vLLM."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_moonep.common import capacity_for, pad_to_capacity, sanitize_routing, tokens_per_expert
+from vllm_moonep.common.pool import MoonEPBufferPool
+from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPUnavailableError, make_buffer, resolve_engine
+
+
+def test_capacity_is_power_of_two_with_floor_and_cap():
+    assert capacity_for(0, 4096) == 128
+    assert capacity_for(1, 4096) == 128
+    assert capacity_for(128, 4096) == 128
+    assert capacity_for(129, 4096) == 256
+    assert capacity_for(4000, 4096) == 4096
+    assert capacity_for(3000, 3000) == 3000  # capped at a non-power-of-two maximum
+    assert capacity_for(10, 64) == 64  # a maximum below the 128 floor wins
+    with pytest.raises(MoonEPInputError, match="capacity exceeded"):
+        capacity_for(4097, 4096)
+
+
+def test_pool_makes_buffers_lazily_and_reuses_them():
+    pool = MoonEPBufferPool(dict(H=128, K=2, E=8, num_ep_ranks=1, B=2, device="cpu"), max_tokens_per_rank=1024, engine="builtin")
+    assert pool.buffers == {}
+    for n in (1, 100, 128, 129, 700, 1024, 5, 300):
+        cap, buf = pool.get(n)
+        assert buf.S == cap == capacity_for(n, 1024)
+    assert sorted(pool.buffers) == [128, 256, 512, 1024]
+    assert len(pool.buffers) <= pool.max_buffers == 4
+    bufs = list(pool.buffers.values())
+    pool.destroy()
+    assert all(b.destroyed for b in bufs) and pool.buffers == {}
+    pool.destroy()
+
+
+def test_sanitize_and_pad():
+    ids = torch.tensor([[1, -1], [2, 3]])
+    w = torch.tensor([[0.5, 0.5], [0.3, 0.7]], dtype=torch.float64)
+    sid, sw = sanitize_routing(ids, w)
+    assert sid.dtype == torch.int32 and sw.dtype == torch.float32
+    assert sid.tolist() == [[1, 0], [2, 3]] and sw[0, 1] == 0
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    px, pid, pw, s = pad_to_capacity(x, ids, w, 5)
+    assert s == 2 and px.shape == (5, 4) and pid.shape == (5, 2)
+    assert torch.equal(px[:2], x) and bool((px[2:] == 0).all()) and bool((pid[2:] == 0).all()) and bool((pw[2:] == 0).all())
+    assert tokens_per_expert(pid, 4).tolist() == [7, 1, 1, 1]
+    with pytest.raises(MoonEPInputError, match="capacity exceeded"):
+        pad_to_capacity(x, ids, w, 1)
+    with pytest.raises(MoonEPInputError, match="same shape"):
+        sanitize_routing(ids, w[:, :1])
+
+
+def test_engine_selection():
+    assert resolve_engine("builtin")[0] == "builtin"
+    name, why = resolve_engine("auto")
+    assert name == "builtin" and "moonep" in why  # the real package is not installed here
+    with pytest.raises(MoonEPUnavailableError, match="engine='moonep' was requested"):
+        make_buffer(16, 128, 2, 8, 1, engine="moonep", device="cpu")
+    with pytest.raises(MoonEPInputError, match="engine must be one of"):
+        resolve_engine("deepep")
+    assert isinstance(make_buffer(16, 128, 2, 8, 1, engine="auto", device="cpu"), Buffer)
+
+
+def test_core_imports_without_vllm(tmp_path):
+    """Hide vLLM (a meta-path blocker) and import every core package."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm' or name.startswith('vllm.'):\n"
+        "            raise ImportError('vllm hidden for this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from vllm_moonep.engine import Buffer\n"
+        "import vllm_moonep.common, vllm_moonep.replicated, vllm_moonep.symmetric\n"
+        "import vllm_moonep.common.grouped_gemm, vllm_moonep.common.moe_step\n"
+        "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"
+        "b = Buffer(16, 128, 2, 8, 1, device='cpu')\n"
+        "print('ok', b._ctx['NvS'])\n"
+    )
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("ok")
+
+
+def test_multicast_policy(monkeypatch):
+    from vllm_moonep.multicast import check_multicast_off
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("VLLM_MOONEP_ALLOW_MULTICAST", raising=False)
+    with pytest.raises(RuntimeError, match="NCCL_NVLS_ENABLE"):
+        check_multicast_off("test heap")
+    monkeypatch.setenv("VLLM_MOONEP_ALLOW_MULTICAST", "1")
+    check_multicast_off("test heap")
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"

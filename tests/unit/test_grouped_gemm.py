@@ -1,0 +1,76 @@
+"""The grouped GEMM API on CPU: the reference path against float64, row sources, validation."""
+
+import pytest
+import torch
+
+from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, expert_ffn_float64
+from vllm_moonep.engine import MoonEPInputError
+
+
+def _weights(G, I, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(G, I, H, generator=g) / H**0.5).to(torch.bfloat16)
+    up = (torch.randn(G, I, H, generator=g) / H**0.5).to(torch.bfloat16)
+    down = (torch.randn(G, H, I, generator=g) / I**0.5).to(torch.bfloat16)
+    return gate, up, down
+
+
+def _rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("lens", [[5, 0, 0, 17, 3], [0, 0, 64, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 40]])
+def test_reference_matches_float64(lens):
+    G, I, H = len(lens), 32, 48
+    gate, up, down = _weights(G, I, H, 1)
+    cu = torch.tensor(lens).cumsum(0).to(torch.int32)
+    n = int(cu[-1]) + 7  # rows past the end must be ignored
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    rw = torch.rand(n, generator=g)
+    w = GroupedWeights.contiguous(gate, up, down)
+    out = torch.full((n, H), float("nan"), dtype=torch.bfloat16)
+    expert_ffn(x, rw, cu, w, impl="reference", out=out)
+    ref = expert_ffn_float64(x, rw, cu, w)
+    assert torch.isfinite(out).all(), "every row must be written"
+    assert _rel(out[: int(cu[-1])], ref[: int(cu[-1])]) < 1e-2
+    assert bool((out[int(cu[-1]):] == 0).all())
+
+
+def test_pointer_table_rows_from_several_tensors():
+    G, I, H = 4, 16, 32
+    pools = [_weights(3, I, H, s) for s in (10, 11)]
+    # group 0 -> pool 1 row 2; group 1 -> empty/no weights; group 2 -> pool 0 row 0; group 3 -> pool 1 row 0
+    gp = torch.tensor([1, -1, 0, 1])
+    gr = torch.tensor([2, 0, 0, 0])
+    w = GroupedWeights([p[0] for p in pools], [p[1] for p in pools], [p[2] for p in pools], gp, gr)
+    w.validate()
+    cu = torch.tensor([4, 4, 9, 12], dtype=torch.int32)
+    x = torch.randn(12, H).to(torch.bfloat16)
+    rw = torch.rand(12)
+    out = expert_ffn(x, rw, cu, w, impl="reference")
+    # the same result from a contiguous copy of the rows each group reads
+    dense = [torch.stack([pools[1][k][2], pools[0][k][0], pools[0][k][0], pools[1][k][0]]) for k in range(3)]
+    out2 = expert_ffn(x, rw, cu, GroupedWeights.contiguous(*dense), impl="reference")
+    assert torch.equal(out, out2)
+    with pytest.raises(MoonEPInputError, match="no weights"):
+        expert_ffn(x, rw, torch.tensor([4, 5, 9, 12], dtype=torch.int32), w, impl="reference")
+
+
+def test_expert_ffn_validation():
+    gate, up, down = _weights(3, 16, 32, 0)
+    w = GroupedWeights.contiguous(gate, up, down)
+    x = torch.randn(8, 32).to(torch.bfloat16)
+    cu = torch.tensor([2, 4, 8], dtype=torch.int32)
+    with pytest.raises(MoonEPInputError, match="x must be"):
+        expert_ffn(x[:, :16], torch.rand(8), cu, w)
+    with pytest.raises(MoonEPInputError, match="route_w"):
+        expert_ffn(x, torch.rand(7), cu, w)
+    with pytest.raises(MoonEPInputError, match="one entry per group"):
+        expert_ffn(x, torch.rand(8), cu[:2], w)
+    with pytest.raises(MoonEPInputError, match="impl must be"):
+        expert_ffn(x, torch.rand(8), cu, w, impl="cutlass")
+    with pytest.raises(MoonEPInputError, match="cannot run here"):
+        expert_ffn(x, torch.rand(8), cu, w, impl="grouped_mm")
+    with pytest.raises(MoonEPInputError, match="weights are"):
+        expert_ffn(x.float(), torch.rand(8), cu, w)

@@ -1,0 +1,57 @@
+"""The skewed-routing generator: shapes, determinism, shared hot experts, the maxvio inversion."""
+
+import pytest
+import torch
+
+from vllm_moonep.common.routing import expert_popularity, maxvio, route, sample_topk, sigma_for_maxvio
+
+
+def test_maxvio_definition():
+    assert maxvio(torch.tensor([2, 2, 2, 2])) == 0.0
+    assert maxvio(torch.tensor([4, 2, 1, 1])) == pytest.approx(4 / 2 - 1)
+    # per-rank rows are summed first
+    assert maxvio(torch.tensor([[4, 0], [0, 4]])) == 0.0
+
+
+def test_route_shapes_and_without_replacement():
+    ids, w = route(50, 16, 4, sigma=2.0, seed=1, rank=3)
+    assert ids.shape == (50, 4) and ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert all(len(set(row)) == 4 for row in ids.tolist())
+    assert bool((ids >= 0).all() and (ids < 16).all())
+    torch.testing.assert_close(w.sum(1), torch.ones(50))
+    assert bool((w > 0).all())
+
+
+def test_route_is_deterministic_and_per_rank():
+    a = route(32, 16, 2, sigma=1.0, seed=5, rank=0)
+    b = route(32, 16, 2, sigma=1.0, seed=5, rank=0)
+    c = route(32, 16, 2, sigma=1.0, seed=5, rank=1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+
+
+def test_hot_experts_line_up_across_ranks():
+    E = 64
+    pop = expert_popularity(E, 2.0, seed=9)
+    hot = int(pop.argmax())
+    for r in range(4):
+        ids, _ = route(2000, E, 1, sigma=2.0, seed=9, rank=r)
+        counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+        assert int(counts.argmax()) == hot
+
+
+@pytest.mark.parametrize("target", [0.5, 1.0, 2.0])
+def test_sigma_for_maxvio_hits_target(target):
+    E, K, n = 64, 4, 4096
+    sigma = sigma_for_maxvio(target, E, K, n, seed=0)
+    ids = sample_topk(n, K, expert_popularity(E, sigma, 0), 12345)
+    got = maxvio(torch.bincount(ids.reshape(-1).long(), minlength=E))
+    assert got == pytest.approx(target, abs=0.1)
+
+
+def test_sigma_for_maxvio_edges():
+    assert sigma_for_maxvio(0.0, 32, 4, 1024) == 0.0
+    with pytest.raises(ValueError):
+        sigma_for_maxvio(-1.0, 32, 4, 1024)
+    with pytest.raises(ValueError):
+        sample_topk(4, 40, expert_popularity(32, 0.0), 0)
