@@ -277,6 +277,8 @@ class Buffer:
         return self._destroyed
 
     def __repr__(self) -> str:
+        if not hasattr(self, "NvS"):
+            return "Buffer(engine=builtin, not constructed)"
         return (
             f"Buffer(engine=builtin, S={self.S}, H={self.H}, K={self.K}, E={self.E}, R={self.R}, B={self.B}, "
             f"tp={self.token_padding}, NvS={self.NvS}, device={self.device})"

@@ -205,18 +205,3 @@ def world_size_mismatch():
 
 def test_world_size_mismatch():
     assert ranks(2, world_size_mismatch) == [True, True]
-
-
-def test_config_bounds_single_process():
-    with pytest.raises(MoonEPInputError, match="divisible"):
-        Buffer(16, 8, 2, 9, 2, device="cpu")
-    with pytest.raises(MoonEPInputError, match="top-k"):
-        Buffer(16, 8, 33, 8, 1, device="cpu")
-    with pytest.raises(MoonEPInputError, match="B .prefetch slots."):
-        Buffer(16, 8, 2, 8, 1, B=0, device="cpu")
-    with pytest.raises(MoonEPInputError, match="token_padding"):
-        Buffer(16, 8, 2, 8, 1, token_padding=0, device="cpu")
-    with pytest.raises(MoonEPInputError, match="2\\*\\*24"):
-        Buffer(2**20, 8, 32, 8, 1, device="cpu")
-    b = Buffer(16, 8, 2, 8, 1, device="cpu")
-    assert b.B == 8 and b._ctx["NvS"] == 16 * 2 + 127 * 2 * 8
