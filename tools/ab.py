@@ -1,0 +1,554 @@
+"""``moonep-ab``: replicated versus symmetric expert layouts, memory and latency, on R ranks.
+
+The same MoE workload (layers x tokens per rank x routing skew) runs through each configuration:
+
+- ``replicated``: our ``ReplicatedWeightLayout`` (the PoC's memory model: ``[E+B]`` per layer);
+- ``symmetric``: ``SymmetricWeightLayout`` with per-layer slots;
+- ``symmetric-shared``: ``SymmetricWeightLayout`` with one ``SharedSlotPool`` for all layers;
+- ``vllm-poc``: vLLM 0.33's own in-tree ``MoonEPPrepareAndFinalize``/``MoonEPExperts`` in a
+  ``FusedMoEKernel``, running on our built-in engine (needs vLLM; skipped where it is absent).
+
+Every configuration's output is checked against the dense float32 reference on a sample of
+steps; a configuration that is wrong fails the run. Results: a terminal table, a JSON file with
+every raw figure and the environment, and PNG plots. ``moonep-ab project`` prints per-rank expert
+memory of full-size models at EP 8/16/32/64 from the same accounting code the layouts report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
+from vllm_moonep.common.memory import MemoryReport, measured_bytes, replicated_accounting, symmetric_accounting
+from vllm_moonep.common.reference import dense_moe
+from vllm_moonep.common.routing import route, sigma_for_maxvio
+from vllm_moonep.common.timing import PHASES, PhaseTimer
+from vllm_moonep.tools.launch import run_on_ranks, shutdown_pools
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hidden: int
+    intermediate: int
+    experts: int
+    topk: int
+    layers: int  # MoE layers of the full model
+    note: str = ""
+
+
+PRESETS = {
+    "tiny": Preset("tiny", 256, 256, 32, 4, 4, "a small synthetic model for the embedded default"),
+    "qwen3-30b-a3b": Preset("qwen3-30b-a3b", 2048, 768, 128, 8, 48, "Qwen3-30B-A3B"),
+    "deepseek-v3": Preset("deepseek-v3", 7168, 2048, 256, 8, 58, "DeepSeek-V3 (58 MoE of 61 layers)"),
+    "kimi-k2": Preset("kimi-k2", 7168, 2048, 384, 8, 60, "Kimi-K2 (60 MoE of 61 layers)"),
+}
+
+CONFIGS = ("replicated", "symmetric", "symmetric-shared", "vllm-poc")
+
+
+def expert_bytes(p: Preset) -> int:
+    return 3 * p.hidden * p.intermediate * 2
+
+
+def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, slots: int | None) -> dict:
+    """Scale experts (keeping a multiple of ``ranks`` and at least 2 per rank) and layers so the
+    replicated layout (the larger one) fits ``budget_bytes`` per rank."""
+    L = min(layers or p.layers, p.layers)
+    E = p.experts
+    bpe = expert_bytes(p)
+
+    def replicated_bytes(E_, L_):
+        B_ = slots or max(E_ // ranks, 1)
+        return replicated_accounting(E_, ranks, B_, p.hidden, p.intermediate, layers=L_).resident
+
+    while replicated_bytes(E, L) > budget_bytes and E > 2 * ranks:
+        E = max(2 * ranks, (E // 2) // ranks * ranks)
+    while replicated_bytes(E, L) > budget_bytes and L > 1:
+        L -= 1
+    E = max(E // ranks, 1) * ranks
+    if E < p.topk:
+        E = ((p.topk + ranks - 1) // ranks) * ranks
+    B = slots or E // ranks
+    return {
+        "hidden": p.hidden, "intermediate": p.intermediate, "experts": E, "topk": p.topk,
+        "layers": L, "slots": B, "expert_bytes": bpe,
+        "expert_scale": p.experts / E, "layer_scale": p.layers / L,
+    }
+
+
+# ----------------------------------------------------------------------------- rank side
+_STATE: dict = {}
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "cuda":
+        n = torch.cuda.device_count()
+        return torch.device("cuda", dist.get_rank() % n if dist.is_initialized() else 0)
+    return torch.device("cpu")
+
+
+def _layer_weights(E, H, I, seed, layer, device):
+    g = torch.Generator().manual_seed(seed * 1000 + layer)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
+    return w13.to(device), w2.to(device)
+
+
+def _build_ours(cfg, shape, local, device, impl):
+    """Layer runners for our layouts; returns (moes, extra objects to destroy, accounted report)."""
+    from vllm_moonep.replicated import ReplicatedWeightLayout
+
+    R, E, B = dist.get_world_size(), shape["experts"], shape["slots"]
+    H, I, K = shape["hidden"], shape["intermediate"], shape["topk"]
+    pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=128, device=device),
+                            max_tokens_per_rank=shape["max_tokens"], engine="builtin")
+    layouts, extra = [], []
+    if cfg == "replicated":
+        for lw13, lw2 in local:
+            layouts.append(ReplicatedWeightLayout(lw13, lw2, E, B))
+    else:
+        from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout, make_heap
+
+        heap = make_heap("auto", device=device)
+        extra.append(heap)
+        slot_pool = None
+        if cfg == "symmetric-shared":
+            slot_pool = SharedSlotPool(B, H, I, heap=heap, device=device)
+        for lw13, lw2 in local:
+            layouts.append(SymmetricWeightLayout(lw13, lw2, E, B, heap=heap, slot_pool=slot_pool))
+        if slot_pool is not None:
+            extra.insert(0, slot_pool)
+    moes = [MoonEPMoE(pool, lay, impl=impl) for lay in layouts]
+    report = MemoryReport()
+    for lay in layouts:
+        report = report + lay.memory_report()
+    if cfg == "symmetric-shared":
+        report = MemoryReport(report.home_rows, report.replicated_rows, extra[0].memory_report().slots, report.transient)
+    return moes, pool, layouts, extra, report
+
+
+def _resolve_custom(cfg: str):
+    mod, _, fn = cfg.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def rank_build(cfg, shape, seed, device_kind, impl):
+    """Build one configuration on this rank; returns memory figures."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    device = _device(device_kind)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    E, H, I, L = shape["experts"], shape["hidden"], shape["intermediate"], shape["layers"]
+    epn = E // R
+    full, local = [], []
+    for layer in range(L):
+        w13, w2 = _layer_weights(E, H, I, seed, layer, device)
+        full.append((w13, w2))
+        local.append((w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    before = measured_bytes(device)
+    t0 = time.perf_counter()
+    if cfg in ("replicated", "symmetric", "symmetric-shared"):
+        moes, pool, layouts, extra, report = _build_ours(cfg, shape, local, device, impl)
+    elif cfg == "vllm-poc":
+        from vllm_moonep.tools.ab_vllm_poc import build_poc
+
+        moes, pool, layouts, extra, report = build_poc(shape, local, device)
+    else:  # "module:function" (tests inject configurations this way)
+        moes, pool, layouts, extra, report = _resolve_custom(cfg)(shape, local, device, impl)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    load_s = time.perf_counter() - t0
+    after = measured_bytes(device)
+    if device.type == "cuda":
+        measured = after["allocated"] - before["allocated"]
+        peak = after["max_allocated"] - before["allocated"]
+    else:
+        measured = after["rss"] - before["rss"]
+        peak = measured
+    # the framework's local parameters: symmetric layouts adopt them (no duplicate); others keep them
+    _STATE[cfg] = dict(moes=moes, pool=pool, layouts=layouts, extra=extra, full=full, device=device, K=shape["topk"])
+    return {"accounted": report.as_dict(), "measured_resident": measured, "measured_peak": peak, "load_s": load_s}
+
+
+def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
+    """Run ``warmup + steps`` steps of all layers; returns timings, balance and reference error."""
+    st = _STATE[cfg]
+    r, R = dist.get_rank(), dist.get_world_size()
+    device = st["device"]
+    moes = st["moes"]
+    E = st["full"][0][0].shape[0]
+    H = st["full"][0][0].shape[2]
+    K = st["K"]
+    timer = PhaseTimer(device)
+    totals, per_phase, errs = [], {p: [] for p in PHASES}, []
+    rows_no_plan, slots_used, padded = [], [], []
+    for step in range(warmup + steps):
+        ids, w = route(tokens, E, K, sigma=sigma, seed=seed + step, rank=r)
+        ids, w = ids.to(device), w.to(device)
+        g = torch.Generator().manual_seed(seed * 31 + step * 7 + r)
+        x = torch.randn(tokens, H, generator=g).to(torch.bfloat16).to(device)
+        timer.reset()
+        for m in moes:
+            m.timer = timer
+        check = step >= warmup and (step - warmup) < check_steps
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        h = x
+        for layer, m in enumerate(moes):
+            out = m.forward(h, ids, w)
+            if check:
+                w13, w2 = st["full"][layer]
+                ref = dense_moe(h, ids, w, w13, w2)
+                errs.append(float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)) if ref.numel() else 0.0)
+            h = out
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        total = time.perf_counter() - t0
+        res = timer.results()
+        if step < warmup:
+            continue
+        totals.append(total)
+        for p in PHASES:
+            per_phase[p].append(sum(res.get(p, [0.0])))
+        tpe = torch.bincount(ids.reshape(-1).long().cpu(), minlength=E)
+        rows_no_plan.append(tpe)
+        info = moes[-1].last
+        slots_used.append(int((info.experts_to_copy[r] >= 0).sum()) if info is not None else 0)
+        padded.append(int(info.cu_seqlens[-1]) if info is not None else 0)
+    # rows each rank would compute without redundancy: all rows of its home experts
+    mine = torch.stack(rows_no_plan).sum(0) if rows_no_plan else torch.zeros(E, dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(R)]
+    dist.all_gather(every, mine)
+    home = torch.stack(every).sum(0).view(R, -1).sum(1).double()
+    cap = moes[-1].last.capacity if moes[-1].last is not None else tokens
+    with_plan = cap * K * len(totals)
+    return {
+        "total_s": totals,
+        "phases_s": per_phase,
+        "ref_rel_err": max(errs) if errs else None,
+        "rows_without_plan": float(home[r]),
+        "rows_without_plan_max_over_mean": float(home.max() / home.mean()) if home.mean() > 0 else 1.0,
+        "rows_with_plan": with_plan,
+        "slots_used": slots_used,
+        "padded_rows": padded,
+        "capacity": cap,
+    }
+
+
+def rank_teardown(cfg):
+    st = _STATE.pop(cfg, None)
+    if st is None:
+        return True
+    from vllm_moonep.symmetric import destroy_in_order
+
+    sym = [x for x in st["layouts"] + st["extra"] if hasattr(x, "first_index")]
+    destroy_in_order(*sym)
+    for lay in st["layouts"]:
+        lay.destroy()
+    st["pool"].destroy()
+    for x in st["extra"]:
+        if hasattr(x, "close"):
+            x.close()
+        elif hasattr(x, "destroy"):
+            x.destroy()
+    return True
+
+
+# ----------------------------------------------------------------------------- driver
+def _percentile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def environment(device_kind: str, ranks: int) -> dict:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "device": device_kind,
+        "ranks": ranks,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    try:
+        import vllm
+
+        env["vllm"] = vllm.__version__
+    except Exception:
+        env["vllm"] = None
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    if device_kind == "cuda" and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.0, 1.0, 2.0), steps=3, warmup=1,
+           check_steps=1, device="cpu", seed=0, configs=None, impl="auto", slots=None, budget_gb=None,
+           out_dir="moonep-ab-out", plots=True, progress=True, max_ref_err=2e-2) -> dict:
+    """Run the comparison; returns the result dict (also written to ``out_dir/moonep-ab.json``)."""
+    p = PRESETS[preset]
+    if budget_gb is None:
+        budget_gb = 1.0 if device == "cpu" else 40.0
+    shape = scaled_shape(p, ranks, layers, int(budget_gb * GiB), slots)
+    shape["max_tokens"] = max(tokens)
+    configs = list(configs or CONFIGS)
+    skipped = {}
+    if "vllm-poc" in configs and not vllm_available():
+        configs.remove("vllm-poc")
+        skipped["vllm-poc"] = "vLLM is not importable here"
+    env_vars = {"VLLM_MOONEP_THREADS_PER_RANK": str(max(1, (os.cpu_count() or 1) // ranks))}
+    sigmas = {mv: sigma_for_maxvio(mv, shape["experts"], shape["topk"], max(tokens) * ranks, seed=seed) for mv in maxvios}
+    points = [(c, t, mv) for c in configs for t in tokens for mv in maxvios]
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(points), desc="moonep-ab", unit="point", file=sys.stderr)
+        except ImportError:
+            bar = None
+    results = {"preset": preset, "shape": shape, "configs": {}, "skipped": skipped,
+               "environment": environment(device, ranks), "sigmas": {str(k): v for k, v in sigmas.items()}}
+    failures = []
+    t_start = time.perf_counter()
+    for cfg in configs:
+        mem = run_on_ranks(ranks, rank_build, cfg, shape, seed, device, impl, env=env_vars)
+        entry = {"memory": mem, "points": []}
+        try:
+            for t in tokens:
+                for mv in maxvios:
+                    res = run_on_ranks(ranks, rank_point, cfg, t, sigmas[mv], steps, warmup, check_steps, seed, env=env_vars)
+                    # the step time of the slowest rank is what a DP group waits for
+                    per_step = [max(r["total_s"][i] for r in res) for i in range(len(res[0]["total_s"]))]
+                    phases = {ph: statistics.median([max(r["phases_s"][ph][i] for r in res) for i in range(len(per_step))])
+                              for ph in PHASES}
+                    err = max((r["ref_rel_err"] or 0.0) for r in res)
+                    pt = {
+                        "tokens": t, "maxvio": mv, "sigma": sigmas[mv],
+                        "median_s": statistics.median(per_step), "p90_s": _percentile(per_step, 0.9),
+                        "phases_median_s": phases,
+                        "imbalance_without_plan": res[0]["rows_without_plan_max_over_mean"],
+                        "imbalance_with_plan": max(r["rows_with_plan"] for r in res) / (sum(r["rows_with_plan"] for r in res) / ranks),
+                        "slots_used_per_step": statistics.mean(sum(r["slots_used"][i] for r in res) for i in range(len(per_step))),
+                        "padded_rows_max": max(max(r["padded_rows"]) for r in res),
+                        "ref_rel_err": err,
+                        "raw": res,
+                    }
+                    entry["points"].append(pt)
+                    if not (err <= max_ref_err):
+                        failures.append(f"{cfg}: tokens={t} maxvio={mv}: relative error {err:.3e} > {max_ref_err}")
+                    if bar:
+                        bar.update(1)
+        finally:
+            run_on_ranks(ranks, rank_teardown, cfg, env=env_vars)
+        results["configs"][cfg] = entry
+    if bar:
+        bar.close()
+    results["elapsed_s"] = time.perf_counter() - t_start
+    results["failures"] = failures
+    results["projection"] = projection(preset_names=[preset] if preset != "tiny" else list(PRESETS)[1:])
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "moonep-ab.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=float)
+    results["json_path"] = path
+    if plots:
+        results["plots"] = write_plots(results, out_dir)
+    return results
+
+
+def projection(preset_names=None, eps=(8, 16, 32, 64), slots=None, gpu_mem_gb=141.0, shared_slot_pool=True) -> list[dict]:
+    """Per-rank expert memory of full-size models for both layouts, from the layouts' accounting."""
+    rows = []
+    for name in preset_names or [n for n in PRESETS if n != "tiny"]:
+        p = PRESETS[name]
+        for ep in eps:
+            B = slots or p.experts // ep
+            rep = replicated_accounting(p.experts, ep, B, p.hidden, p.intermediate, layers=p.layers)
+            sym = symmetric_accounting(p.experts, ep, B, p.hidden, p.intermediate, layers=p.layers,
+                                       shared_slot_pool=False)
+            shared = symmetric_accounting(p.experts, ep, B, p.hidden, p.intermediate, layers=p.layers,
+                                          shared_slot_pool=True)
+            budget = gpu_mem_gb * 1e9
+            rows.append({
+                "model": name, "ep": ep, "slots": B,
+                "replicated_gb": rep.resident / 1e9, "symmetric_gb": sym.resident / 1e9,
+                "symmetric_shared_gb": shared.resident / 1e9,
+                "replicated_fits": rep.resident + rep.transient <= budget,
+                "symmetric_fits": sym.resident + sym.transient <= budget,
+                "symmetric_shared_fits": shared.resident + shared.transient <= budget,
+            })
+    return rows
+
+
+def write_plots(results: dict, out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    cfgs = list(results["configs"])
+    # memory by layout (accounted resident, per rank, rank 0)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    kinds = ["home_rows", "replicated_rows", "slots"]
+    bottom = [0.0] * len(cfgs)
+    for kind in kinds:
+        vals = [results["configs"][c]["memory"][0]["accounted"][kind] / 2**20 for c in cfgs]
+        ax.bar(cfgs, vals, bottom=bottom, label=kind.replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_ylabel("expert weights per rank (MiB)")
+    ax.set_title(f"moonep-ab {results['preset']}: memory by layout")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "memory.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    # latency versus maxvio (largest token count) and versus tokens (largest maxvio)
+    for xkey, fixed_key, fname in (("maxvio", "tokens", "latency_vs_maxvio.png"), ("tokens", "maxvio", "latency_vs_tokens.png")):
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for c in cfgs:
+            pts = results["configs"][c]["points"]
+            if not pts:
+                continue
+            fixed = max(p[fixed_key] for p in pts)
+            sel = sorted((p for p in pts if p[fixed_key] == fixed), key=lambda p: p[xkey])
+            ax.plot([p[xkey] for p in sel], [p["median_s"] * 1e3 for p in sel], marker="o", label=c)
+        ax.set_xlabel(xkey if xkey == "maxvio" else "tokens per rank")
+        if xkey == "tokens":
+            ax.set_xscale("log", base=2)
+        ax.set_ylabel("step latency, median (ms)")
+        ax.set_title(f"latency vs {xkey} ({fixed_key} = {fixed})")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, fname))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def format_table(results: dict) -> str:
+    s = results["shape"]
+    lines = [
+        f"moonep-ab: preset {results['preset']} on {results['environment']['ranks']} {results['environment']['device']} ranks; "
+        f"H={s['hidden']} I={s['intermediate']} E={s['experts']} (full model / {s['expert_scale']:.1f}) "
+        f"K={s['topk']} layers={s['layers']} (full model / {s['layer_scale']:.1f}) B={s['slots']}",
+        "",
+        f"{'config':<17} {'resident MiB':>12} {'home':>8} {'repl.':>8} {'slots':>8} {'load transient':>14} {'measured MiB':>12}",
+    ]
+    for c, e in results["configs"].items():
+        a = e["memory"][0]["accounted"]
+        mib = 2**20
+        lines.append(
+            f"{c:<17} {a['resident'] / mib:12.1f} {a['home_rows'] / mib:8.1f} {a['replicated_rows'] / mib:8.1f} "
+            f"{a['slots'] / mib:8.1f} {a['transient'] / mib:14.1f} {e['memory'][0]['measured_resident'] / mib:12.1f}"
+        )
+    lines += ["", f"{'config':<17} {'tokens':>6} {'maxvio':>6} {'median ms':>9} {'p90 ms':>8} "
+              + " ".join(f"{p[:8]:>8}" for p in PHASES) + f" {'no-plan':>7} {'plan':>5} {'slots':>5} {'ref err':>8}"]
+    for c, e in results["configs"].items():
+        for p in e["points"]:
+            lines.append(
+                f"{c:<17} {p['tokens']:>6} {p['maxvio']:>6.1f} {p['median_s'] * 1e3:9.2f} {p['p90_s'] * 1e3:8.2f} "
+                + " ".join(f"{p['phases_median_s'][ph] * 1e3:8.2f}" for ph in PHASES)
+                + f" {p['imbalance_without_plan']:7.2f} {p['imbalance_with_plan']:5.2f} {p['slots_used_per_step']:5.1f} "
+                f"{p['ref_rel_err']:8.1e}"
+            )
+    lines.append("")
+    lines.append("phases: median ms per step summed over layers, slowest rank; no-plan/plan: max/mean rows per rank "
+                 "without redundancy / with the MoonEP plan; slots: slots used per step (all ranks, last layer)")
+    if results.get("skipped"):
+        for c, why in results["skipped"].items():
+            lines.append(f"skipped {c}: {why}")
+    if results.get("failures"):
+        lines.append("REFERENCE CHECK FAILED:")
+        lines += ["  " + f for f in results["failures"]]
+    return "\n".join(lines)
+
+
+def format_projection(rows: list[dict], gpu_mem_gb: float) -> str:
+    out = [f"{'model':<15} {'EP':>3} {'B':>3} {'replicated GB':>13} {'symmetric GB':>12} {'sym+shared GB':>13}   fits {gpu_mem_gb:.0f} GB (rep/sym/shared)"]
+    for r in rows:
+        yn = lambda b: "yes" if b else "no"  # noqa: E731
+        out.append(f"{r['model']:<15} {r['ep']:>3} {r['slots']:>3} {r['replicated_gb']:13.1f} {r['symmetric_gb']:12.1f} "
+                   f"{r['symmetric_shared_gb']:13.1f}   {yn(r['replicated_fits'])}/{yn(r['symmetric_fits'])}/{yn(r['symmetric_shared_fits'])}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "project":
+        ap = argparse.ArgumentParser(prog="moonep-ab project", description="per-rank expert memory of full-size models")
+        ap.add_argument("--models", nargs="+", default=[n for n in PRESETS if n != "tiny"], choices=[n for n in PRESETS if n != "tiny"])
+        ap.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64])
+        ap.add_argument("--slots", type=int, default=None, help="prefetch slots per rank (default E/EP)")
+        ap.add_argument("--gpu-mem-gb", type=float, default=141.0)
+        a = ap.parse_args(argv[1:])
+        print("expert weights per rank, bf16, resident (the load-time transient is counted in 'fits')")
+        print(format_projection(projection(a.models, a.ep, a.slots, a.gpu_mem_gb), a.gpu_mem_gb))
+        return 0
+    ap = argparse.ArgumentParser(prog="moonep-ab", description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=None, help="MoE layers to run (default: as many as fit)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 128], help="tokens per rank (a sweep)")
+    ap.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 1.0, 2.0], help="routing skew (a sweep)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--check-steps", type=int, default=1, help="steps per point checked against the dense reference")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"any of {CONFIGS} (or module:function)")
+    ap.add_argument("--impl", default="auto", help="grouped GEMM: auto|reference|grouped_mm|triton")
+    ap.add_argument("--slots", type=int, default=None, help="prefetch slots per rank (default E/R)")
+    ap.add_argument("--budget-gb", type=float, default=None, help="per-rank expert memory the scaled model may use")
+    ap.add_argument("--out", default="moonep-ab-out")
+    ap.add_argument("--no-plots", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        res = run_ab(preset=a.preset, ranks=a.ranks, layers=a.layers, tokens=a.tokens, maxvios=a.maxvio, steps=a.steps,
+                     warmup=a.warmup, check_steps=a.check_steps, device=a.device, seed=a.seed, configs=a.configs,
+                     impl=a.impl, slots=a.slots, budget_gb=a.budget_gb, out_dir=a.out, plots=not a.no_plots)
+    finally:
+        shutdown_pools()
+    print(format_table(res))
+    print()
+    print(format_projection(res["projection"], 141.0))
+    print(f"\nwrote {res['json_path']}" + (f" and {', '.join(res.get('plots', []))}" if res.get("plots") else "")
+          + f" in {res['elapsed_s']:.0f}s")
+    return 1 if res["failures"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
