@@ -159,6 +159,10 @@ def rank_build(cfg, shape, seed, device_kind, impl):
         w13, w2 = _layer_weights(E, H, I, seed, layer, device)
         full.append((w13, w2))
         local.append((w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()))
+    if cfg == "vllm-poc":  # import vLLM before measuring, so its import is not counted as expert memory
+        from vllm_moonep.tools.ab_vllm_poc import import_poc
+
+        import_poc()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,191 @@
+"""The ``vllm-poc`` configuration of ``moonep-ab``: vLLM 0.33's own in-tree MoonEP classes.
+
+vLLM's ``MoonEPPrepareAndFinalize``, ``MoonEPBufferPool``, ``make_moonep_weight_layout`` and
+``MoonEPExperts`` run unmodified inside vLLM's ``FusedMoEKernel``; the only stand-in is the
+``moonep`` module they import, which here is our built-in engine (``install_engine_as_moonep``).
+This is the seed's own code path, so the A/B compares our classes against it on the same engine.
+
+Phases: vLLM's prepare does pad, dispatch and prefetch in one call, so its time is reported
+under ``dispatch`` (``pad`` and ``prefetch`` read 0); ``experts`` is ``MoonEPExperts.apply``
+and ``combine`` is ``finalize``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+from vllm_moonep.common.memory import MemoryReport, replicated_accounting
+from vllm_moonep.common.moe_step import StepInfo
+from vllm_moonep.common.timing import NullTimer
+from vllm_moonep.engine import Buffer
+
+
+def install_engine_as_moonep() -> types.ModuleType:
+    """Make ``import moonep`` give our built-in engine (only where no real ``moonep`` is loaded)."""
+    mod = sys.modules.get("moonep")
+    if mod is None or getattr(mod, "__vllm_moonep_shim__", False):
+        mod = types.ModuleType("moonep")
+        mod.Buffer = Buffer
+        mod.__vllm_moonep_shim__ = True
+        sys.modules["moonep"] = mod
+    return mod
+
+
+def vllm_moe_config(E: int, K: int, H: int, I: int, R: int, rank: int, max_tokens: int, device: torch.device):
+    """A vLLM ``FusedMoEConfig`` for DP = EP = R with the moonep backend."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
+
+    pc = FusedMoEParallelConfig(
+        tp_size=1, pcp_size=1, dp_size=R, ep_size=R, tp_rank=0, pcp_rank=0, dp_rank=rank, ep_rank=rank,
+        sp_size=1, use_ep=True, all2all_backend="moonep", enable_eplb=False,
+    )
+    return FusedMoEConfig(
+        num_experts=E, experts_per_token=K, hidden_dim=H, intermediate_size=I, num_local_experts=E // R,
+        num_logical_experts=E, activation=MoEActivation.SILU, device=str(device),
+        routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc, in_dtype=torch.bfloat16,
+        max_num_tokens=max_tokens,
+    )
+
+
+def ensure_workspace(device: torch.device) -> None:
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    if not is_workspace_manager_initialized():
+        init_workspace_manager(device)
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, layout):
+        super().__init__()
+        self._moonep_weight_layout = layout
+
+
+def _timed(timer_ref, phase, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with timer_ref[0].phase(phase):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+class PocRunner:
+    """One layer through vLLM's ``FusedMoEKernel`` with the in-tree MoonEP classes."""
+
+    def __init__(self, kernel, pf, layout, w13_local, w2_local, E):
+        self.kernel, self.pf, self.layout = kernel, pf, layout
+        self.w13, self.w2, self.E = w13_local, w2_local, E
+        self._timer = [NullTimer()]
+        pf.prepare = _timed(self._timer, "dispatch", pf.prepare)
+        pf.finalize = _timed(self._timer, "combine", pf.finalize)
+        kernel.fused_experts.apply = _timed(self._timer, "experts", kernel.fused_experts.apply)
+        self.last: StepInfo | None = None
+
+    @property
+    def timer(self):
+        return self._timer[0]
+
+    @timer.setter
+    def timer(self, t):
+        self._timer[0] = t
+
+    def forward(self, hidden, topk_ids, topk_weights):
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+        out = self.kernel.apply(hidden, self.w13, self.w2, topk_weights, topk_ids, MoEActivation.SILU, self.E, None, False)
+        buf = self.pf._buffer
+        cu = self.pf._last_cu if hasattr(self.pf, "_last_cu") else None
+        self.last = StepInfo(buf.S, hidden.shape[0], cu if cu is not None else torch.zeros(1, dtype=torch.int32),
+                             self._last_plan.experts_to_copy, buf.S * topk_ids.shape[1])
+        return out
+
+
+def import_poc() -> None:
+    """Import the vLLM modules the PoC configuration uses (so callers can time/measure apart)."""
+    install_engine_as_moonep()
+    import vllm.model_executor.layers.fused_moe.experts.moonep_experts  # noqa: F401
+    import vllm.model_executor.layers.fused_moe.modular_kernel  # noqa: F401
+    import vllm.model_executor.layers.fused_moe.prepare_finalize.moonep  # noqa: F401
+
+
+def build_poc(shape: dict, local, device: torch.device):
+    """``moonep-ab`` builder: runners, pool, layouts, extra objects, accounted memory."""
+    import_poc()
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.experts.moonep_experts import MoonEPExperts
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import moonep as poc
+
+    r, R = dist.get_rank(), dist.get_world_size()
+    E, B, H, I, K = shape["experts"], shape["slots"], shape["hidden"], shape["intermediate"], shape["topk"]
+    max_tokens = shape["max_tokens"]
+    ensure_workspace(device)
+    pool = poc.MoonEPBufferPool(
+        dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=poc.MOONEP_DEFAULT_TOKEN_PADDING, device=device),
+        max_tokens,
+    )
+    runners, layouts = [], []
+    for w13_local, w2_local in local:
+        # the PoC's load-time all-gather into global order (gather_moonep_weight_layout does the
+        # same through vLLM's EP group, which this tool does not set up)
+        parts13 = [torch.empty_like(w13_local) for _ in range(R)]
+        parts2 = [torch.empty_like(w2_local) for _ in range(R)]
+        dist.all_gather(parts13, w13_local.contiguous())
+        dist.all_gather(parts2, w2_local.contiguous())
+        layout = poc.make_moonep_weight_layout(torch.cat(parts13), torch.cat(parts2), B)
+        del parts13, parts2
+        pf = poc.MoonEPPrepareAndFinalize(buffer_pool=pool, max_tokens_per_rank=max_tokens, num_dispatchers=R,
+                                          num_global_experts=E)
+        experts = MoonEPExperts(vllm_moe_config(E, K, H, I, R, r, max_tokens, device), FUSED_MOE_UNQUANTIZED_CONFIG)
+        kernel = mk.FusedMoEKernel(pf, experts)
+        experts.process_weights_after_loading(_Holder(layout))
+        runner = PocRunner(kernel, pf, layout, layout.full_gate_weight, layout.full_down_weight, E)
+        _record_plan(runner)
+        runners.append(runner)
+        layouts.append(_PocLayout(layout))
+    report = replicated_accounting(E, R, B, H, I, layers=len(local))
+    return runners, _PocPool(pool), layouts, [], report
+
+
+def _record_plan(runner: PocRunner) -> None:
+    """Keep the last plan (vLLM's finalize clears it) for the balance figures."""
+    pf = runner.pf
+    orig = pf.prepare
+
+    @functools.wraps(orig)
+    def prepare(*args, **kwargs):
+        res = orig(*args, **kwargs)
+        runner._last_plan = pf._plan
+        pf._last_cu = pf._cu_seqlens
+        return res
+
+    pf.prepare = prepare
+
+
+class _PocLayout:
+    """Teardown and memory for vLLM's layout tuple (it has no methods of its own)."""
+
+    kind = "vllm-poc"
+
+    def __init__(self, layout):
+        self.layout = layout
+
+    def memory_report(self) -> MemoryReport:
+        return MemoryReport()
+
+    def destroy(self) -> None:
+        self.layout = None
+
+
+class _PocPool:
+    def __init__(self, pool):
+        self.pool = pool
+
+    def destroy(self) -> None:
+        self.pool.destroy()
