@@ -1,0 +1,257 @@
+"""The symmetric-heap interface and its allocation ledger.
+
+A symmetric heap gives every rank of a process group an allocation of the same shape and dtype
+for each collective ``allocate`` call, and lets every rank address its peers' allocations
+(``peer_view``). Four operations:
+
+- ``allocate(shape, dtype, tag) -> HeapHandle`` (collective): every rank passes the same
+  ``shape``, ``dtype`` and ``tag``; the ranks check this with one all-gather and all raise
+  ``MoonEPInputError`` together when they disagree (nothing is allocated then).
+  ``handle.tensor`` is this rank's allocation.
+- ``peer_view(handle, rank) -> Tensor``: a tensor aliasing ``rank``'s allocation (``handle.tensor``
+  itself for the own rank). Heaps that cannot address a peer raise ``MoonEPUnavailableError``;
+  ``addressable(rank)`` / ``peers_addressable`` say so beforehand.
+- ``barrier()`` (collective): memory-ordering point. Writes a rank made to its own allocations
+  before the barrier are visible through every peer's ``peer_view`` after it; reads of peer
+  memory issued before the barrier are complete before any rank passes it (so the owner may
+  overwrite afterwards). Nothing else is promised: a read of a peer's memory without a barrier
+  after the peer's write may return stale data (``HostHeap`` really does).
+- ``free(handle)`` (collective, ordered): **LIFO**. Every rank frees the same allocation in the
+  same call (checked by an all-gather), and it must be the most recent live allocation. LIFO
+  was chosen because it is what a symmetric bump allocator (NVSHMEM's heap) can reclaim
+  without fragmentation, it makes "same order on every rank" checkable locally, and it matches
+  how models are built and torn down (layer by layer; destroy in reverse). ``live()`` lists
+  what is still allocated, in allocation order; ``close()`` refuses (naming the leaked tags)
+  while anything is live unless ``force=True``, which frees everything in LIFO order.
+
+Errors leave the heap usable: every check runs before anything changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
+
+__all__ = ["HeapHandle", "SymmetricHeap", "group_rank_world"]
+
+
+def group_rank_world(group) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group`` (``None``: the default group); ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    if group is not None:
+        raise MoonEPInputError("a process group was given but torch.distributed is not initialised")
+    return 0, 1
+
+
+@dataclass(eq=False)
+class HeapHandle:
+    """One collective allocation. ``tensor`` is this rank's memory (``None`` once freed)."""
+
+    heap_id: str
+    index: int  # allocation sequence number, the same on every rank
+    tag: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tensor: torch.Tensor | None = field(repr=False)
+    freed: bool = False
+    _peers: dict = field(default_factory=dict, repr=False)
+    _impl: Any = field(default=None, repr=False)  # heap-specific state
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        return f"#{self.index} {self.tag!r} {list(self.shape)} {str(self.dtype).replace('torch.', '')}"
+
+
+class SymmetricHeap:
+    """Base class: the ledger, the collective checks and the LIFO rule. Subclasses implement
+    ``_allocate``, ``_peer_view``, ``_barrier``, ``_free`` and optionally ``_close``."""
+
+    kind = "abstract"
+
+    def __init__(self, group=None, device: torch.device | str = "cpu"):
+        self.group = group
+        self.rank, self.world_size = group_rank_world(group)
+        self.device = torch.device(device)
+        self._live: list[HeapHandle] = []
+        self._next_index = 0
+        self._closed = False
+        self._id = f"{type(self).__name__}@{id(self):x}"
+
+    # ------------------------------------------------------------------ collectives
+    def _all_gather_object(self, obj) -> list:
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _host_barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise MoonEPStateError(f"{type(self).__name__}.{what}: the heap was closed")
+
+    def addressable(self, rank: int) -> bool:
+        """Whether ``peer_view(handle, rank)`` works on this heap."""
+        return 0 <= rank < self.world_size
+
+    @property
+    def peers_addressable(self) -> bool:
+        return all(self.addressable(r) for r in range(self.world_size))
+
+    def allocate(self, shape: Sequence[int], dtype: torch.dtype, tag: str) -> HeapHandle:
+        """Collective: allocate ``shape``/``dtype`` on every rank; returns this rank's handle."""
+        self._check_open("allocate")
+        try:
+            shape_t = tuple(int(s) for s in shape)
+        except TypeError:
+            raise MoonEPInputError(f"heap.allocate: shape must be a sequence of ints, got {shape!r}") from None
+        if not isinstance(tag, str) or not tag:
+            raise MoonEPInputError(f"heap.allocate: tag must be a non-empty string, got {tag!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise MoonEPInputError(f"heap.allocate: dtype must be a torch.dtype, got {dtype!r}")
+        mine = (self._next_index, tag, shape_t, str(dtype))
+        every = self._all_gather_object(mine)
+        if any(o != mine for o in every):
+            rows = "; ".join(f"rank {r}: #{o[0]} {o[1]!r} {list(o[2])} {o[3]}" for r, o in enumerate(every))
+            raise MoonEPInputError(
+                f"heap.allocate is collective and every rank must request the same allocation; got {rows}"
+            )
+        if any(s < 0 for s in shape_t):
+            raise MoonEPInputError(f"heap.allocate({tag!r}): negative dimension in {list(shape_t)}")
+        if any(h.tag == tag for h in self._live):
+            raise MoonEPInputError(f"heap.allocate: tag {tag!r} is already live on this heap; tags name allocations")
+        handle = HeapHandle(self._id, self._next_index, tag, shape_t, dtype, None)
+        self._allocate(handle)
+        self._next_index += 1
+        self._live.append(handle)
+        return handle
+
+    def _check_handle(self, handle, what: str) -> None:
+        if not isinstance(handle, HeapHandle):
+            raise MoonEPInputError(f"heap.{what}: expected a HeapHandle, got {type(handle).__name__}")
+        if handle.heap_id != self._id:
+            raise MoonEPInputError(f"heap.{what}: allocation {handle.describe()} belongs to another heap ({handle.heap_id})")
+
+    def peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
+        """A tensor aliasing ``rank``'s memory of ``handle`` (this rank's own tensor for ``rank == self.rank``)."""
+        self._check_open("peer_view")
+        self._check_handle(handle, "peer_view")
+        if handle.freed:
+            raise MoonEPStateError(f"heap.peer_view: allocation {handle.describe()} was freed")
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise MoonEPInputError(f"heap.peer_view: rank must be in [0, {self.world_size}), got {rank!r}")
+        if rank == self.rank:
+            return handle.tensor
+        view = handle._peers.get(rank)
+        if view is None:
+            if not self.addressable(rank):
+                raise MoonEPUnavailableError(
+                    f"{type(self).__name__}: rank {rank}'s memory is not addressable from rank {self.rank} "
+                    "(no peer-to-peer mapping, e.g. another node)"
+                )
+            view = self._peer_view(handle, rank)
+            handle._peers[rank] = view
+        return view
+
+    def copy_from_peer(self, dst: torch.Tensor, handle: HeapHandle, rank: int, src_rows: torch.Tensor) -> None:
+        """``dst[i] = peer(rank)[src_rows[i]]`` (rows along dim 0). Default: through ``peer_view``."""
+        src = self.peer_view(handle, rank)
+        dst.copy_(src.index_select(0, src_rows.to(src.device)))
+
+    def barrier(self) -> None:
+        """Collective memory-ordering point (see the module doc)."""
+        self._check_open("barrier")
+        self._barrier()
+
+    def free(self, handle: HeapHandle) -> None:
+        """Collective, LIFO: free the most recent live allocation on every rank."""
+        self._check_open("free")
+        self._check_handle(handle, "free")
+        mine = (handle.index, handle.tag)
+        every = self._all_gather_object(mine)
+        if any(o != mine for o in every):
+            rows = "; ".join(f"rank {r}: #{o[0]} {o[1]!r}" for r, o in enumerate(every))
+            raise MoonEPStateError(f"heap.free is collective: every rank must free the same allocation in the same call; got {rows}")
+        if handle.freed:
+            raise MoonEPStateError(f"heap.free: double free of allocation {handle.describe()}")
+        top = self._live[-1] if self._live else None
+        if top is not handle:
+            live = ", ".join(h.describe() for h in self._live)
+            raise MoonEPStateError(
+                f"heap.free: out-of-order free of {handle.describe()}; this heap frees in LIFO order, so the next "
+                f"allocation to free is {top.describe() if top else '(none)'} (live, oldest first: {live})"
+            )
+        self._free(handle)
+        self._live.pop()
+        handle.freed = True
+        handle.tensor = None
+        handle._peers.clear()
+        handle._impl = None
+
+    def live(self) -> list[HeapHandle]:
+        """Live allocations, oldest first."""
+        return list(self._live)
+
+    def local_bytes(self) -> int:
+        """Bytes this rank holds in live allocations (each allocation counted once)."""
+        return sum(h.nbytes for h in self._live)
+
+    def close(self, force: bool = False) -> None:
+        """Collective and idempotent. Raises (heap unchanged) while allocations are live, unless ``force``."""
+        if self._closed:
+            return
+        if self._live and not force:
+            tags = ", ".join(h.describe() for h in self._live)
+            raise MoonEPStateError(
+                f"{type(self).__name__}.close: {len(self._live)} allocation(s) leaked (still live): {tags}; "
+                "destroy their owners first (LIFO) or close(force=True)"
+            )
+        while self._live:
+            self.free(self._live[-1])
+        self._close()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(force=exc[0] is not None)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device}, live={len(self._live)})"
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _allocate(self, handle: HeapHandle) -> None:  # sets handle.tensor (and handle._impl)
+        raise NotImplementedError
+
+    def _peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _barrier(self) -> None:
+        raise NotImplementedError
+
+    def _free(self, handle: HeapHandle) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        pass

@@ -1,0 +1,131 @@
+"""``HostHeap``: a symmetric heap in host memory for CPU ranks of one machine (tests, CPU demo).
+
+Each allocation is one shared-memory file per rank under ``/dev/shm`` (names derived from a
+prefix rank 0 makes and all-gathers), mapped by every rank with ``mmap`` and wrapped with
+``torch.frombuffer``. The files are unlinked as soon as every rank has mapped them, so nothing
+is left in ``/dev/shm`` even if a process dies; an ``atexit`` hook removes the few that could
+exist in the window between creation and unlink.
+
+Visibility, like the real thing where it matters: with ``staging=True`` (default) a rank's
+``handle.tensor`` is a private staging copy; peers read the shared mapping, which is refreshed
+from the staging copy only in ``barrier()``. A read of a peer without a barrier after the peer's
+write therefore returns stale data, so a missing barrier fails tests instead of passing by luck.
+Peer views are for reading in this mode (a write through one is overwritten at the owner's
+next barrier). ``staging=False`` maps the shared file directly as ``handle.tensor`` (immediate
+visibility; peer writes allowed; half the memory).
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import re
+import uuid
+
+import torch
+
+from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
+from vllm_moonep.symmetric.heaps.base import HeapHandle, SymmetricHeap
+
+__all__ = ["HostHeap"]
+
+#: files created but not yet unlinked by this process (removed at exit if still there)
+_PENDING: set[str] = set()
+
+
+def _cleanup_pending() -> None:
+    for path in list(_PENDING):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        _PENDING.discard(path)
+
+
+atexit.register(_cleanup_pending)
+
+
+def _map_file(path: str, nbytes: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
+    size = max(nbytes, 1)
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    raw = torch.frombuffer(mm, dtype=torch.uint8, count=size)
+    return mm, raw[:nbytes]
+
+
+class HostHeap(SymmetricHeap):
+    """Symmetric heap over ``/dev/shm`` for CPU ranks of one machine (see the module doc).
+
+    Args:
+        group: the process group (``None``: the default group, or a world of one).
+        staging: keep owner writes private until ``barrier()`` (default; see the module doc).
+        shm_dir: where the files live (``/dev/shm``).
+    """
+
+    kind = "host"
+
+    def __init__(self, group=None, *, staging: bool = True, shm_dir: str = "/dev/shm", device="cpu"):
+        if torch.device(device).type != "cpu":
+            raise MoonEPInputError(f"HostHeap holds host memory; device must be cpu, got {device}")
+        super().__init__(group, "cpu")
+        if not os.path.isdir(shm_dir):
+            raise MoonEPUnavailableError(f"HostHeap: {shm_dir} does not exist (needs a tmpfs such as /dev/shm)")
+        self.staging = bool(staging)
+        self.shm_dir = shm_dir
+        mine = f"vllm_moonep_{os.getpid()}_{uuid.uuid4().hex[:12]}"
+        self.prefix = self._all_gather_object(mine)[0]
+        modes = self._all_gather_object(self.staging)
+        if len(set(modes)) != 1:
+            raise MoonEPInputError(f"HostHeap: every rank must use the same staging mode, got {modes}")
+
+    def _path(self, handle: HeapHandle, rank: int) -> str:
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", handle.tag)[:40]
+        return os.path.join(self.shm_dir, f"{self.prefix}_a{handle.index}_{tag}_r{rank}")
+
+    def _allocate(self, handle: HeapHandle) -> None:
+        nbytes = handle.nbytes
+        own_path = self._path(handle, self.rank)
+        _PENDING.add(own_path)
+        maps: dict[int, mmap.mmap] = {}
+        try:
+            maps[self.rank], raw = _map_file(own_path, nbytes, create=True)
+            shared = {self.rank: raw.view(handle.dtype).view(handle.shape)}
+            self._host_barrier()  # every file exists
+            for r in range(self.world_size):
+                if r != self.rank:
+                    maps[r], raw = _map_file(self._path(handle, r), nbytes, create=False)
+                    shared[r] = raw.view(handle.dtype).view(handle.shape)
+            self._host_barrier()  # every rank mapped every file: the names can go
+        finally:
+            try:
+                os.unlink(own_path)
+            except OSError:
+                pass
+            _PENDING.discard(own_path)
+        local = torch.zeros(handle.shape, dtype=handle.dtype) if self.staging else shared[self.rank]
+        handle.tensor = local
+        handle._impl = {"shared": shared, "maps": maps}
+
+    def _peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
+        return handle._impl["shared"][rank]
+
+    def _barrier(self) -> None:
+        # 1) every rank finished the reads of the previous epoch; 2) publish; 3) visible to all
+        self._host_barrier()
+        if self.staging:
+            for h in self._live:
+                h._impl["shared"][self.rank].copy_(h.tensor)
+            self._host_barrier()
+
+    def _free(self, handle: HeapHandle) -> None:
+        self._host_barrier()  # nobody reads the allocation any more
+        # the files are already unlinked; the pages go when the last mapping (tensor) is dropped
+        handle._impl["shared"].clear()
+        handle._impl["maps"].clear()

@@ -1,0 +1,149 @@
+"""``TorchSymmHeap``: PyTorch symmetric memory (``torch.distributed._symmetric_memory``), CUDA
+backend, for the GPUs of one node.
+
+Each allocation is ``symm_mem.empty`` + ``symm_mem.rendezvous(t, group_name)``; peer views come
+from ``handle.get_buffer(peer, shape, dtype, storage_offset)``. Works with torch 2.11 and later.
+Several processes on one GPU (tests) need ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``.
+Multicast is never used: the heap refuses to start when the environment enables it (unless the
+user opted in, ``vllm_moonep.multicast``).
+
+``barrier()`` synchronizes this rank's device (every write issued before it has landed) and then
+the ranks' hosts; peer reads issued afterwards see the writes. It is a load-time barrier;
+``device_barrier()`` is the stream-ordered one for hot paths.
+
+Without an initialised process group (a single process) the heap runs in local mode: plain
+device allocations, no peers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from vllm_moonep.engine.errors import MoonEPUnavailableError
+from vllm_moonep.multicast import check_multicast_off
+from vllm_moonep.symmetric.heaps.base import HeapHandle, SymmetricHeap
+
+__all__ = ["TorchSymmHeap"]
+
+
+def _symm_mem():
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except Exception as exc:  # pragma: no cover - builds without distributed
+        raise MoonEPUnavailableError(f"TorchSymmHeap: torch.distributed._symmetric_memory does not import ({exc})") from exc
+    return symm_mem
+
+
+class TorchSymmHeap(SymmetricHeap):
+    """Symmetric heap on PyTorch symmetric memory (see the module doc).
+
+    Args:
+        group: process group (``None``: the default group; none initialised: local mode).
+        device: CUDA device (default: the current one).
+        backend: symmetric-memory backend to select (``"CUDA"``); ``None`` leaves torch's choice.
+    """
+
+    kind = "torch"
+
+    def __init__(self, group=None, device: torch.device | str | None = None, *, backend: str | None = "CUDA"):
+        check_multicast_off("TorchSymmHeap")
+        if not torch.cuda.is_available():
+            raise MoonEPUnavailableError("TorchSymmHeap needs a CUDA device and none is available")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise MoonEPUnavailableError(f"TorchSymmHeap allocates CUDA memory; got device {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(group, device)
+        self._local_mode = not (dist.is_available() and dist.is_initialized())
+        self._symm = None
+        if not self._local_mode:
+            symm_mem = _symm_mem()
+            self._symm = symm_mem
+            pg = group if group is not None else dist.group.WORLD
+            self.group_name = pg.group_name
+            if backend is not None and hasattr(symm_mem, "get_backend"):
+                current = symm_mem.get_backend(device)
+                if current != backend:
+                    try:
+                        symm_mem.set_backend(backend)
+                    except Exception as exc:
+                        if current is None:  # nothing to switch away from; torch keeps its default
+                            return
+                        raise MoonEPUnavailableError(
+                            f"TorchSymmHeap: cannot select the {backend!r} symmetric-memory backend (current: {current!r}): {exc}"
+                        ) from exc
+
+    def _rendezvous(self, t: torch.Tensor):
+        symm = self._symm
+        try:
+            return symm.rendezvous(t, self.group_name)
+        except Exception as first:
+            # older releases needed the group registered explicitly
+            enable = getattr(symm, "enable_symm_mem_for_group", None)
+            is_enabled = getattr(symm, "is_symm_mem_enabled_for_group", None)
+            if enable is None or (is_enabled is not None and is_enabled(self.group_name)):
+                raise MoonEPUnavailableError(f"TorchSymmHeap: rendezvous failed: {first}") from first
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
+            try:
+                return symm.rendezvous(t, self.group_name)
+            except Exception as exc:
+                raise MoonEPUnavailableError(f"TorchSymmHeap: rendezvous failed: {exc}") from exc
+
+    def _allocate(self, handle: HeapHandle) -> None:
+        if self._local_mode:
+            handle.tensor = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
+            return
+        shape = handle.shape if all(handle.shape) else None
+        # a zero-size allocation still needs a symmetric buffer: use one element
+        t = self._symm.empty(handle.shape if shape else (1,), dtype=handle.dtype, device=self.device)
+        hdl = self._rendezvous(t)
+        el = t.element_size()
+        off = getattr(hdl, "offset", None)
+        if off is None:  # locate the tensor inside the rendezvoused buffer
+            base = hdl.get_buffer(self.rank, (1,), torch.uint8, 0).data_ptr()
+            off = t.data_ptr() - base
+        if off % el:
+            raise MoonEPUnavailableError(f"TorchSymmHeap: allocation offset {off} is not a multiple of the element size {el}")
+        mine = hdl.get_buffer(self.rank, tuple(t.shape), handle.dtype, off // el)
+        if mine.data_ptr() != t.data_ptr():
+            raise MoonEPUnavailableError(
+                "TorchSymmHeap: symmetric-memory handle does not map the allocation where expected "
+                f"(0x{mine.data_ptr():x} != 0x{t.data_ptr():x}); unsupported torch version?"
+            )
+        handle.tensor = t if shape else t[:0].view(handle.shape)
+        handle._impl = {"hdl": hdl, "base": t, "offset": off // el}
+
+    def _peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
+        impl = handle._impl
+        if impl is None:  # local mode has no peers (world size 1)
+            raise MoonEPUnavailableError("TorchSymmHeap in local mode has no peers")
+        base = impl["base"]
+        view = impl["hdl"].get_buffer(rank, tuple(base.shape), handle.dtype, impl["offset"])
+        return view if all(handle.shape) else view[:0].view(handle.shape)
+
+    def _barrier(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self._host_barrier()
+
+    def device_barrier(self, channel: int = 0) -> None:
+        """Stream-ordered barrier across ranks through a live allocation's signal pads (hot path)."""
+        self._check_open("device_barrier")
+        if self._local_mode or self.world_size == 1:
+            return
+        if not self._live:
+            self._barrier()
+            return
+        self._live[-1]._impl["hdl"].barrier(channel=channel)
+
+    def _free(self, handle: HeapHandle) -> None:
+        torch.cuda.synchronize(self.device)
+        self._host_barrier()  # no rank still reads the allocation
+        handle._impl = None
