@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
-from vllm_moonep.common.memory import MemoryReport, measured_bytes, replicated_accounting, symmetric_accounting
+from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, replicated_accounting
 from vllm_moonep.common.reference import dense_moe
 from vllm_moonep.common.routing import route, sigma_for_maxvio
 from vllm_moonep.common.timing import PHASES, PhaseTimer
 from vllm_moonep.tools.launch import run_on_ranks, shutdown_pools
+from vllm_moonep.tools.memory_projection import MODELS, projection_rows, render
 
 GiB = 1024**3
 
@@ -50,18 +51,17 @@ class Preset:
     note: str = ""
 
 
+def _slug(name: str) -> str:
+    return name.lower().replace(" ", "-")
+
+
+#: run shapes: a tiny default and the full-size models of the memory projection (top-8 routing)
 PRESETS = {
     "tiny": Preset("tiny", 256, 256, 32, 4, 4, "a small synthetic model for the embedded default"),
-    "qwen3-30b-a3b": Preset("qwen3-30b-a3b", 2048, 768, 128, 8, 48, "Qwen3-30B-A3B"),
-    "deepseek-v3": Preset("deepseek-v3", 7168, 2048, 256, 8, 58, "DeepSeek-V3 (58 MoE of 61 layers)"),
-    "kimi-k2": Preset("kimi-k2", 7168, 2048, 384, 8, 60, "Kimi-K2 (60 MoE of 61 layers)"),
+    **{_slug(m.name): Preset(_slug(m.name), m.H, m.I, m.E, 8, m.moe_layers, m.source) for m in MODELS},
 }
 
 CONFIGS = ("replicated", "symmetric", "symmetric-shared", "vllm-poc")
-
-
-def expert_bytes(p: Preset) -> int:
-    return 3 * p.hidden * p.intermediate * 2
 
 
 def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, slots: int | None) -> dict:
@@ -69,7 +69,7 @@ def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, s
     replicated layout (the larger one) fits ``budget_bytes`` per rank."""
     L = min(layers or p.layers, p.layers)
     E = p.experts
-    bpe = expert_bytes(p)
+    bpe = expert_bytes(p.hidden, p.intermediate)
 
     def replicated_bytes(E_, L_):
         B_ = slots or max(E_ // ranks, 1)
@@ -382,7 +382,7 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
         bar.close()
     results["elapsed_s"] = time.perf_counter() - t_start
     results["failures"] = failures
-    results["projection"] = projection(preset_names=[preset] if preset != "tiny" else list(PRESETS)[1:])
+    results["projection"] = projection_rows()
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "moonep-ab.json")
     with open(path, "w") as f:
@@ -391,30 +391,6 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
     if plots:
         results["plots"] = write_plots(results, out_dir)
     return results
-
-
-def projection(preset_names=None, eps=(8, 16, 32, 64), slots=None, gpu_mem_gb=141.0, shared_slot_pool=True) -> list[dict]:
-    """Per-rank expert memory of full-size models for both layouts, from the layouts' accounting."""
-    rows = []
-    for name in preset_names or [n for n in PRESETS if n != "tiny"]:
-        p = PRESETS[name]
-        for ep in eps:
-            B = slots or p.experts // ep
-            rep = replicated_accounting(p.experts, ep, B, p.hidden, p.intermediate, layers=p.layers)
-            sym = symmetric_accounting(p.experts, ep, B, p.hidden, p.intermediate, layers=p.layers,
-                                       shared_slot_pool=False)
-            shared = symmetric_accounting(p.experts, ep, B, p.hidden, p.intermediate, layers=p.layers,
-                                          shared_slot_pool=True)
-            budget = gpu_mem_gb * 1e9
-            rows.append({
-                "model": name, "ep": ep, "slots": B,
-                "replicated_gb": rep.resident / 1e9, "symmetric_gb": sym.resident / 1e9,
-                "symmetric_shared_gb": shared.resident / 1e9,
-                "replicated_fits": rep.resident + rep.transient <= budget,
-                "symmetric_fits": sym.resident + sym.transient <= budget,
-                "symmetric_shared_fits": shared.resident + shared.transient <= budget,
-            })
-    return rows
 
 
 def write_plots(results: dict, out_dir: str) -> list[str]:
@@ -501,27 +477,12 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def format_projection(rows: list[dict], gpu_mem_gb: float) -> str:
-    out = [f"{'model':<15} {'EP':>3} {'B':>3} {'replicated GB':>13} {'symmetric GB':>12} {'sym+shared GB':>13}   fits {gpu_mem_gb:.0f} GB (rep/sym/shared)"]
-    for r in rows:
-        yn = lambda b: "yes" if b else "no"  # noqa: E731
-        out.append(f"{r['model']:<15} {r['ep']:>3} {r['slots']:>3} {r['replicated_gb']:13.1f} {r['symmetric_gb']:12.1f} "
-                   f"{r['symmetric_shared_gb']:13.1f}   {yn(r['replicated_fits'])}/{yn(r['symmetric_fits'])}/{yn(r['symmetric_shared_fits'])}")
-    return "\n".join(out)
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "project":
-        ap = argparse.ArgumentParser(prog="moonep-ab project", description="per-rank expert memory of full-size models")
-        ap.add_argument("--models", nargs="+", default=[n for n in PRESETS if n != "tiny"], choices=[n for n in PRESETS if n != "tiny"])
-        ap.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64])
-        ap.add_argument("--slots", type=int, default=None, help="prefetch slots per rank (default E/EP)")
-        ap.add_argument("--gpu-mem-gb", type=float, default=141.0)
-        a = ap.parse_args(argv[1:])
-        print("expert weights per rank, bf16, resident (the load-time transient is counted in 'fits')")
-        print(format_projection(projection(a.models, a.ep, a.slots, a.gpu_mem_gb), a.gpu_mem_gb))
-        return 0
+    if argv and argv[0] == "project":  # the memory projection (tools/memory_projection.py)
+        from vllm_moonep.tools.memory_projection import main as projection_main
+
+        return projection_main(argv[1:])
     ap = argparse.ArgumentParser(prog="moonep-ab", description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="tiny", choices=list(PRESETS))
     ap.add_argument("--ranks", type=int, default=4)
@@ -548,7 +509,8 @@ def main(argv=None) -> int:
         shutdown_pools()
     print(format_table(res))
     print()
-    print(format_projection(res["projection"], 141.0))
+    print("Projected per-rank expert memory of the full-size models (moonep-ab project for options):")
+    print(render(res["projection"], 141.0, markdown=False))
     print(f"\nwrote {res['json_path']}" + (f" and {', '.join(res.get('plots', []))}" if res.get("plots") else "")
           + f" in {res['elapsed_s']:.0f}s")
     return 1 if res["failures"] else 0

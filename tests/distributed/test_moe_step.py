@@ -114,7 +114,7 @@ def test_top1_apply_router_weight_on_input():
 
 
 def bad_step_then_good():
-    r, R = dist.get_rank(), dist.get_world_size()
+    r = dist.get_rank()
     E, H, I, K = 16, 128, 128, 2
     moe, w13, w2 = _setup(E, H, I, K, B=2, max_tokens=128, tp=8)
     x, ids, w = rank_inputs(10, E, K, H, sigma=0.5, seed=1, rank=r)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from tests.conftest import ranks

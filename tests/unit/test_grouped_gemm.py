@@ -38,7 +38,7 @@ def test_reference_matches_float64(lens):
 
 
 def test_pointer_table_rows_from_several_tensors():
-    G, I, H = 4, 16, 32
+    I, H = 16, 32
     pools = [_weights(3, I, H, s) for s in (10, 11)]
     # group 0 -> pool 1 row 2; group 1 -> empty/no weights; group 2 -> pool 0 row 0; group 3 -> pool 1 row 0
     gp = torch.tensor([1, -1, 0, 1])
