@@ -1,0 +1,496 @@
+"""Fused Triton grouped GEMM for MoonEP's expert compute (``impl="triton"``).
+
+For each ``cu_seqlens`` group ``g`` (rows ``[cu[g-1], cu[g])`` of ``x``)::
+
+    y[rows] = (silu(x[rows] @ gate_g^T) * (x[rows] @ up_g^T) * route_w[rows, None]) @ down_g^T
+
+Three launches, no host synchronisation, CUDA-graph capturable (after one warm-up call that
+builds the cached pointer table):
+
+1. ``_trim_kernel`` (grid ``[G]``): per group, the end of its last row with a non-zero routing
+   weight. MoonEP pads every segment to a multiple of ``token_padding`` (128) with rows whose
+   hidden state and weight are zero; a row with weight 0 has output exactly 0
+   (``act = silu(.) * (.) * 0``), so the GEMMs run only over ``[start, eff_end)`` and the rest of
+   the segment is written as zeros. This keeps one real row per expert from costing 128 rows of
+   matrix work. (A row with weight 0 but a non-finite hidden state gets 0 here, NaN in the
+   reference; the contract's padding rows are zeros.)
+2. ``_gate_up_kernel``: persistent grid; every program rebuilds the tile list from
+   ``cu_seqlens`` and the trimmed ends in registers (prefix sum over the groups), so empty groups
+   cost nothing and the grid size does not depend on the data. A tile is ``BM`` rows of one
+   group times ``BN`` columns of the intermediate dimension; it runs both ``x @ gate^T`` and
+   ``x @ up^T`` on the same ``x`` tile and writes ``silu(g) * u * route_w`` once, in the
+   activation dtype (bf16). Within a group, tiles are ordered column-block-major so that the
+   programs running at the same time share one weight slice through L2.
+3. ``_down_kernel``: the same tile machinery over ``H`` output columns, ``K = I``; rows of the
+   trimmed tail are written as zeros by extra "zero tiles" at the end of the schedule.
+
+Weights are reached through a per-group pointer table (``int64 [G, 3]``: base address of
+``gate_g``, ``up_g``, ``down_g``), built once per ``GroupedWeights`` (cached; rebuilt when a pool's
+storage, the group map, or its version counter changes), so the pools may be any tensors, views
+with arbitrary stride along dim 0 (``w13[:, :I, :]``), or several tensors. The inner strides of a
+projection must agree across pools (non-conforming pools are copied once, with a warning).
+
+Tile configurations come from ``tuning.json`` (keyed by ``H``, ``I`` and the row count ``NvS``,
+which the buffer derives from the token capacity); unknown shapes use a generic rule.
+
+Interpreter (CPU): the same kernels run under ``TRITON_INTERPRET=1`` on CPU tensors. Triton's
+interpreter computes a bf16 ``tl.dot`` wrongly (seen with triton 3.8), so when interpreting the
+kernels are instantiated with ``DOT_F32=True``: operands are loaded and stored in their own
+dtype (bf16) and upcast to float32 just before each ``tl.dot``. Everything else (pointer table,
+tile list, trimming, masks, epilogues) is the code the GPU runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+import weakref
+from importlib import resources
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_moonep.common.grouped_gemm.api import GroupedWeights
+from vllm_moonep.engine.errors import MoonEPInputError
+
+__all__ = [
+    "expert_ffn_triton",
+    "prepare_weights",
+    "select_config",
+    "interpreting",
+    "DEFAULT_CONFIGS",
+]
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _trim_kernel(cu_ptr, rw_ptr, eff_ptr, BLK: tl.constexpr):
+    """eff_end[g] = 1 + the last row of group g with a non-zero routing weight (start if none)."""
+    g = tl.program_id(0)
+    end = tl.load(cu_ptr + g).to(tl.int32)
+    start = tl.load(cu_ptr + g - 1, mask=g > 0, other=0).to(tl.int32)
+    last = start
+    for r0 in range(start, end, BLK):
+        rows = r0 + tl.arange(0, BLK)
+        v = tl.load(rw_ptr + rows, mask=rows < end, other=0.0)
+        last = tl.maximum(last, tl.max(tl.where(v != 0.0, rows + 1, 0), 0))
+    tl.store(eff_ptr + g, last)
+
+
+@triton.jit
+def _group_table(cu_ptr, eff_ptr, G, GP2: tl.constexpr, BM: tl.constexpr):
+    """Per-group vectors (registers): start, trimmed end, segment end, m-blocks over the trimmed rows."""
+    gidx = tl.arange(0, GP2)
+    gmask = gidx < G
+    end = tl.load(cu_ptr + gidx, mask=gmask, other=0).to(tl.int32)
+    start = tl.load(cu_ptr + gidx - 1, mask=gmask & (gidx > 0), other=0).to(tl.int32)
+    eend = tl.load(eff_ptr + gidx, mask=gmask, other=0)
+    eend = tl.maximum(eend, start)
+    mb = (eend - start + BM - 1) // BM
+    return gidx, start, eend, end, mb
+
+
+@triton.jit
+def _pick(sel, v):
+    return tl.sum(tl.where(sel, v, 0), 0)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, act_ptr,
+    G, N, K, stride_xm, stride_am,
+    s_gn, s_gk, s_un, s_uk,
+    GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BM)
+    nt = tl.cdiv(N, BN)
+    tiles = mb * nt
+    cum = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+    wty = tl.pointer_type(x_ptr.dtype.element_ty)
+    offs_k = tl.arange(0, BK)
+    for t in range(pid, total, nprog):
+        g = tl.sum((cum <= t).to(tl.int32), 0)
+        sel = gidx == g
+        local = t - _pick(sel, cum - tiles)
+        mbg = _pick(sel, mb)
+        st = _pick(sel, start)
+        ee = _pick(sel, eend)
+        ntile = local // mbg
+        mtile = local - ntile * mbg
+        rows = st + mtile * BM + tl.arange(0, BM)
+        rows_ld = tl.minimum(rows, ee - 1).to(tl.int64)
+        cols = ntile * BN + tl.arange(0, BN)
+        if EVEN_N:
+            cols_ld = cols
+        else:
+            cols_ld = tl.minimum(cols, N - 1)
+        wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
+        wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
+        a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + offs_k[None, :]
+        g_ptrs = wg + cols_ld[:, None] * s_gn + offs_k[None, :] * s_gk
+        u_ptrs = wu + cols_ld[:, None] * s_un + offs_k[None, :] * s_uk
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, K, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                bg = tl.load(g_ptrs)
+                bu = tl.load(u_ptrs)
+            else:
+                km = (k + offs_k) < K
+                a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, tl.trans(bg), acc_g)
+                acc_u = tl.dot(a, tl.trans(bu), acc_u)
+            a_ptrs += BK
+            g_ptrs += BK * s_gk
+            u_ptrs += BK * s_uk
+        rw = tl.load(rw_ptr + rows_ld)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
+        a_out = act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :]
+        tl.store(a_out, act.to(act_ptr.dtype.element_ty), mask=(rows < ee)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, cu_ptr, eff_ptr, tab_ptr, out_ptr,
+    G, N, K, stride_am, stride_om,
+    s_dn, s_dk,
+    GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BM)
+    nt = tl.cdiv(N, BN)
+    tiles = mb * nt
+    cum = tl.cumsum(tiles, 0)
+    total = tl.sum(tiles, 0)
+    # zero tiles: rows [start + mb*BM, end) of each segment (trimmed tail, all-zero output)
+    zstart = tl.minimum(start + mb * BM, end)
+    zrows = tl.maximum(end - zstart, 0)
+    ztiles = ((zrows + ZM - 1) // ZM) * nt
+    zcum = tl.cumsum(ztiles, 0)
+    ztotal = tl.sum(ztiles, 0)
+    wty = tl.pointer_type(act_ptr.dtype.element_ty)
+    offs_k = tl.arange(0, BK)
+    for t in range(pid, total + ztotal, nprog):
+        if t < total:
+            g = tl.sum((cum <= t).to(tl.int32), 0)
+            sel = gidx == g
+            local = t - _pick(sel, cum - tiles)
+            mbg = _pick(sel, mb)
+            st = _pick(sel, start)
+            ee = _pick(sel, eend)
+            en = _pick(sel, end)
+            ntile = local // mbg
+            mtile = local - ntile * mbg
+            rows = st + mtile * BM + tl.arange(0, BM)
+            rows_ld = tl.minimum(rows, ee - 1).to(tl.int64)
+            cols = ntile * BN + tl.arange(0, BN)
+            if EVEN_N:
+                cols_ld = cols
+            else:
+                cols_ld = tl.minimum(cols, N - 1)
+            wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
+            a_ptrs = act_ptr + rows_ld[:, None] * stride_am + offs_k[None, :]
+            d_ptrs = wd + cols_ld[:, None] * s_dn + offs_k[None, :] * s_dk
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k in range(0, K, BK):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(d_ptrs)
+                else:
+                    km = (k + offs_k) < K
+                    a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                    b = tl.load(d_ptrs, mask=km[None, :], other=0.0)
+                if DOT_F32:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
+                a_ptrs += BK
+                d_ptrs += BK * s_dk
+            acc = tl.where((rows < ee)[:, None], acc, 0.0)
+            o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < en)[:, None] & (cols < N)[None, :])
+        else:
+            tz = t - total
+            zg = tl.sum((zcum <= tz).to(tl.int32), 0)
+            zsel = gidx == zg
+            zlocal = tz - _pick(zsel, zcum - ztiles)
+            zs = _pick(zsel, zstart)
+            zen = _pick(zsel, end)
+            nzm = (_pick(zsel, zrows) + ZM - 1) // ZM
+            zn = zlocal // nzm
+            zm = zlocal - zn * nzm
+            zr = zs + zm * ZM + tl.arange(0, ZM)
+            zc = zn * BN + tl.arange(0, BN)
+            z_ptrs = out_ptr + zr.to(tl.int64)[:, None] * stride_om + zc[None, :]
+            tl.store(z_ptrs, tl.zeros((ZM, BN), dtype=out_ptr.dtype.element_ty), mask=(zr < zen)[:, None] & (zc < N)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# pointer table (cached per GroupedWeights)
+# ----------------------------------------------------------------------------------------------
+
+
+class _Prepared:
+    __slots__ = ("key", "table", "strides", "keep", "device")
+
+    def __init__(self, key, table, strides, keep, device):
+        self.key, self.table, self.strides, self.keep, self.device = key, table, strides, keep, device
+
+
+_CACHE: dict[int, _Prepared] = {}
+
+
+def _weights_key(w: GroupedWeights, device) -> tuple:
+    pools = tuple(
+        (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version) for proj in (w.gate, w.up, w.down) for t in proj
+    )
+    return (
+        str(device),
+        pools,
+        w.group_pool.data_ptr(), w.group_pool._version, w.group_pool.numel(),
+        w.group_row.data_ptr(), w.group_row._version,
+    )
+
+
+def _conform(pools, what: str) -> tuple[list[torch.Tensor], tuple[int, int], list[torch.Tensor]]:
+    """Make every pool of one projection share the inner strides of pool 0 (copy the others once)."""
+    inner = tuple(pools[0].stride()[1:])
+    if inner[1] != 1:
+        # K must be the contiguous dim for fast loads; copy.
+        warnings.warn(f"expert_ffn_triton: {what} pool 0 has inner strides {inner}; copying to contiguous", stacklevel=3)
+        pools = [p.contiguous() if i == 0 else p for i, p in enumerate(pools)]
+        inner = tuple(pools[0].stride()[1:])
+    out, keep = [], []
+    for i, p in enumerate(pools):
+        if tuple(p.stride()[1:]) != inner:
+            warnings.warn(f"expert_ffn_triton: {what} pool {i} has inner strides {tuple(p.stride()[1:])} != {inner}; copying", stacklevel=3)
+            p = p.contiguous()
+            if tuple(p.stride()[1:]) != inner:
+                raise MoonEPInputError(f"expert_ffn_triton: {what} pool {i} cannot be brought to inner strides {inner}")
+            keep.append(p)
+        out.append(p)
+    return out, inner, keep
+
+
+def prepare_weights(weights: GroupedWeights, device: torch.device | str | None = None) -> _Prepared:
+    """Build (or fetch from the cache) the per-group pointer table of ``weights``.
+
+    Call it once before CUDA-graph capture; ``expert_ffn_triton`` calls it too (a dictionary
+    lookup and a key check once built). The table is ``int64 [G, 3]`` on ``device``.
+    """
+    device = torch.device(device) if device is not None else weights.gate[0].device
+    key = _weights_key(weights, device)
+    wid = id(weights)
+    hit = _CACHE.get(wid)
+    if hit is not None and hit.key == key:
+        return hit
+    weights.validate()
+    gate, gs, k1 = _conform(list(weights.gate), "gate")
+    up, us, k2 = _conform(list(weights.up), "up")
+    down, ds, k3 = _conform(list(weights.down), "down")
+    gp = weights.group_pool.tolist()
+    gr = weights.group_row.tolist()
+    tab = []
+    for p, r in zip(gp, gr):
+        if p < 0:
+            tab.append((0, 0, 0))
+            continue
+        row = []
+        for pools in (gate, up, down):
+            t = pools[p]
+            if not 0 <= r < t.shape[0]:
+                raise MoonEPInputError(f"expert_ffn_triton: group row {r} outside pool {p} of {t.shape[0]} rows")
+            row.append(t.data_ptr() + r * t.stride(0) * t.element_size())
+        tab.append(tuple(row))
+    table = torch.tensor(tab, dtype=torch.int64).reshape(-1, 3).to(device)
+    for t in (*gate, *up, *down):
+        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:2]):
+            # the kernels hint 16-byte alignment of each row base; fall back to a copy
+            raise MoonEPInputError("expert_ffn_triton: weight pools must be 16-byte aligned with row strides divisible by 8")
+    prep = _Prepared(key, table, (gs, us, ds), k1 + k2 + k3, device)
+    _CACHE[wid] = prep
+    try:
+        weakref.finalize(weights, _CACHE.pop, wid, None)
+    except TypeError:
+        pass
+    return prep
+
+
+# ----------------------------------------------------------------------------------------------
+# configs
+# ----------------------------------------------------------------------------------------------
+
+# Generic configs by the estimated rows per busy group (used where tuning.json has no entry).
+DEFAULT_CONFIGS = {
+    "stream": {
+        "gate_up": {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+        "down": {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    },
+    "mid": {
+        "gate_up": {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+        "down": {"BM": 64, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    },
+    "compute": {
+        "gate_up": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1},
+        "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1},
+    },
+}
+
+_INTERP_CONFIG = {
+    "gate_up": {"BM": 16, "BN": 16, "BK": 32, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1},
+    "down": {"BM": 16, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1, "ZM": 32},
+}
+
+_TUNING: list | None = None
+
+
+def _tuning_table() -> list:
+    global _TUNING
+    if _TUNING is None:
+        try:
+            txt = resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json").read_text()
+            _TUNING = json.loads(txt).get("entries", [])
+        except Exception:
+            _TUNING = []
+    return _TUNING
+
+
+def select_config(H: int, I: int, nvs: int, n_groups: int) -> dict:
+    """Tile configs for ``(gate_up, down)``: tuning.json's entry for ``(H, I)`` with the smallest
+    ``max_rows >= NvS``, else a generic regime from the rows per group the buffer implies."""
+    if interpreting():
+        return _INTERP_CONFIG
+    best = None
+    for e in _tuning_table():
+        if e.get("H") == H and e.get("I") == I and nvs <= e.get("max_rows", 0):
+            if best is None or e["max_rows"] < best["max_rows"]:
+                best = e
+    if best is None:
+        cands = [e for e in _tuning_table() if e.get("H") == H and e.get("I") == I]
+        if cands:
+            best = max(cands, key=lambda e: e.get("max_rows", 0))
+    if best is not None:
+        return {"gate_up": best["gate_up"], "down": best["down"]}
+    per_group = nvs / max(1, min(n_groups, 64))
+    if per_group < 48:
+        return DEFAULT_CONFIGS["stream"]
+    if per_group < 192:
+        return DEFAULT_CONFIGS["mid"]
+    return DEFAULT_CONFIGS["compute"]
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def _launch_trim(cu, route_w, eff):
+    return _trim_kernel[(int(cu.numel()),)](cu, route_w, eff, BLK=256, num_warps=4)
+
+
+def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32):
+    I, H = act.shape[1], x.shape[1]
+    G = int(cu.numel())
+    (s_gn, s_gk), (s_un, s_uk), _ = prep.strides
+    grid = (max(1, _num_sms(x.device) * int(c.get("progs_per_sm", 1))),)
+    return _gate_up_kernel[grid](
+        x, route_w, cu, eff, prep.table, act,
+        G, I, H, x.stride(0), act.stride(0),
+        s_gn, s_gk, s_un, s_uk,
+        GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
+        EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+
+
+def _launch_down(act, cu, eff, prep, dst, c, dot_f32):
+    I, H = act.shape[1], dst.shape[1]
+    G = int(cu.numel())
+    s_dn, s_dk = prep.strides[2]
+    grid = (max(1, _num_sms(act.device) * int(c.get("progs_per_sm", 1))),)
+    return _down_kernel[grid](
+        act, cu, eff, prep.table, dst,
+        G, H, I, act.stride(0), dst.stride(0),
+        s_dn, s_dk,
+        GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
+        EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32,
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+
+
+def expert_ffn_triton(
+    x: torch.Tensor,
+    route_w: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    weights: GroupedWeights,
+    *,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+    act: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fused expert compute (see the module doc). ``config`` overrides the tile configs
+    (``{"gate_up": {...}, "down": {...}}``); ``act`` is an optional ``[NvS, I]`` scratch."""
+    NvS, H = x.shape
+    I = weights.intermediate
+    G = int(cu_seqlens.numel())
+    if out is None:
+        out = torch.empty_like(x)
+    if G == 0 or NvS == 0:
+        return out
+    dev = x.device
+    prep = prepare_weights(weights, dev)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    route_w = route_w.contiguous()
+    if route_w.dtype != torch.float32:
+        route_w = route_w.float()
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    cu = cu.contiguous()
+    dst = out if out.stride(1) == 1 else torch.empty_like(x)
+    if act is None or act.shape != (NvS, I) or act.dtype != x.dtype or act.stride(1) != 1:
+        act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
+    cfg = config or select_config(H, I, NvS, G)
+    dot_f32 = interpreting() or x.dtype == torch.float32
+    eff = torch.empty(G, dtype=torch.int32, device=dev)
+    _launch_trim(cu, route_w, eff)
+    _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32)
+    _launch_down(act, cu, eff, prep, dst, cfg["down"], dot_f32)
+    if dst is not out:
+        out.copy_(dst)
+    return out

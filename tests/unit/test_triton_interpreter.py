@@ -1,0 +1,158 @@
+"""The Triton grouped-GEMM kernels under Triton's CPU interpreter, against the float64 reference.
+
+``TRITON_INTERPRET`` must be set before Triton is imported, and other tests in this pytest
+process may already have imported it, so the checks run in one child process (this file run as
+a script with the variable set); each test asserts one case of the child's JSON report.
+
+Tolerance: the interpreter rounds float32 to bf16 by truncation (the GPU rounds to nearest), so
+the two bf16 roundings (activation, output) give ~6e-3 relative error against float64; 2e-2 is
+the bar here, 1e-2 on the GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+TOL = 2e-2
+
+
+def _case_data(name: str):
+    import torch
+
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+
+    def rnd(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    def segs(lens):
+        return torch.tensor(lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+    def contiguous(G, H, I, dtype=torch.bfloat16):
+        return GroupedWeights.contiguous(
+            rnd(G, I, H, scale=H**-0.5, dtype=dtype), rnd(G, I, H, scale=H**-0.5, dtype=dtype), rnd(G, H, I, scale=I**-0.5, dtype=dtype)
+        )
+
+    dtype = torch.bfloat16
+    if name == "random_ragged":
+        H, I = 64, 48
+        lens = [5, 0, 37, 1, 0, 20, 16, 3]
+        w = contiguous(len(lens), H, I)
+    elif name == "odd_dims":
+        # H, I not multiples of the tile sizes (masked K and N paths)
+        H, I = 72, 40
+        lens = [7, 19, 0, 33]
+        w = contiguous(len(lens), H, I)
+    elif name == "huge_group":
+        H, I = 32, 32
+        lens = [0, 0, 301, 0, 0]
+        w = contiguous(len(lens), H, I)
+    elif name == "all_empty":
+        H, I = 32, 32
+        lens = [0, 0, 0]
+        w = contiguous(len(lens), H, I)
+    elif name == "multi_pool":
+        # pool 0: a fused w13 [N, 2I, H] viewed as gate/up (stride along dim 0 is 2*I*H);
+        # pool 1: separate tensors; groups map to rows of either, -1 groups are empty
+        H, I = 48, 32
+        w13 = rnd(3, 2 * I, H, scale=H**-0.5)
+        d0 = rnd(3, H, I, scale=I**-0.5)
+        g1, u1, d1 = rnd(4, I, H, scale=H**-0.5), rnd(4, I, H, scale=H**-0.5), rnd(4, H, I, scale=I**-0.5)
+        pools = torch.tensor([1, 0, -1, 1, 0, 1, -1, 0], dtype=torch.int64)
+        rows = torch.tensor([2, 1, -1, 0, 2, 3, -1, 0], dtype=torch.int64)
+        lens = [9, 17, 0, 1, 40, 0, 0, 6]
+        w = GroupedWeights([w13[:, :I, :], g1], [w13[:, I:, :], u1], [d0, d1], pools, rows)
+    elif name == "padded_segments":
+        # MoonEP's layout: each segment padded to a multiple of 48 with zero rows of weight 0
+        # (tails longer than a tile: zero tiles), a real row with weight 0 in the middle, and a
+        # segment whose only row has weight 0 (nothing to compute, all zeros)
+        H, I = 64, 32
+        real = [3, 0, 21, 1, 50, 48]
+        lens = [((r + 47) // 48) * 48 for r in real]
+        w = contiguous(len(lens), H, I)
+    elif name == "float32":
+        H, I = 32, 48
+        lens = [4, 0, 29]
+        dtype = torch.float32
+        w = contiguous(len(lens), H, I, dtype=torch.float32)
+    else:
+        raise KeyError(name)
+    cu = segs(lens)
+    n = int(cu[-1]) if cu.numel() else 0
+    nvs = n + 5  # rows past the end exist and are not computed
+    x = rnd(nvs, H, dtype=dtype)
+    rw = torch.rand(nvs, generator=g) + 0.05
+    if name == "padded_segments":
+        start = 0
+        for r, L in zip(real, lens):
+            x[start + r : start + L] = 0
+            rw[start + r : start + L] = 0
+            start += L
+        rw[48 + 5] = 0.0  # weight 0 on a real row inside segment 2
+        rw[96] = 0.0  # segment 3's only real row
+    return x, rw, cu, w, n
+
+
+CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "padded_segments", "float32"]
+
+
+def _child_main() -> None:
+    import torch
+
+    from vllm_moonep.common.grouped_gemm import expert_ffn_float64
+    from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton, interpreting
+
+    assert interpreting()
+    report = {}
+    for name in CASES:
+        try:
+            x, rw, cu, w, n = _case_data(name)
+            out = torch.full_like(x, float("nan"))
+            expert_ffn_triton(x, rw, cu, w, out=out)
+            ref = expert_ffn_float64(x, rw, cu, w)
+            got = out[:n].double()
+            unwritten = int(torch.isnan(got).sum())
+            denom = float(ref[:n].norm())
+            err = float((got - ref[:n]).norm()) / denom if denom > 0 else float((got - ref[:n]).norm())
+            # rows whose reference is exactly zero (weight-0 rows, padding) must be exactly zero
+            zero_rows = (ref[:n].abs().sum(dim=1) == 0) if n else torch.zeros(0, dtype=torch.bool)
+            zero_ok = bool((got[zero_rows] == 0).all()) if n else True
+            report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n}
+        except Exception as e:  # report, don't hide
+            report[name] = {"error": f"{type(e).__name__}: {e}"}
+    print("REPORT " + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not importable here")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, f"interpreter child failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_interpreter_case(report, case):
+    r = report[case]
+    assert "error" not in r, r.get("error")
+    assert r["unwritten"] == 0, f"{case}: {r['unwritten']} output elements inside segments were not written"
+    assert r["zero_ok"], f"{case}: rows with a zero reference are not exactly zero"
+    assert r["err"] < TOL, f"{case}: relative error {r['err']:.3e} >= {TOL}"
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -1,0 +1,340 @@
+"""Benchmark of the expert compute on one GPU: fused Triton grouped GEMM vs the vLLM 0.33 PoC path.
+
+``python -m vllm_moonep.tools.bench_experts [--tune] [--shapes qwen3-30b-a3b,kimi-k2] [--tokens 1,16,...]``
+
+One run measures the ceilings (bf16 8192^3 matmul TFLOP/s, device copy GB/s counting bytes read
+plus written), then for each shape, tokens per rank and routing (balanced, skewed) builds rank
+0's realistic ``cu_seqlens`` of an EP=8 deployment: eight ranks' routing
+(``vllm_moonep.common.routing.route``) gives ``tpe[8, E]``, the real planner
+(``vllm_moonep.engine.planner.plan_global``, ``B = E/8`` slots, padding 128) gives
+``cu_seqlens[0]`` over ``E+B`` groups; real rows carry random hidden states and weights,
+padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM runs the
+layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed
+before each run by ``triton.testing.do_bench``:
+
+- ``triton``: ``expert_ffn_triton`` (tile configs from tuning.json, or the tuned ones with --tune);
+- ``poc``: three ``torch._grouped_mm`` over ``E+B`` groups plus elementwise ops, as vLLM 0.33's
+  ``MoonEPExperts.apply`` does;
+- ``floor`` = max(useful FLOP / measured matmul rate, touched weight bytes / measured copy rate),
+  useful FLOP = ``6*H*I`` per real row (never padding), touched bytes = ``3*H*I*2`` per non-empty
+  group.
+
+``--tune`` times candidate tile configs for each kernel at each point, keeps per ``(shape, NvS)``
+the one with the least total time over both routings, writes ``tuning.json`` (to ``$OUT`` if set,
+else the current directory) and uses it for the table. Prints a markdown table; writes
+``bench_experts.json`` to ``$OUT`` if set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+import torch
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
+    "kimi-k2": dict(H=7168, I=2048, E=384, K=8),
+}
+R = 8
+PAD = 128
+SKEW_SIGMA = 1.0
+
+GU_CANDIDATES = [
+    {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 5, "progs_per_sm": 3},
+    {"BM": 16, "BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 4},
+    {"BM": 32, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1},
+    {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1},
+    {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1},
+    {"BM": 128, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 1},
+]
+DOWN_CANDIDATES = [
+    {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 4},
+    {"BM": 32, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+    {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1},
+    {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1},
+    {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1},
+    {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1},
+    {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 2},
+    {"BM": 64, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
+]
+
+
+def _bench(fn, warmup=25, rep=100):
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))  # ms
+
+
+def _graphed(fn):
+    """Capture ``fn`` in a CUDA graph (after two warm-up calls on a side stream); returns replay."""
+    cur = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    cur.wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g.replay, g
+
+
+def measure_ceilings(dev) -> dict:
+    n = 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    ms = _bench(lambda: torch.mm(a, b), warmup=100, rep=500)
+    tflops = 2 * n**3 / (ms * 1e-3) / 1e12
+    del a, b
+    nbytes = 2 << 30
+    src = torch.randn(nbytes // 2, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms_c = _bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    gbs = 2 * nbytes / (ms_c * 1e-3) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"matmul_tflops": tflops, "copy_gbs": gbs}
+
+
+def rank0_case(shape: dict, tokens: int, sigma: float, seed: int = 0):
+    """Rank 0's cu_seqlens [E+B] int32, real rows per segment [E+B], NvS, maxvio."""
+    from vllm_moonep.common.routing import maxvio, route
+    from vllm_moonep.engine.buffer import nvs_rows
+    from vllm_moonep.engine.planner import plan_global
+
+    E, K = shape["E"], shape["K"]
+    B = E // R
+    tpe = torch.zeros(R, E, dtype=torch.int64)
+    for r in range(R):
+        ids, _ = route(tokens, E, K, sigma=sigma, seed=seed, rank=r)
+        tpe[r] = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    gp = plan_global(tpe, tokens, K, B, PAD)
+    cu = gp.cu_seqlens[0].to(torch.int32)
+    real = gp.seg_len[0].to(torch.int64)
+    return cu, real, nvs_rows(tokens, K, E, R, PAD), maxvio(tpe)
+
+
+def make_inputs(H, cu, real, nvs, dev, seed):
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.zeros(nvs, H, device=dev, dtype=torch.bfloat16)
+    rw = torch.zeros(nvs, device=dev, dtype=torch.float32)
+    mask = torch.zeros(nvs, dtype=torch.bool)
+    start = 0
+    for end, r in zip(cu.tolist(), real.tolist()):
+        mask[start : start + r] = True
+        start = end
+    mask = mask.to(dev)
+    n = int(mask.sum())
+    x[mask] = torch.randn(n, H, device=dev, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    rw[mask] = torch.rand(n, device=dev, generator=g) * 0.25 + 0.01
+    return x, rw
+
+
+def poc_experts(x, rw, cu, w_gate, w_up, w_down, out):
+    """vLLM 0.33 MoonEPExperts.apply's compute (three grouped GEMMs over E+B groups + elementwise)."""
+    gate = torch._grouped_mm(x, w_gate.transpose(1, 2), offs=cu)
+    up = torch._grouped_mm(x, w_up.transpose(1, 2), offs=cu)
+    act = torch.nn.functional.silu(gate)
+    act.mul_(up)
+    act.mul_(rw.to(act.dtype).unsqueeze(-1))
+    out.copy_(torch._grouped_mm(act, w_down.transpose(1, 2), offs=cu))
+    return out
+
+
+def rel_err(a, b, n):
+    a, b = a[:n].double(), b[:n].double()
+    d = float(b.norm())
+    return float((a - b).norm()) / d if d > 0 else float((a - b).norm())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="1,16,64,256,1024,4096")
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_experts: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.common.grouped_gemm import triton_kernels as tk
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    out_dir = os.environ.get("OUT")
+    ceil = measure_ceilings(dev)
+    print(f"# device {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
+    print(f"# ceilings: bf16 8192^3 matmul {ceil['matmul_tflops']:.1f} TFLOP/s, device copy {ceil['copy_gbs']:.0f} GB/s (read+write)", flush=True)
+
+    rows = []
+    tuned_entries = []
+    resources = {}
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    for sname in args.shapes.split(","):
+        shp = SHAPES[sname]
+        H, I, E, K = shp["H"], shp["I"], shp["E"], shp["K"]
+        B = E // R
+        G = E + B
+        gen = torch.Generator(device=dev).manual_seed(1234)
+        w_gate = (torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5)
+        w_up = (torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5)
+        w_down = (torch.randn(G, H, I, device=dev, generator=gen, dtype=torch.bfloat16) * I**-0.5)
+        weights = GroupedWeights.contiguous(w_gate, w_up, w_down)
+        prep = tk.prepare_weights(weights, dev)
+        for tokens in tokens_list:
+            cases = []
+            for routing, sigma in (("balanced", 0.0), ("skewed", SKEW_SIGMA)):
+                cu_h, real, nvs, mv = rank0_case(shp, tokens, sigma)
+                cu = cu_h.to(dev)
+                x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7 + int(sigma * 10))
+                cases.append((routing, cu_h, cu, real, nvs, mv, x, rw))
+            nvs = cases[0][4]
+            cfg = None
+            if args.tune:
+                # time each kernel's candidates on both routings; keep the least total
+                best = {}
+                for kind, cands in (("gate_up", GU_CANDIDATES), ("down", DOWN_CANDIDATES)):
+                    scores = []
+                    for c in cands:
+                        tot = 0.0
+                        try:
+                            for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
+                                eff = torch.empty(G, dtype=torch.int32, device=dev)
+                                tk._launch_trim(cu, rw, eff)
+                                act = torch.randn(nvs_, I, device=dev, dtype=torch.bfloat16)
+                                o = torch.empty_like(x)
+                                if kind == "gate_up":
+                                    fn = lambda: tk._launch_gate_up(x, rw, cu, eff, prep, act, c, False)  # noqa: E731
+                                else:
+                                    fn = lambda: tk._launch_down(act, cu, eff, prep, o, c, False)  # noqa: E731
+                                replay, _g = _graphed(fn)
+                                tot += _bench(replay, warmup=10, rep=max(20, args.rep // 3))
+                        except Exception as e:  # out of resources etc.
+                            print(f"#   {sname} t={tokens} {kind} {c}: skipped ({type(e).__name__}: {str(e)[:80]})")
+                            tot = math.inf
+                        scores.append(tot)
+                    i = min(range(len(cands)), key=lambda j: scores[j])
+                    best[kind] = cands[i]
+                    print(f"#   tune {sname} t={tokens} {kind}: best {cands[i]} ({scores[i]*1e3:.1f} us over both routings)", flush=True)
+                cfg = best
+                tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **best})
+            for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
+                n = int(cu_h[-1])
+                real_rows = int(real.sum())
+                busy = int((real > 0).sum())
+                flop = 6.0 * H * I * real_rows
+                wbytes = 3.0 * H * I * 2 * busy
+                t_fl = flop / (ceil["matmul_tflops"] * 1e12)
+                t_by = wbytes / (ceil["copy_gbs"] * 1e9)
+                floor_us = max(t_fl, t_by) * 1e6
+                out_t = torch.full_like(x, float("nan"))
+                act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
+                conf = cfg or tk.select_config(H, I, nvs_, G)
+                tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act)
+                out_p = torch.empty_like(x)
+                poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)
+                torch.cuda.synchronize()
+                unwritten = int(torch.isnan(out_t[:n]).sum())
+                err_tp = rel_err(out_t, out_p, n)
+                f_tri = lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act)  # noqa: E731
+                f_poc = lambda: poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)  # noqa: E731
+                t_tri_eager = _bench(f_tri, rep=args.rep) * 1e3
+                t_poc_eager = _bench(f_poc, rep=args.rep) * 1e3
+                r_tri, g_tri = _graphed(f_tri)
+                r_poc, g_poc = _graphed(f_poc)
+                t_tri = _bench(r_tri, rep=args.rep) * 1e3
+                t_poc = _bench(r_poc, rep=args.rep) * 1e3
+                del g_tri, g_poc
+                row = {
+                    "shape": sname, "tokens": tokens, "routing": routing, "maxvio": mv, "NvS": nvs_,
+                    "rows": n, "real_rows": real_rows, "busy_groups": busy,
+                    "triton_us": t_tri, "poc_us": t_poc, "floor_us": floor_us,
+                    "triton_eager_us": t_tri_eager, "poc_eager_us": t_poc_eager,
+                    "floor_kind": "flop" if t_fl >= t_by else "bytes",
+                    "triton_over_floor": t_tri / floor_us, "poc_over_floor": t_poc / floor_us,
+                    "triton_tflops_useful": flop / (t_tri * 1e-6) / 1e12,
+                    "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
+                    "err_vs_poc": err_tp, "unwritten": unwritten, "config": conf,
+                }
+                rows.append(row)
+                print(
+                    f"# {sname:14s} t={tokens:5d} {routing:8s} rows={n:6d} real={real_rows:6d} busy={busy:3d} "
+                    f"triton {t_tri:9.1f} us  poc {t_poc:9.1f} us  floor {floor_us:9.1f} us ({row['floor_kind']}) "
+                    f"x{row['triton_over_floor']:.2f}  {row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}",
+                    flush=True,
+                )
+            # resource report of the kernels used at this point
+            try:
+                eff = torch.empty(G, dtype=torch.int32, device=dev)
+                routing, cu_h, cu, real, nvs_, mv, x, rw = cases[0]
+                tk._launch_trim(cu, rw, eff)
+                act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
+                conf = cfg or tk.select_config(H, I, nvs_, G)
+                k1 = tk._launch_gate_up(x, rw, cu, eff, prep, act, conf["gate_up"], False)
+                k2 = tk._launch_down(act, cu, eff, prep, torch.empty_like(x), conf["down"], False)
+                resources[f"{sname}/t{tokens}"] = {
+                    name: {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
+                           "shared": getattr(getattr(k, "metadata", None), "shared", None)}
+                    for name, k in (("gate_up", k1), ("down", k2))
+                }
+            except Exception as e:
+                resources[f"{sname}/t{tokens}"] = {"error": str(e)[:200]}
+        del w_gate, w_up, w_down, weights, prep
+        tk._CACHE.clear()
+        torch.cuda.empty_cache()
+
+    print()
+    print(f"Ceilings: bf16 matmul {ceil['matmul_tflops']:.1f} TFLOP/s, copy {ceil['copy_gbs']:.0f} GB/s (read+write); {props.name}")
+    print()
+    print("Times: CUDA-graph replay, median (eager launches in the JSON).")
+    print()
+    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | PoC us | floor us | Triton/floor | PoC/floor | useful TFLOP/s | weight GB/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['rows']} ({r['real_rows']}) | {r['busy_groups']} | "
+            f"{r['triton_us']:.1f} | {r['poc_us']:.1f} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
+            f"{r['triton_over_floor']:.2f} | {r['poc_over_floor']:.2f} | {r['triton_tflops_useful']:.0f} | {r['triton_weight_gbs']:.0f} |"
+        )
+    print()
+    for k, v in resources.items():
+        print(f"# resources {k}: {v}")
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(), "ceilings": ceil,
+        "rows": rows, "resources": resources, "argv": sys.argv,
+    }
+    if out_dir:
+        with open(os.path.join(out_dir, "bench_experts.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    if args.tune:
+        path = os.path.join(out_dir or ".", "tuning.json")
+        with open(path, "w") as f:
+            json.dump({"comment": "tile configs per (H, I, NvS); written by python -m vllm_moonep.tools.bench_experts --tune", "entries": tuned_entries}, f, indent=1)
+        print(f"# wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
