@@ -90,14 +90,29 @@ def _triton_usable(x: torch.Tensor) -> bool:
     return True
 
 
+_CPU_GROUPED_MM: bool | None = None
+
+
+def _cpu_grouped_mm_works() -> bool:
+    """Whether this torch build runs ``torch._grouped_mm`` on CPU (recent builds do); probed once."""
+    global _CPU_GROUPED_MM
+    if _CPU_GROUPED_MM is None:
+        try:
+            x = torch.ones(4, 8, dtype=torch.bfloat16)
+            w = torch.ones(2, 8, 8, dtype=torch.bfloat16)
+            y = torch._grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32))
+            _CPU_GROUPED_MM = bool((y == 8).all())
+        except Exception:
+            _CPU_GROUPED_MM = False
+    return _CPU_GROUPED_MM
+
+
 def _grouped_mm_usable(x: torch.Tensor, w: GroupedWeights) -> bool:
-    return (
-        x.device.type == "cuda"
-        and w.dense_groups is not None
-        and x.dtype == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and torch.cuda.get_device_capability(x.device)[0] >= 9
-    )
+    if w.dense_groups is None or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu" and _cpu_grouped_mm_works()
 
 
 def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:

@@ -70,7 +70,26 @@ def test_expert_ffn_validation():
         expert_ffn(x, torch.rand(8), cu[:2], w)
     with pytest.raises(MoonEPInputError, match="impl must be"):
         expert_ffn(x, torch.rand(8), cu, w, impl="cutlass")
+    table = GroupedWeights([gate], [up], [down], torch.zeros(3, dtype=torch.int64), torch.arange(3))
     with pytest.raises(MoonEPInputError, match="cannot run here"):
-        expert_ffn(x, torch.rand(8), cu, w, impl="grouped_mm")
+        expert_ffn(x, torch.rand(8), cu, table, impl="grouped_mm")  # no dense tensor to hand it
     with pytest.raises(MoonEPInputError, match="weights are"):
         expert_ffn(x.float(), torch.rand(8), cu, w)
+
+
+def test_grouped_mm_path_on_cpu_matches_float64():
+    """The PoC's three-grouped-GEMM path, where this torch runs ``_grouped_mm`` on CPU."""
+    from vllm_moonep.common.grouped_gemm.api import _cpu_grouped_mm_works
+
+    if not _cpu_grouped_mm_works():
+        pytest.skip("this torch build has no CPU torch._grouped_mm")
+    gate, up, down = _weights(5, 32, 64, 3)
+    w = GroupedWeights.contiguous(gate, up, down)
+    cu = torch.tensor([7, 7, 20, 20, 33], dtype=torch.int32)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    rw = torch.rand(40)
+    out = torch.full((40, 64), float("nan"), dtype=torch.bfloat16)
+    expert_ffn(x, rw, cu, w, impl="grouped_mm", out=out)
+    ref = expert_ffn_float64(x, rw, cu, w)
+    assert torch.isfinite(out[:33]).all()
+    assert _rel(out[:33], ref[:33]) < 1e-2
