@@ -3,6 +3,8 @@ route weights come back, prefetch copies, bad input is rejected and the next ste
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,16 +15,22 @@ from vllm_moonep.common.routing import route
 from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPStateError
 
 
+def _device():
+    """CPU by default; the GPU suite runs the same functions with VLLM_MOONEP_TEST_DEVICE=cuda
+    (every rank process on the one GPU, gloo moving CUDA tensors)."""
+    return torch.device(os.environ.get("VLLM_MOONEP_TEST_DEVICE", "cpu"))
+
+
 def _inputs(S, E, K, H, sigma, seed, rank, dtype):
     ids, w = route(S, E, K, sigma=sigma, seed=seed, rank=rank)
     g = torch.Generator().manual_seed(seed * 100 + rank)
     x = torch.randn(S, H, generator=g).to(dtype)
     tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
-    return x, w, ids, tpe
+    dev = _device()
+    return x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev)
 
 
-def _device():
-    return torch.device("cpu")
+GPU_ENV = {"VLLM_MOONEP_TEST_DEVICE": "cuda"}
 
 
 def traceable_rows(S, H, K, E, B, tp, sigma, seed):
@@ -34,7 +42,10 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed):
     x[:, 0] = r + 1
     x[:, 1] = torch.arange(S, dtype=torch.float32)
     x[:, 2:] = torch.randn(S, H - 2, generator=torch.Generator().manual_seed(r))
-    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    xn, wn, cu, plan = buf.dispatch(x.to(_device()), w, ids, tpe)
+    assert xn.device == _device() and cu.device == _device()
+    xn, wn, cu, w = xn.cpu(), wn.cpu(), cu.cpu(), w.cpu()
+    plan_cpu_etc = plan.experts_to_copy.cpu()
     # the reference plan, from every rank's routing (regenerated from the shared seeds)
     all_ids = [route(S, E, K, sigma=sigma, seed=seed, rank=q)[0] for q in range(R)]
     all_w = [route(S, E, K, sigma=sigma, seed=seed, rank=q)[1] for q in range(R)]
@@ -42,7 +53,7 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed):
     ref = reference_plan(tpe_all, S, K, B, tp)
     dests, rows = reference_placement(tpe_all, [i.reshape(-1).tolist() for i in all_ids], ref)
     assert cu.dtype == torch.int32 and cu.tolist() == ref["cu"][r]
-    assert plan.experts_to_copy.tolist() == ref["etc"]
+    assert plan_cpu_etc.tolist() == ref["etc"]
     real = torch.zeros(buf.NvS, dtype=torch.bool)
     for q in range(R):
         for i, (d, row) in enumerate(zip(dests[q], rows[q])):
@@ -56,9 +67,9 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed):
     pad = ~real[:end]
     assert bool((xn[:end][pad] == 0).all()) and bool((wn[:end][pad] == 0).all())
     # route weights come back exactly; identity expert sums K copies
-    out, rw, _ = buf.combine(plan, xn, wn)
-    assert torch.equal(rw, w)
-    torch.testing.assert_close(out, K * x, rtol=0, atol=1e-5)
+    out, rw, _ = buf.combine(plan, xn.to(_device()), wn.to(_device()))
+    assert torch.equal(rw.cpu(), w)
+    torch.testing.assert_close(out.cpu(), K * x, rtol=0, atol=1e-5)
     buf.destroy()
     return plan.slots_used
 
@@ -73,14 +84,24 @@ def test_rows_land_where_the_plan_says(R, sigma):
         assert slots[0] > 0, "skewed routing must use prefetch slots"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [2, 4])
+def test_rows_land_where_the_plan_says_cuda(R):
+    slots = ranks(R, traceable_rows, 24, 16, 4, 16, 16 // R, 8, 2.5, 7 + R, env=GPU_ENV)
+    assert len(set(slots)) == 1
+    if sigma > 0:
+        assert slots[0] > 0, "skewed routing must use prefetch slots"
+
+
 def per_expert_scale(S, H, K, E, B, tp, sigma, seed):
     """An expert that scales its segment by a per-expert factor matches the dense computation (bf16)."""
     r, R = dist.get_rank(), dist.get_world_size()
     buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=_device())
     x, w, ids, tpe = _inputs(S, E, K, H, sigma, seed, r, torch.bfloat16)
     xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    xn, wn, cu, x, w, ids = xn.cpu(), wn.cpu(), cu.cpu(), x.cpu(), w.cpu(), ids.cpu()
     factor = torch.linspace(0.5, 2.0, E)
-    etc = plan.experts_to_copy[r]
+    etc = plan.experts_to_copy[r].cpu()
     y = torch.zeros_like(xn)
     start = 0
     for g, end in enumerate(cu.tolist()):
@@ -89,7 +110,8 @@ def per_expert_scale(S, H, K, E, B, tp, sigma, seed):
             assert e >= 0
             y[start:end] = (xn[start:end].float() * factor[e] * wn[start:end, None]).to(torch.bfloat16)
         start = end
-    out, _, _ = buf.combine(plan, y)
+    out, _, _ = buf.combine(plan, y.to(_device()))
+    out = out.cpu()
     y_rows = (x.float()[:, None, :] * (factor[ids.long()] * w)[:, :, None]).to(torch.bfloat16).float()
     ref = y_rows.sum(dim=1)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
@@ -103,6 +125,13 @@ def test_per_expert_scale_matches_dense(R):
     assert slots[0] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [2, 4])
+def test_per_expert_scale_matches_dense_cuda(R):
+    slots = ranks(R, per_expert_scale, 40, 32, 3, 16, 16 // R, 16, 3.0, 5, env=GPU_ENV)
+    assert slots[0] > 0
+
+
 def prefetch_slots(R_unused, sigma):
     r, R = dist.get_rank(), dist.get_world_size()
     S, H, K, E, B = 32, 8, 4, 4 * R, 4
@@ -110,15 +139,17 @@ def prefetch_slots(R_unused, sigma):
     x, w, ids, tpe = _inputs(S, E, K, H, sigma, 21, r, torch.bfloat16)
     _, _, _, plan = buf.dispatch(x, w, ids, tpe)
     g = torch.Generator().manual_seed(99)
-    gate = torch.randn(E + B, 6, H, generator=g).to(torch.bfloat16)
-    up = torch.randn(E + B, 6, H, generator=g).to(torch.bfloat16)
-    down = torch.randn(E + B, H, 6, generator=g).to(torch.bfloat16)
-    sentinel = torch.tensor(-7.0, dtype=torch.bfloat16)
+    dev = _device()
+    gate = torch.randn(E + B, 6, H, generator=g).to(torch.bfloat16).to(dev)
+    up = torch.randn(E + B, 6, H, generator=g).to(torch.bfloat16).to(dev)
+    down = torch.randn(E + B, H, 6, generator=g).to(torch.bfloat16).to(dev)
+    sentinel = torch.tensor(-7.0, dtype=torch.bfloat16, device=dev)
     for t in (gate, up, down):
         t[E:] = sentinel
     before = [t.clone() for t in (gate, up, down)]
     buf.prefetch_weight(plan=plan, full_gate_weight=gate, full_up_weight=up, full_down_weight=down)
     etc = plan.experts_to_copy[r].tolist()
+    assert isinstance(etc, list)
     for t, t0 in zip((gate, up, down), before):
         assert torch.equal(t[:E], t0[:E])
         for b, e in enumerate(etc):
@@ -134,6 +165,12 @@ def test_prefetch_copies_used_slots_and_leaves_unused(R):
     used = ranks(R, prefetch_slots, R, 3.0)
     assert sum(used) > 0
     assert any(u < 4 for u in used), "some slot must stay unused to check the sentinel"
+
+
+@pytest.mark.gpu
+def test_prefetch_copies_used_slots_and_leaves_unused_cuda():
+    used = ranks(2, prefetch_slots, 2, 3.0, env=GPU_ENV)
+    assert sum(used) > 0
 
 
 def bad_inputs_then_valid():

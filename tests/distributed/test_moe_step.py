@@ -14,25 +14,25 @@ from vllm_moonep.engine import MoonEPInputError
 from vllm_moonep.replicated import ReplicatedWeightLayout
 
 
-def _setup(E, H, I, K, B, max_tokens, seed=0, tp=128):
+def _setup(E, H, I, K, B, max_tokens, seed=0, tp=128, device="cpu", impl="reference"):
     r, R = dist.get_rank(), dist.get_world_size()
     w13, w2 = global_weights(E, H, I, seed)
     lw13, lw2 = local_experts(w13, w2, r, R)
-    layout = ReplicatedWeightLayout(lw13, lw2, E, B)
-    pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=tp, device="cpu"),
+    layout = ReplicatedWeightLayout(lw13.to(device), lw2.to(device), E, B)
+    pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=tp, device=device),
                             max_tokens_per_rank=max_tokens, engine="builtin")
-    return MoonEPMoE(pool, layout, impl="reference"), w13, w2
+    return MoonEPMoE(pool, layout, impl=impl), w13, w2
 
 
-def step_matrix(m_list, H, I, E, K, sigma):
+def step_matrix(m_list, H, I, E, K, sigma, device="cpu", impl="reference"):
     r = dist.get_rank()
-    moe, w13, w2 = _setup(E, H, I, K, B=4, max_tokens=512)
+    moe, w13, w2 = _setup(E, H, I, K, B=4, max_tokens=512, device=device, impl=impl)
     errs, slots = [], 0
     for m in m_list:
         x, ids, w = rank_inputs(m, E, K, H, sigma=sigma, seed=m, rank=r)
-        n_max = torch.tensor([m])
-        out = moe.forward(x, ids, w, num_tokens_across_dp=int(n_max))
-        errs.append(check_against_dense(out, x, ids, w, w13, w2))
+        out = moe.forward(x.to(device), ids.to(device), w.to(device), num_tokens_across_dp=m)
+        assert out.device.type == torch.device(device).type
+        errs.append(check_against_dense(out.cpu(), x, ids, w, w13, w2))
         slots += int((moe.last.experts_to_copy >= 0).sum())
     moe.pool.destroy()
     moe.layout.destroy()
@@ -44,6 +44,14 @@ def test_replicated_step_matches_dense_with_skew(R):
     E = 30 if R == 3 else 32
     res = ranks(R, step_matrix, [1, 37, 100], 128, 256, E, 4, 2.5)
     assert all(s > 0 for _, s in res), "skewed routing must fill prefetch slots"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R", [2, 4])
+@pytest.mark.parametrize("impl", ["reference", "grouped_mm", "triton"])
+def test_replicated_step_matches_dense_cuda(R, impl):
+    res = ranks(R, step_matrix, [1, 37, 100, 512], 256, 512, 32, 4, 2.5, "cuda", impl)
+    assert all(s > 0 for _, s in res)
 
 
 def test_replicated_step_larger_shapes():
