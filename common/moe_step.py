@@ -2,13 +2,16 @@
 
 ``MoonEPMoE.forward`` is the whole pipeline of DESIGN.md's "One MoE step": sanitize and pad to
 the pool's capacity, dispatch, prefetch the planned slots, the grouped expert compute, combine.
-The vLLM prepare/finalize and experts classes run the same pieces split at vLLM's seams; tools
-and tests use this class directly.
+The pieces are module-level functions (``check_hidden_states``, ``fold_router_weight_on_input``,
+``dispatch_and_prefetch``, ``combine_rows``) so that the vLLM prepare/finalize and experts classes
+(``common/vllm_modular.py``) run exactly the same code split at vLLM's seams; tools and tests use
+``MoonEPMoE`` directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +21,19 @@ from vllm_moonep.common.padding import pad_to_capacity, tokens_per_expert
 from vllm_moonep.common.pool import MoonEPBufferPool
 from vllm_moonep.common.timing import NullTimer
 from vllm_moonep.engine import MoonEPInputError
+
+__all__ = [
+    "DispatchState",
+    "MoonEPMoE",
+    "StepInfo",
+    "check_hidden_states",
+    "combine_rows",
+    "dispatch_and_prefetch",
+    "fold_router_weight_on_input",
+    "step_token_count",
+]
+
+_NULL = NullTimer()
 
 
 @dataclass
@@ -29,6 +45,93 @@ class StepInfo:
     cu_seqlens: torch.Tensor
     experts_to_copy: torch.Tensor
     rows: int  # real rows this rank computed (S*K by construction)
+
+
+@dataclass
+class DispatchState:
+    """What ``dispatch_and_prefetch`` leaves for ``combine_rows``."""
+
+    buffer: Any
+    plan: Any
+    capacity: int
+    num_tokens: int  # this rank's real tokens (rows of the output)
+    topk: int
+    cu_seqlens: torch.Tensor
+
+    def info(self) -> StepInfo:
+        return StepInfo(self.capacity, self.num_tokens, self.cu_seqlens, self.plan.experts_to_copy,
+                        self.capacity * self.topk)
+
+
+def check_hidden_states(hidden: torch.Tensor, hidden_size: int | None = None) -> None:
+    """BF16 ``[s, H]`` hidden states, else ``MoonEPInputError`` (nothing is modified)."""
+    if not isinstance(hidden, torch.Tensor):
+        raise MoonEPInputError(f"hidden states must be a tensor, got {type(hidden).__name__}")
+    if hidden.dtype != torch.bfloat16:
+        raise MoonEPInputError(
+            f"MoonEP supports BF16 hidden states only, got {hidden.dtype} (serve the model with --dtype bfloat16)"
+        )
+    if hidden.dim() != 2 or (hidden_size is not None and hidden.shape[1] != hidden_size):
+        want = "H" if hidden_size is None else f"H={hidden_size}"
+        raise MoonEPInputError(f"hidden states must be [s, {want}], got {list(hidden.shape)}")
+
+
+def fold_router_weight_on_input(
+    hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 ``apply_router_weight_on_input``: scale the input rows, route with weight 1."""
+    if topk_ids.dim() != 2 or topk_ids.shape[1] != 1:
+        raise MoonEPInputError(
+            f"apply_router_weight_on_input requires top-1 routing, got top-k ids of shape {list(topk_ids.shape)}"
+        )
+    hidden = hidden * topk_weights.to(hidden.dtype)
+    return hidden, torch.ones_like(topk_weights, dtype=torch.float32)
+
+
+def step_token_count(num_local: int, num_tokens_across_dp: int | None) -> int:
+    """The token count that picks the buffer: the max across DP ranks, or the local count."""
+    if num_tokens_across_dp is None:
+        return int(num_local)
+    n = int(num_tokens_across_dp)
+    if n < num_local:
+        raise MoonEPInputError(f"num_tokens_across_dp={n} is smaller than this rank's {num_local} tokens")
+    return n
+
+
+def dispatch_and_prefetch(
+    pool: MoonEPBufferPool,
+    layout: WeightLayout,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_tokens: int,
+    *,
+    timer=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchState]:
+    """Pick the buffer for ``num_tokens`` (same on every rank), pad, dispatch, fill the slots.
+
+    Returns ``(hidden_nvsh [NvS,H], route_weights_nvs [NvS], cu_seqlens [E+B], state)``.
+    Every check that can fail on bad input runs before the first collective.
+    """
+    t = timer or _NULL
+    with t.phase("pad"):
+        cap = pool.capacity_for(num_tokens)  # raises on capacity overflow, before any collective
+        if hidden.shape[0] > cap:
+            raise MoonEPInputError(f"MoonEP buffer capacity exceeded: {hidden.shape[0]} tokens > S={cap}")
+        x, ids, w, s = pad_to_capacity(hidden, topk_ids, topk_weights, cap)
+        tpe = tokens_per_expert(ids, layout.num_experts)
+        cap, buf = pool.get(num_tokens)
+    with t.phase("dispatch"):
+        x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)
+    with t.phase("prefetch"):
+        layout.prefetch(buf, plan)
+    return x_nvsh, w_nvs, cu, DispatchState(buf, plan, cap, s, int(ids.shape[1]), cu)
+
+
+def combine_rows(state: DispatchState, y: torch.Tensor) -> torch.Tensor:
+    """Expert outputs ``[NvS, H]`` back to this rank's ``[s, H]`` tokens (the K-sum)."""
+    out, _, _ = state.buffer.combine(state.plan, y)
+    return out[: state.num_tokens]
 
 
 class MoonEPMoE:
@@ -61,30 +164,16 @@ class MoonEPMoE:
         ``num_tokens_across_dp`` (the max token count over the DP ranks) picks the buffer; every
         rank must pass the same value. ``None``: this rank's count (all ranks must agree).
         """
-        if hidden.dtype != torch.bfloat16:
-            raise MoonEPInputError(f"MoonEP supports BF16 hidden states only, got {hidden.dtype}")
-        if hidden.dim() != 2 or hidden.shape[1] != self.layout.hidden_size:
-            raise MoonEPInputError(f"hidden states must be [s, H={self.layout.hidden_size}], got {list(hidden.shape)}")
-        t = self.timer
-        with t.phase("pad"):
-            if apply_router_weight_on_input:
-                if topk_ids.shape[1] != 1:
-                    raise MoonEPInputError("apply_router_weight_on_input requires top-1 routing")
-                hidden = hidden * topk_weights.to(hidden.dtype)
-                topk_weights = torch.ones_like(topk_weights, dtype=torch.float32)
-            n = hidden.shape[0] if num_tokens_across_dp is None else int(num_tokens_across_dp)
-            if n < hidden.shape[0]:
-                raise MoonEPInputError(f"num_tokens_across_dp={n} is smaller than this rank's {hidden.shape[0]} tokens")
-            cap, buf = self.pool.get(n)
-            x, ids, w, s = pad_to_capacity(hidden, topk_ids, topk_weights, cap)
-            tpe = tokens_per_expert(ids, self.layout.num_experts)
-        with t.phase("dispatch"):
-            x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)
-        with t.phase("prefetch"):
-            self.layout.prefetch(buf, plan)
-        with t.phase("experts"):
+        check_hidden_states(hidden, self.layout.hidden_size)
+        if apply_router_weight_on_input:
+            hidden, topk_weights = fold_router_weight_on_input(hidden, topk_ids, topk_weights)
+        n = step_token_count(hidden.shape[0], num_tokens_across_dp)
+        x_nvsh, w_nvs, cu, state = dispatch_and_prefetch(
+            self.pool, self.layout, hidden, topk_ids, topk_weights, n, timer=self.timer
+        )
+        with self.timer.phase("experts"):
             y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl)
-        with t.phase("combine"):
-            out, _, _ = buf.combine(plan, y)
-        self.last = StepInfo(cap, s, cu, plan.experts_to_copy, cap * ids.shape[1])
-        return out[:s]
+        with self.timer.phase("combine"):
+            out = combine_rows(state, y)
+        self.last = state.info()
+        return out

@@ -51,5 +51,12 @@ def pad_to_capacity(
 
 
 def tokens_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Local bincount of the (sanitized) ids, int32 ``[E]``."""
-    return torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=num_experts).to(torch.int32)
+    """Local bincount of the (sanitized) ids, int32 ``[E]``; ids ``>= num_experts`` are rejected
+    (the bincount's length shows them without an extra host synchronization)."""
+    counts = torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=num_experts)
+    if counts.numel() > num_experts:
+        raise MoonEPInputError(
+            f"topk_ids must be in [0, {num_experts}) (negative ids are sanitized to expert 0), "
+            f"got max {counts.numel() - 1}"
+        )
+    return counts.to(torch.int32)

@@ -18,6 +18,9 @@ MIN_CAPACITY = 128
 
 def capacity_for(num_tokens: int, max_tokens_per_rank: int, min_capacity: int = MIN_CAPACITY) -> int:
     """Smallest power of two >= ``num_tokens`` (and >= ``min_capacity``), capped at the maximum."""
+    if isinstance(num_tokens, bool) or not hasattr(num_tokens, "__index__"):
+        raise MoonEPInputError(f"token count must be an int, got {type(num_tokens).__name__} {num_tokens!r}")
+    num_tokens = num_tokens.__index__()
     if num_tokens < 0:
         raise MoonEPInputError(f"token count must be >= 0, got {num_tokens}")
     if num_tokens > max_tokens_per_rank:
@@ -72,8 +75,16 @@ class MoonEPBufferPool:
         return n
 
     def destroy(self) -> None:
-        """Destroy every buffer (collective); idempotent."""
-        for buf in self.buffers.values():
-            buf.destroy()
-        self.buffers.clear()
+        """Destroy every buffer, newest first; idempotent. With the built-in engine this issues no
+        collective, so it also works after a failed step. Call before the process group is
+        destroyed. Every buffer is destroyed even if one raises (the first error is re-raised)."""
         self._destroyed = True
+        first = None
+        while self.buffers:
+            _, buf = self.buffers.popitem()
+            try:
+                buf.destroy()
+            except Exception as exc:  # keep tearing down; report the first failure
+                first = first or exc
+        if first is not None:
+            raise first

@@ -9,40 +9,37 @@ reads it directly.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from vllm_moonep.common.grouped_gemm import GroupedWeights
 from vllm_moonep.common.layout import check_local_experts
 from vllm_moonep.common.memory import MemoryReport, replicated_accounting
 from vllm_moonep.engine import MoonEPStateError
-
-
-def _world(group) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group), dist.get_rank(group)
-    return 1, 0
-
-
-def _all_gather_rows(t: torch.Tensor, group, world: int) -> torch.Tensor:
-    if world == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+from vllm_moonep.engine.transport import CollectiveTransport
 
 
 class ReplicatedWeightLayout:
     """``[E+B]`` gate/up/down on every rank, built from this rank's ``w13 [epn,2I,H]``, ``w2 [epn,H,I]``.
 
     ``keeps_local_params`` says whether the caller keeps its own local parameters allocated
-    beside the copy (vLLM's PoC does); it only affects the memory report.
+    beside the copy (vLLM's PoC does); it only affects the memory report. The load-time
+    all-gathers go through the engine's bounded transport (``timeout_s``; ``None``:
+    ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s): a peer that dies or never loads makes the
+    others raise ``MoonEPCollectiveTimeout`` naming it. ``destroy()`` is local and idempotent.
     """
 
     kind = "replicated"
 
     def __init__(self, w13_local: torch.Tensor, w2_local: torch.Tensor, num_experts: int, num_slots: int,
-                 group=None, *, keeps_local_params: bool = True):
-        world, rank = _world(group)
+                 group=None, *, keeps_local_params: bool = True, timeout_s: float | None = None):
+        transport = CollectiveTransport(group, timeout_s=timeout_s)
+        try:
+            self._load(transport, w13_local, w2_local, num_experts, num_slots, keeps_local_params)
+        finally:
+            transport.close()  # the layout issues no collective after loading
+        self._destroyed = False
+
+    def _load(self, transport, w13_local, w2_local, num_experts, num_slots, keeps_local_params):
+        world, rank = transport.world_size, transport.rank
         epn, I, H = check_local_experts(w13_local, w2_local, num_experts, world, num_slots)
         self.num_experts, self.num_slots = num_experts, num_slots
         self.hidden_size, self.intermediate_size = H, I
@@ -50,8 +47,8 @@ class ReplicatedWeightLayout:
         self.keeps_local_params = keeps_local_params
         E, B = num_experts, num_slots
         dev = w13_local.device
-        w13 = _all_gather_rows(w13_local, group, world)  # [E, 2I, H]
-        w2 = _all_gather_rows(w2_local, group, world)  # [E, H, I]
+        w13 = transport.all_gather(w13_local, "ReplicatedWeightLayout: all_gather(w13)").view(E, 2 * I, H)
+        w2 = transport.all_gather(w2_local, "ReplicatedWeightLayout: all_gather(w2)").view(E, H, I)
         self.full_gate_weight = torch.zeros(E + B, I, H, dtype=torch.bfloat16, device=dev)
         self.full_up_weight = torch.zeros(E + B, I, H, dtype=torch.bfloat16, device=dev)
         self.full_down_weight = torch.zeros(E + B, H, I, dtype=torch.bfloat16, device=dev)
@@ -60,7 +57,6 @@ class ReplicatedWeightLayout:
         self.full_down_weight[:E].copy_(w2)
         del w13, w2
         self._weights = GroupedWeights.contiguous(self.full_gate_weight, self.full_up_weight, self.full_down_weight)
-        self._destroyed = False
 
     def _alive(self, what: str) -> None:
         if self._destroyed:

@@ -4,7 +4,8 @@
 # grouped GEMM paths against float64, the engine and the MoE step on CUDA with 2 and 4 rank
 # processes sharing the GPU over gloo, PyTorch symmetric memory across processes) and the rest
 # of the CPU suite, then print the environment and a pass/fail summary.
-# Usage (repo root): bash tools/gpu_suite.sh [extra pytest args]; AB=1 also runs moonep-ab --device cuda.
+# Usage (repo root): bash tools/gpu_suite.sh [extra pytest args]; PYTEST_PATHS narrows the run;
+# AB=1 also runs moonep-ab --device cuda.
 set -u
 source tools/gpu_env.sh
 export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
@@ -22,7 +23,7 @@ if torch.cuda.is_available():
 PY
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader 2>/dev/null | tee -a "$OUT/environment.txt"
 start=$(date +%s)
-timeout ${SUITE_TIMEOUT:-420} python3 -m pytest tests -q -rfEs -p no:cacheprovider -m "not slow" \
+timeout ${SUITE_TIMEOUT:-420} python3 -m pytest ${PYTEST_PATHS:-tests} -q -rfEs -p no:cacheprovider -m "not slow" \
   --junitxml="$OUT/gpu-suite.xml" "$@" 2>&1 | tee "$OUT/gpu-suite.log" | tail -40
 rc=${PIPESTATUS[0]}
 echo "gpu_suite: pytest exit $rc in $(( $(date +%s) - start ))s"

@@ -20,14 +20,33 @@ import time
 import traceback
 from typing import Any, Callable
 
-__all__ = ["RankError", "RankPool", "get_pool", "launched_world_size", "run_on_ranks", "shutdown_pools"]
+__all__ = ["RankError", "RankFailure", "RankPool", "get_pool", "launched_world_size", "run_on_ranks", "shutdown_pools"]
 
-#: how long a worker waits in one collective before gloo gives up (seconds)
+#: how long a worker waits in one collective before gloo gives up (seconds); a pool's ``env`` may
+#: set VLLM_MOONEP_TEST_GROUP_TIMEOUT_S for its own ranks (read when the group is made)
 GROUP_TIMEOUT_S = float(os.environ.get("VLLM_MOONEP_TEST_GROUP_TIMEOUT_S", "120"))
+
+
+def _group_timeout_s() -> float:
+    return float(os.environ.get("VLLM_MOONEP_TEST_GROUP_TIMEOUT_S", GROUP_TIMEOUT_S))
 
 
 class RankError(RuntimeError):
     """One or more ranks raised; the message carries each rank's traceback."""
+
+
+class RankFailure:
+    """What ``run(..., allow_failures=True)`` returns for a rank that did not return a result.
+
+    ``status``: ``"error"`` (the function raised; ``detail`` is the traceback), ``"died"`` (the
+    process exited; ``exitcode``), or ``"timeout"`` (no answer within the run's deadline).
+    """
+
+    def __init__(self, rank: int, status: str, detail: str, exitcode: int | None = None):
+        self.rank, self.status, self.detail, self.exitcode = rank, status, detail, exitcode
+
+    def __repr__(self) -> str:
+        return f"RankFailure(rank={self.rank}, status={self.status!r}, exitcode={self.exitcode})"
 
 
 def _free_port() -> int:
@@ -51,7 +70,7 @@ def _init_group(rank: int, world_size: int, init_method: str, backend: str) -> N
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=_group_timeout_s()),
     )
 
 
@@ -118,45 +137,68 @@ class RankPool:
                 try:
                     return conn.recv()
                 except EOFError:
-                    return "error", f"rank {rank} exited (exit code {self.procs[rank].exitcode})"
+                    self.procs[rank].join(timeout=1)
+                    return "died", f"rank {rank} exited (exit code {self.procs[rank].exitcode})"
             if not self.procs[rank].is_alive() and not conn.poll(0):
-                return "error", f"rank {rank} died (exit code {self.procs[rank].exitcode})"
+                return "died", f"rank {rank} died (exit code {self.procs[rank].exitcode})"
         return "timeout", f"rank {rank} did not answer within {timeout_s:.0f}s"
 
-    def run(self, fn: Callable, *args, timeout_s: float = 600.0, **kwargs) -> list[Any]:
-        """``fn(*args, **kwargs)`` on every rank; results in rank order, or ``RankError``."""
+    def run(self, fn: Callable, *args, timeout_s: float = 600.0, allow_failures: bool = False, **kwargs) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; results in rank order, or ``RankError``.
+
+        With ``allow_failures`` a rank that raised, died or did not answer yields a
+        ``RankFailure`` in its place instead of an exception (fault-injection tests kill ranks
+        on purpose). Either way a failure leaves the pool broken and closed: a dead rank, or a
+        process group that failed mid-collective, cannot be reused.
+        """
         if self.broken:
             raise RankError("this rank pool is broken (an earlier call failed); make a new one")
-        for c in self.conns:
-            c.send((fn, args, kwargs))
+        for r, c in enumerate(self.conns):
+            try:
+                c.send((fn, args, kwargs))
+            except (BrokenPipeError, OSError):
+                pass  # a dead rank: reported by _recv below
         results: list[Any] = [None] * self.world_size
         errors: list[str] = []
         deadline = time.monotonic() + timeout_s
         for r, c in enumerate(self.conns):
             # once a rank failed, peers stuck in a collective get a short grace period
-            left = max(deadline - time.monotonic(), 0.1) if not errors else min(GROUP_TIMEOUT_S + 15, max(deadline - time.monotonic(), 0.1))
+            left = max(deadline - time.monotonic(), 0.1) if not errors else min(_group_timeout_s() + 15, max(deadline - time.monotonic(), 0.1))
             status, payload = self._recv(r, c, left)
             if status == "ok":
                 results[r] = payload
             else:
                 errors.append(f"--- rank {r} ({status}) ---\n{payload}")
+                results[r] = RankFailure(r, status, payload, self.procs[r].exitcode)
         if errors:
             self.broken = True
             self.close()
+            if allow_failures:
+                return results
             raise RankError(f"{fn.__module__}.{fn.__qualname__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return results
 
-    def close(self) -> None:
+    def close(self, grace_s: float = 5.0) -> None:
+        """Ask every rank to leave (it destroys its process group), wait ``grace_s`` in all, then
+        kill the stragglers (a rank whose group has a pending failed collective may block in
+        ``destroy_process_group`` until the group's own timeout). Idempotent."""
         for c in self.conns:
             try:
                 c.send(None)
             except Exception:
                 pass
+        deadline = time.monotonic() + grace_s
         for p in self.procs:
-            p.join(timeout=5)
+            p.join(timeout=max(deadline - time.monotonic(), 0.01))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        for c in self.conns:
+            try:
+                c.close()
+            except Exception:
+                pass
         self.conns, self.procs = [], []
         self.broken = True
 
@@ -186,16 +228,22 @@ def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, 
     Under torchrun the launched processes are the ranks: ``world_size`` must equal the launched
     world size (callers skip otherwise) and each process returns ``[its own result]`` gathered
     from every rank. Otherwise a (cached, or with ``fresh=True`` new) spawned pool runs it.
+    ``timeout_s=`` and ``allow_failures=`` go to ``RankPool.run`` (spawned pools only; use
+    ``fresh=True`` when ranks are killed on purpose).
     """
     launched = launched_world_size()
     if launched is not None:
         import torch.distributed as dist
 
+        kwargs.pop("timeout_s", None)
+        if kwargs.pop("allow_failures", False):
+            raise RankError("allow_failures (fault injection) needs spawned ranks, not a torchrun launch")
+
         if launched != world_size:
             raise RankError(f"launched with WORLD_SIZE={launched}, the call needs {world_size}")
         if not dist.is_initialized():
             backend = os.environ.get("VLLM_MOONEP_BACKEND", "gloo")
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=_group_timeout_s()))
         if env:
             os.environ.update(env)
         mine = fn(*args, **kwargs)

@@ -80,7 +80,14 @@ class Buffer:
     ``group`` is the EP process group (``None``: the default group). Extra keywords:
     ``device`` (default: the current CUDA device if available, else CPU), ``dtype`` of the hidden
     rows (bf16 by contract; float32 allowed for exact tests), ``check_inputs`` (validate every
-    call; costs a host synchronization on GPU).
+    call; costs a host synchronization on GPU), ``timeout_s`` (bound on each collective; ``None``:
+    ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s; see ``vllm_moonep.engine.transport``).
+
+    Faults: when a peer dies or stops calling, ``dispatch``/``combine`` (and construction) raise
+    ``MoonEPCollectiveTimeout`` within ``timeout_s`` naming the operation, the step and the peer;
+    no output is returned. The process group is unusable afterwards: every call except
+    ``destroy()`` then raises ``MoonEPStateError``. ``destroy()`` issues no collective here, so it
+    works after a failure; it must still run before the process group is destroyed.
     """
 
     engine_name = "builtin"
@@ -100,6 +107,7 @@ class Buffer:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
         check_inputs: bool = True,
+        timeout_s: float | None = None,
         **_ignored,
     ):
         R = num_ep_ranks
@@ -108,8 +116,9 @@ class Buffer:
         validate_config(S, H, K, E, R, B, token_padding)
         if dtype not in (torch.bfloat16, torch.float32):
             raise MoonEPInputError(f"dtype must be torch.bfloat16 (or float32 for tests), got {dtype}")
-        self.transport = CollectiveTransport(group, world_size=R)
+        self.transport = CollectiveTransport(group, world_size=R, timeout_s=timeout_s)
         if self.transport.world_size != R:
+            self.transport.close()
             raise MoonEPInputError(
                 f"num_ep_ranks={R} does not match the process group's size {self.transport.world_size}"
             )
@@ -129,8 +138,13 @@ class Buffer:
         self._step = 0
         # Construction is collective: every rank must agree on the shape of the buffer.
         mine = torch.tensor([S, H, K, E, R, B, token_padding], dtype=torch.int64, device=self._comm_device())
-        every = self.transport.all_gather(mine, "Buffer.__init__ (config check)")
+        try:
+            every = self.transport.all_gather(mine, "Buffer.__init__ (config check)")
+        except BaseException:
+            self.destroy()
+            raise
         if not bool((every == mine).all()):
+            self.destroy()
             rows = every.tolist()
             raise MoonEPInputError(
                 "MoonEP Buffer configuration differs across ranks ([S,H,K,E,R,B,tp] per rank): " + str(rows)
@@ -143,6 +157,12 @@ class Buffer:
     def _alive(self, what: str) -> None:
         if self._destroyed:
             raise MoonEPStateError(f"Buffer.{what}: the buffer was destroyed")
+        why = self.transport.broken
+        if why is not None:
+            raise MoonEPStateError(
+                f"Buffer.{what}: the process group is unusable after an earlier failure ({why}); "
+                "destroy the buffers, pools and layouts, then the process group, and build a fresh set"
+            )
 
     def _check_dispatch_inputs(self, hidden, route_w, ids, tpe) -> None:
         S, H, K, E = self.S, self.H, self.K, self.E
@@ -154,6 +174,7 @@ class Buffer:
         for name, t in (("hidden_sh", hidden), ("route_weights_sk", route_w), ("topk_experts_sk", ids), ("tokens_per_expert", tpe)):
             need(isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}")
             need(t.device == self.device, f"{name} is on {t.device}, the buffer on {self.device}")
+            need(t.is_contiguous(), f"{name} must be contiguous (the contract passes raw rows), got strides {t.stride()}")
         need(hidden.dtype == self.dtype, f"hidden_sh must be {self.dtype}, got {hidden.dtype}")
         need(tuple(hidden.shape) == (S, H), f"hidden_sh must be [S={S}, H={H}], got {list(hidden.shape)} (callers pad to S)")
         need(route_w.dtype == torch.float32, f"route_weights_sk must be float32, got {route_w.dtype}")
@@ -219,6 +240,11 @@ class Buffer:
         self._alive(what)
         if not isinstance(plan, Plan) or plan.owner != id(self):
             raise MoonEPStateError(f"Buffer.{what}: the plan was not made by this buffer's dispatch")
+        if plan.step != self._step - 1:
+            raise MoonEPStateError(
+                f"Buffer.{what}: the plan is from dispatch #{plan.step}, but this buffer has dispatched since "
+                f"(latest #{self._step - 1}); a buffer holds one step in flight: combine before the next dispatch"
+            )
 
     def prefetch_weight(self, plan=None, full_gate_weight=None, full_up_weight=None, full_down_weight=None):
         """Slot row ``E+b`` of each ``[E+B, out, in]`` weight becomes a copy of row ``experts_to_copy[rank, b]``."""
@@ -230,6 +256,11 @@ class Buffer:
                 raise MoonEPInputError(f"prefetch_weight: {name} must be [E+B={self.E + self.B}, out, in], got {shape}")
             if w.device != self.device:
                 raise MoonEPInputError(f"prefetch_weight: {name} is on {w.device}, the buffer on {self.device}")
+            if w.dtype != torch.bfloat16 or not w.is_contiguous():
+                raise MoonEPInputError(
+                    f"prefetch_weight: {name} must be a contiguous bf16 tensor, got {w.dtype}"
+                    f"{'' if w.is_contiguous() else ' (not contiguous)'}"
+                )
         copy_slots_from_rows(plan.experts_to_copy[self.rank], self.E, [w for _, w in weights])
 
     def combine(self, plan, hidden_nvsh, route_weights_nvs=None):
@@ -242,12 +273,16 @@ class Buffer:
             raise MoonEPInputError(
                 f"combine: hidden_nvsh must be {self.dtype} on {self.device}, got {hidden_nvsh.dtype} on {hidden_nvsh.device}"
             )
+        if not hidden_nvsh.is_contiguous():
+            raise MoonEPInputError(f"combine: hidden_nvsh must be contiguous, got strides {hidden_nvsh.stride()}")
         if route_weights_nvs is not None and (
-            route_weights_nvs.dtype != torch.float32 or route_weights_nvs.shape[0] < self.NvS
+            not isinstance(route_weights_nvs, torch.Tensor) or route_weights_nvs.dim() != 1
+            or route_weights_nvs.dtype != torch.float32 or route_weights_nvs.shape[0] < self.NvS
+            or route_weights_nvs.device != self.device
         ):
-            raise MoonEPInputError(
-                f"combine: route_weights_nvs must be float32 [NvS={self.NvS}], got {route_weights_nvs.dtype} {list(route_weights_nvs.shape)}"
-            )
+            desc = (f"{route_weights_nvs.dtype} {list(route_weights_nvs.shape)} on {route_weights_nvs.device}"
+                    if isinstance(route_weights_nvs, torch.Tensor) else type(route_weights_nvs).__name__)
+            raise MoonEPInputError(f"combine: route_weights_nvs must be float32 [NvS={self.NvS}] on {self.device}, got {desc}")
         tr = self.transport
         tr.step = plan.step
         back = tr.all_to_all(
@@ -269,8 +304,13 @@ class Buffer:
         return out, rw, None
 
     def destroy(self) -> None:
-        """Collective and idempotent; call before the process group is destroyed."""
+        """Idempotent; call before the process group is destroyed. The built-in engine holds no
+        communication resources beyond the transport's arrival-board reference, so this issues no
+        collective and works after a failed step (the real moonep's destroy is collective)."""
+        if self._destroyed:
+            return
         self._destroyed = True
+        self.transport.close()
 
     @property
     def destroyed(self) -> bool:

@@ -12,7 +12,8 @@ class MoonEPInputError(MoonEPError, ValueError):
 
 
 class MoonEPStateError(MoonEPError):
-    """An object was used out of order (destroyed, plan from another buffer, ...)."""
+    """An object was used out of order (destroyed, plan from another buffer, a process group
+    that failed earlier, ...)."""
 
 
 class MoonEPUnavailableError(MoonEPError):
@@ -20,4 +21,34 @@ class MoonEPUnavailableError(MoonEPError):
 
 
 class MoonEPCollectiveTimeout(MoonEPError, TimeoutError):
-    """A collective did not complete within its timeout (a peer died or stopped calling)."""
+    """A collective did not complete within its timeout (a peer died or stopped calling).
+
+    The message names the operation, the step and the peer(s) that did not answer (see
+    ``vllm_moonep.engine.transport``). Structured copies of those facts:
+
+    - ``op``: the operation (e.g. ``"dispatch: all_gather(tokens_per_expert)"``)
+    - ``step``: the buffer's step (its dispatch count), ``None`` at construction / load time
+    - ``rank``, ``world_size``: this rank in the EP group
+    - ``missing``: group ranks that did not answer (empty when every peer had entered the
+      collective and the transport failed inside it)
+    - ``timed_out``: ``True`` when the bound ran out, ``False`` when the transport failed first
+      (e.g. gloo's "Connection closed by peer" when a peer process exited)
+    - ``elapsed_s``, ``timeout_s``, ``seq`` (the group's collective sequence number)
+
+    After this error the process group is unusable (the collective may still be pending in the
+    backend): every MoonEP object on the group refuses further collectives with
+    ``MoonEPStateError``; destroy them, then the process group.
+    """
+
+    def __init__(self, message: str = "", *, op: str = "", step=None, rank: int = -1, world_size: int = 0,
+                 missing=(), timed_out: bool = True, elapsed_s: float = 0.0, timeout_s: float = 0.0, seq: int = 0):
+        super().__init__(message)
+        self.op = op
+        self.step = step
+        self.rank = rank
+        self.world_size = world_size
+        self.missing = list(missing)
+        self.timed_out = timed_out
+        self.elapsed_s = elapsed_s
+        self.timeout_s = timeout_s
+        self.seq = seq

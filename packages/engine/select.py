@@ -69,7 +69,7 @@ def make_buffer(*args, engine: str = "auto", **kwargs):
     name, why = resolve_engine(engine)
     if name == "moonep":
         mod, _ = real_moonep_status()
-        for k in ("device", "dtype", "check_inputs"):
+        for k in ("device", "dtype", "check_inputs", "timeout_s"):
             kwargs.pop(k, None)
         log.info("MoonEP engine: moonep (%s)", why)
         return mod.Buffer(*args, **kwargs)

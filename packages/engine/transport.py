@@ -1,34 +1,296 @@
-"""How rows move between ranks: the collective transport (torch.distributed all-to-all).
+"""How rows move between ranks: the collective transport (torch.distributed all-to-all), with
+every collective bounded in time.
 
 Works wherever ``torch.distributed`` works: gloo on CPU (and CUDA tensors staged through the
 host), NCCL on GPUs, across nodes. A world of one rank needs no process group at all.
+
+Fault handling
+--------------
+Every collective the engine and the layouts issue goes through ``CollectiveTransport._run``:
+the collective is issued asynchronously and waited on with a bound (``timeout_s``; default
+``VLLM_MOONEP_COLLECTIVE_TIMEOUT_S``, else 300 s). When a peer dies or stops calling, the
+survivors raise ``MoonEPCollectiveTimeout`` naming the operation, the step and the peer(s) that
+did not answer, instead of hanging; nothing half-received is returned. Verified behaviour of
+gloo (``tests/distributed/test_faults.py``): ``work.wait(timeout)`` raises ``RuntimeError
+("Operation timed out!")`` after the bound while the operation stays pending in the backend (a
+second ``wait`` can still complete it); a peer process that exits makes the wait fail at once
+with "Connection closed by peer".
+
+Naming the peer that did not answer: the ``ArrivalBoard``. Each rank counts the MoonEP
+collectives it enters on a process group (the count is the same on every rank, since every rank
+issues the same collectives in the same order) and a daemon thread publishes the latest
+``(count, heartbeat, step, op)`` to the group's rendezvous store every ``heartbeat_s`` (one
+overwritten key per rank, so the store never grows). The hot path only stores a tuple in
+memory: no store round trip per collective. On a failure the survivor reads every peer's key
+twice, ``probe_s`` apart: a peer whose count is behind never entered this collective (its last
+operation is reported), a peer whose heartbeat did not advance is dead or frozen. The probe is
+taken inside the bound (the wait is split into ``timeout_s - probe_s`` and ``probe_s``), so a
+timeout is reported after ``timeout_s``; a transport error (dead peer) is reported after the
+error plus ``probe_s``. ``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (the error then
+names no peer); ``VLLM_MOONEP_HEARTBEAT_S`` overrides the publish interval
+(default ``clamp(timeout_s / 20, 0.02, 1.0)``).
+
+After a failure the group is unusable (the failed collective may still be pending in the
+backend, and a late peer would be matched against it): every transport on that group then
+refuses further collectives with ``MoonEPStateError``. Destroy the buffers, pools and layouts
+(local, no collective, so it works after a failure), then the process group, then build a
+fresh set. Note that ``dist.destroy_process_group()`` waits for a pending gloo operation until it
+fails (when the peers tear their group down, or after the group's own timeout).
+
+On NCCL, ``work.wait(timeout)`` blocks the host until the collective completes or the bound
+expires (it is a host synchronization, which the built-in engine's dispatch needs anyway for its
+split sizes); also set the process group's timeout so NCCL's watchdog aborts the communicator.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
+import threading
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
+from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
+
+__all__ = [
+    "ARRIVAL_ENV",
+    "DEFAULT_TIMEOUT_S",
+    "HEARTBEAT_ENV",
+    "TIMEOUT_ENV",
+    "ArrivalBoard",
+    "CollectiveTransport",
+    "collective_timeout_s",
+]
 
 #: default bound on one collective, seconds (override with VLLM_MOONEP_COLLECTIVE_TIMEOUT_S)
 DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "VLLM_MOONEP_COLLECTIVE_TIMEOUT_S"
+ARRIVAL_ENV = "VLLM_MOONEP_ARRIVAL_BOARD"
+HEARTBEAT_ENV = "VLLM_MOONEP_HEARTBEAT_S"
 
 
-def collective_timeout_s() -> float:
-    return float(os.environ.get("VLLM_MOONEP_COLLECTIVE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+def _positive_float(value, what: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise MoonEPInputError(f"{what} must be a positive number of seconds, got {value!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise MoonEPInputError(f"{what} must be a positive, finite number of seconds, got {value!r}")
+    return v
 
 
-class CollectiveTransport:
-    """All-gather and all-to-all over a process group (``None``: the default group).
+def collective_timeout_s(timeout_s: float | None = None) -> float:
+    """``timeout_s`` if given, else ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S``, else 300 s (validated)."""
+    if timeout_s is not None:
+        return _positive_float(timeout_s, "timeout_s")
+    env = os.environ.get(TIMEOUT_ENV)
+    if env is None or env == "":
+        return DEFAULT_TIMEOUT_S
+    return _positive_float(env, TIMEOUT_ENV)
 
-    ``world_size == 1`` without an initialised default group runs locally.
+
+def _board_enabled() -> bool:
+    return os.environ.get(ARRIVAL_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def heartbeat_s(timeout_s: float) -> float:
+    env = os.environ.get(HEARTBEAT_ENV)
+    if env:
+        return _positive_float(env, HEARTBEAT_ENV)
+    return min(1.0, max(0.02, timeout_s / 20.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The arrival board
+# ---------------------------------------------------------------------------------------------
+class ArrivalBoard:
+    """Which MoonEP collective each rank of one process group last entered, and whether it is
+    alive, published through the group's store (see the module doc).
+
+    One board per process group per process (``ArrivalBoard.for_group``), shared by every
+    transport on that group and reference-counted: the publisher thread stops when the last
+    transport closes. ``broken`` records the first failure on the group.
     """
 
-    def __init__(self, group=None, world_size: int | None = None, timeout_s: float | None = None):
+    _registry: dict[int, "ArrivalBoard"] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self, group, store, group_ranks: list[int], rank: int, label: str, interval_s: float):
+        self.group = group
+        self.store = store
+        self.group_ranks = list(group_ranks)  # global rank of each group rank
+        self.rank = rank  # this process's rank in the group
+        self.world_size = len(group_ranks)
+        self.label = label
+        self.interval_s = float(interval_s)
+        self.probe_s = 2.5 * self.interval_s
+        self.seq = 0
+        self._last = (0, None, "")  # (seq, step, op) of the last collective entered
+        self._beat = 0
+        self.broken: str | None = None
+        self.refs = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.store_error: str | None = None
+
+    # -- registry ------------------------------------------------------------------------------
+    @classmethod
+    def for_group(cls, group, interval_s: float, store=None) -> "ArrivalBoard | None":
+        """The board of ``group`` (``None``: the default group), made on first use; ``None`` when
+        the board is disabled or the group's store is not reachable from here."""
+        pg = group if group is not None else dist.group.WORLD
+        if pg is None:
+            return None
+        with cls._registry_lock:
+            board = cls._registry.get(id(pg))
+            if board is not None and board.group is pg:
+                board.refs += 1
+                return board
+            if not _board_enabled():
+                return None
+            try:
+                if store is None:
+                    store = dist.distributed_c10d._get_default_store()
+                ranks = dist.get_process_group_ranks(pg)
+                rank = dist.get_rank(pg)
+                label = getattr(pg, "group_name", "") or str(id(pg))
+            except Exception:
+                return None
+            board = cls(pg, store, ranks, rank, label, interval_s)
+            board.refs = 1
+            cls._registry[id(pg)] = board
+        board._publish()  # the key exists from the start
+        board._thread = threading.Thread(target=board._loop, name=f"moonep-arrival-{label}", daemon=True)
+        board._thread.start()
+        return board
+
+    def release(self) -> None:
+        with self._registry_lock:
+            self.refs -= 1
+            if self.refs > 0:
+                return
+            if self._registry.get(id(self.group)) is self:
+                del self._registry[id(self.group)]
+        self._stop.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=max(2 * self.interval_s, 0.5))
+        if self.broken is None and self.store_error is None:
+            try:  # tidy, best effort: a later board on the same store starts from a fresh key
+                self.store.delete_key(self._key(self.rank))
+            except Exception:
+                pass
+        self.store = None
+        self.group = None
+
+    @classmethod
+    def live_boards(cls) -> int:
+        with cls._registry_lock:
+            return len(cls._registry)
+
+    # -- hot path ------------------------------------------------------------------------------
+    def mark(self, op: str, step) -> int:
+        """Record entry into the next collective (memory only); returns its sequence number."""
+        self.seq += 1
+        self._last = (self.seq, step, op)
+        return self.seq
+
+    # -- publisher -----------------------------------------------------------------------------
+    def _key(self, group_rank: int) -> str:
+        return f"moonep/arrival/{self.label}/{self.group_ranks[group_rank]}"
+
+    def _publish(self) -> None:
+        if self.store_error is not None:
+            return
+        seq, step, op = self._last
+        self._beat += 1
+        value = f"{seq}|{self._beat}|{'' if step is None else step}|{op}"
+        try:
+            self.store.set(self._key(self.rank), value)
+        except Exception as exc:  # the store's host died: stop publishing (and stop the noise)
+            self.store_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._publish()
+            if self.store_error is not None:
+                return
+
+    # -- diagnosis -----------------------------------------------------------------------------
+    def snapshot(self) -> dict[int, tuple | None]:
+        """``{group rank: (seq, beat, step, op) or None}`` for every peer (raises if the store is gone)."""
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        keys = [self._key(r) for r in peers]
+        present = self.store.check(keys) if keys else True
+        out: dict[int, tuple | None] = {r: None for r in peers}
+        if not present:  # at least one key missing: read the ones that exist one by one
+            for r, k in zip(peers, keys):
+                if self.store.check([k]):
+                    out[r] = _parse(self.store.get(k))
+            return out
+        for r, v in zip(peers, self.store.multi_get(keys)):
+            out[r] = _parse(v)
+        return out
+
+    def diagnose(self, seq: int, first: dict | None, second: dict | None, store_exc: str | None) -> tuple[list[int], str]:
+        """``(missing group ranks, text)`` for a failure of collective ``seq`` on this rank."""
+        if second is None:
+            why = store_exc or self.store_error or "no snapshot"
+            return [], (
+                f"could not read the arrival board from the rendezvous store ({why}); the store is hosted by "
+                f"global rank 0 / MASTER_ADDR: if that rank died, it is the one that did not answer"
+            )
+        missing, notes = [], []
+        for r, now in sorted(second.items()):
+            name = f"rank {r}" + (f" (global {self.group_ranks[r]})" if self.group_ranks[r] != r else "")
+            if now is None:
+                missing.append(r)
+                notes.append(f"{name} (never published an arrival)")
+                continue
+            pseq, beat, step, op = now
+            before = first.get(r) if first else None
+            stalled = before is not None and before[1] == beat
+            life = (f"no heartbeat for {self.probe_s:.1f}s: the process is dead or frozen" if stalled
+                    else "alive" if before is not None else "liveness unknown")
+            if pseq < seq:
+                missing.append(r)
+                last = f"last entered {op!r} at step {step or '-'}, collective #{pseq}" if pseq else "entered no MoonEP collective yet"
+                notes.append(f"{name} ({last}; {life})")
+            elif stalled:
+                missing.append(r)
+                notes.append(f"{name} (entered this collective, then stopped: {life})")
+        if not missing:
+            return [], "every peer entered this collective; the transport failed inside it"
+        return missing, "peer(s) that did not answer: " + "; ".join(notes)
+
+
+def _parse(raw) -> tuple | None:
+    try:
+        s = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+        seq, beat, step, op = s.split("|", 3)
+        return int(seq), int(beat), (int(step) if step else None), op
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The transport
+# ---------------------------------------------------------------------------------------------
+class CollectiveTransport:
+    """All-gather and all-to-all over a process group (``None``: the default group), each
+    bounded by ``timeout_s`` (``None``: ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s).
+
+    ``world_size == 1`` without an initialised default group runs locally. ``step`` is set by the
+    owner (the buffer's dispatch count) and appears in error messages; ``None`` means set-up
+    (construction, weight loading). ``store`` overrides the rendezvous store the arrival board
+    publishes to. ``close()`` (idempotent) releases the board.
+    """
+
+    def __init__(self, group=None, world_size: int | None = None, timeout_s: float | None = None, *, store=None):
         self.group = group
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(group)
@@ -40,51 +302,161 @@ class CollectiveTransport:
                 "torch.distributed is not initialised: a MoonEP buffer with "
                 f"num_ep_ranks={world_size} needs a process group"
             )
-        self.timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
-        self.step = 0
+        if self.rank < 0:
+            raise MoonEPInputError("this process is not a member of the given process group")
+        self.timeout_s = collective_timeout_s(timeout_s)
+        self.step = None
         self.last_op = ""
+        self._seq = 0
+        self.board: ArrivalBoard | None = None
+        if not self.local:
+            self.board = ArrivalBoard.for_group(group, heartbeat_s(self.timeout_s), store)
+            if self.board is not None:
+                # the board outlives a transport that is garbage collected without close()
+                self._finalizer = weakref.finalize(self, ArrivalBoard.release, self.board)
+        self._closed = False
 
     @property
     def local(self) -> bool:
         return self.world_size == 1
 
-    def _wait(self, work, op: str) -> None:
+    @property
+    def broken(self) -> str | None:
+        """Why the group is unusable (a collective on it failed earlier), else ``None``."""
+        return self.board.broken if self.board is not None else getattr(self, "_broken", None)
+
+    def close(self) -> None:
+        """Release the arrival board (idempotent, local: safe after a failure)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.board is not None:
+            self._finalizer()  # calls ArrivalBoard.release once
+
+    # ------------------------------------------------------------------ bounded collectives
+    def _check_usable(self, op: str) -> None:
+        if self._closed:
+            raise MoonEPStateError(f"MoonEP collective {op!r}: the transport was closed (its owner was destroyed)")
+        why = self.broken
+        if why is not None:
+            raise MoonEPStateError(
+                f"MoonEP collective {op!r} refused: the process group is unusable after an earlier failure ({why}); "
+                "destroy the MoonEP buffers, pools and layouts, then the process group, and build a fresh set"
+            )
+
+    def _run(self, op: str, issue) -> None:
+        """Issue one collective (``issue()`` returns its async work) and wait for it, bounded."""
+        self._check_usable(op)
+        if self.board is not None:
+            seq = self.board.mark(op, self.step)
+        else:
+            self._seq += 1
+            seq = self._seq
+        t0 = time.monotonic()
+        work = issue()
+        self._wait(work, op, seq=seq, t0=t0)
+
+    def _wait(self, work, op: str, *, seq: int | None = None, t0: float | None = None) -> None:
         self.last_op = op
         if work is None:
             return
+        t0 = time.monotonic() if t0 is None else t0
+        board = self.board
+        probe = min(board.probe_s, 0.5 * self.timeout_s) if board is not None else 0.0
+        first_wait = self.timeout_s - probe
         try:
-            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as exc:  # gloo/NCCL report timeouts and dead peers as RuntimeError
-            raise MoonEPCollectiveTimeout(
-                f"MoonEP collective {op!r} (step {self.step}, rank {self.rank} of {self.world_size}) "
-                f"failed or timed out after {self.timeout_s:.0f}s: {exc}"
-            ) from exc
-        if ok is False:
-            raise MoonEPCollectiveTimeout(
-                f"MoonEP collective {op!r} (step {self.step}, rank {self.rank} of {self.world_size}) "
-                f"did not complete within {self.timeout_s:.0f}s"
-            )
+            ok = work.wait(timeout=datetime.timedelta(seconds=first_wait))
+            if ok is not False:
+                return
+            exc = RuntimeError("wait returned False")
+        except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
+            exc = e
+        # The slow path: something is wrong (or merely slow). Probe the board inside the bound.
+        timed_out = "timed out" in str(exc).lower() or (time.monotonic() - t0) >= 0.99 * first_wait
+        first = second = None
+        store_exc = None
+        if board is not None:
+            try:
+                first = board.snapshot()
+            except Exception as e:
+                store_exc = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if timed_out:
+            left = self.timeout_s - (time.monotonic() - t0)
+            if left > 0:
+                try:
+                    ok = work.wait(timeout=datetime.timedelta(seconds=left))
+                    if ok is not False:
+                        return  # slow, but it completed within the bound
+                except RuntimeError as e:
+                    if "timed out" not in str(e).lower():
+                        exc, timed_out = e, False
+        elif probe > 0:
+            time.sleep(probe)
+        if board is not None and store_exc is None:
+            try:
+                second = board.snapshot()
+            except Exception as e:
+                store_exc = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        elapsed = time.monotonic() - t0
+        if board is not None:
+            missing, diag = board.diagnose(seq or 0, first, second, store_exc)
+        else:
+            missing, diag = [], f"no arrival board ({ARRIVAL_ENV}=0 or no store), so the missing peer is unknown"
+        what = "timed out" if timed_out else "failed"
+        step = "set-up (construction/loading)" if self.step is None else f"step {self.step}"
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        msg = (
+            f"MoonEP collective {op!r} {what} after {elapsed:.1f}s (limit {self.timeout_s:g}s) at {step}, "
+            f"on rank {self.rank} of {self.world_size} (collective #{seq}); {diag}. Transport: {cause}. "
+            "The process group is unusable now: destroy the MoonEP buffers, pools and layouts, then the process group."
+        )
+        summary = f"{op!r} {what} at {step}" + (f", peers {missing} did not answer" if missing else "")
+        if board is not None:
+            board.broken = board.broken or summary
+        else:
+            self._broken = summary
+        raise MoonEPCollectiveTimeout(
+            msg, op=op, step=self.step, rank=self.rank, world_size=self.world_size, missing=missing,
+            timed_out=timed_out, elapsed_s=elapsed, timeout_s=self.timeout_s, seq=seq or 0,
+        ) from exc
 
+    # ------------------------------------------------------------------ the operations
     def all_gather(self, t: torch.Tensor, op: str) -> torch.Tensor:
         """``[world, *t.shape]``: every rank's ``t``."""
         if self.local:
+            self._check_usable(op)
             return t.unsqueeze(0).clone()
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._wait(dist.all_gather(out, t.contiguous(), group=self.group, async_op=True), op)
-        return torch.stack(out)
+        out = t.new_empty((self.world_size,) + tuple(t.shape))
+        parts = list(out.unbind(0))
+        src = t.contiguous()
+        self._run(op, lambda: dist.all_gather(parts, src, group=self.group, async_op=True))
+        return out
+
+    def all_gather_object(self, obj, op: str) -> list:
+        """Every rank's picklable ``obj`` (two bounded all-gathers: sizes, then padded bytes)."""
+        if self.local:
+            self._check_usable(op)
+            return [obj]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64), op + " (sizes)")
+        n = int(sizes.max())
+        padded = torch.zeros(n, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        every = self.all_gather(padded, op)
+        return [pickle.loads(every[r, : int(sizes[r, 0])].numpy().tobytes()) for r in range(self.world_size)]
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], op: str) -> torch.Tensor:
         """Rows ``send[sum(send_splits[:d]) : ...]`` go to rank ``d``; returns received rows in rank order."""
         if self.local:
+            self._check_usable(op)
             return send.clone()
         recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
-        work = dist.all_to_all_single(
-            recv, send.contiguous(), recv_splits, send_splits, group=self.group, async_op=True
-        )
-        self._wait(work, op)
+        src = send.contiguous()
+        self._run(op, lambda: dist.all_to_all_single(recv, src, recv_splits, send_splits, group=self.group, async_op=True))
         return recv
 
     def barrier(self, op: str = "barrier") -> None:
         if self.local:
+            self._check_usable(op)
             return
-        self._wait(dist.barrier(group=self.group, async_op=True), op)
+        self._run(op, lambda: dist.barrier(group=self.group, async_op=True))
