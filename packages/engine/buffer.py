@@ -15,12 +15,23 @@ from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 from vllm_moonep.engine.transport import CollectiveTransport
 
-__all__ = ["Buffer", "Plan", "nvs_rows", "validate_config"]
+__all__ = ["Buffer", "Plan", "nvs_rows", "resolve_device", "validate_config"]
 
 #: upstream bounds (contract, "Buffer")
 MAX_RANKS = 128
 MAX_TOPK = 32
 MAX_NVS = 2**24
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``None``: the current CUDA device if there is one, else CPU; a bare ``cuda`` gets its index
+    (tensors always report one, so comparisons need it)."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def nvs_rows(S: int, K: int, E: int, R: int, token_padding: int) -> int:
@@ -122,9 +133,7 @@ class Buffer:
             raise MoonEPInputError(
                 f"num_ep_ranks={R} does not match the process group's size {self.transport.world_size}"
             )
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, R, B
         self.epn = E // R
         self.token_padding = token_padding
