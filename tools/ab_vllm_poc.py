@@ -60,7 +60,9 @@ def ensure_workspace(device: torch.device) -> None:
         init_workspace_manager(device)
 
 
-class _Holder(torch.nn.Module):
+class LayoutHolder(torch.nn.Module):
+    """Stands in for the vLLM layer the experts read ``_moonep_weight_layout`` from."""
+
     def __init__(self, layout):
         super().__init__()
         self._moonep_weight_layout = layout
@@ -144,7 +146,7 @@ def build_poc(shape: dict, local, device: torch.device):
                                           num_global_experts=E)
         experts = MoonEPExperts(vllm_moe_config(E, K, H, I, R, r, max_tokens, device), FUSED_MOE_UNQUANTIZED_CONFIG)
         kernel = mk.FusedMoEKernel(pf, experts)
-        experts.process_weights_after_loading(_Holder(layout))
+        experts.process_weights_after_loading(LayoutHolder(layout))
         runner = PocRunner(kernel, pf, layout, layout.full_gate_weight, layout.full_down_weight, E)
         _record_plan(runner)
         runners.append(runner)

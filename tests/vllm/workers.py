@@ -1,0 +1,171 @@
+"""Rank-side helpers of the vLLM tests (module-level, so spawned ranks can unpickle them).
+
+Every rank builds the same seeded global weights, keeps its own ``E/R`` experts, routes its own
+seeded tokens, and compares its output against ``dense_moe`` in float32 on the full weights.
+
+Tolerance (``close``): |out - ref| <= ATOL + RTOL * |ref| with ATOL = RTOL = 2e-2. The MoonEP
+path rounds to bf16 three times where the float32 reference does not (the SiLU*up activation, each
+expert's output row, the combined token), each a relative error <= 2**-8 ~ 3.9e-3 of values that
+are O(1) here (x ~ N(0,1), weights ~ N(0, 1/fan_in)); 2e-2 covers their sum with a margin while
+staying below vLLM's own 6e-2 for bf16 MoE tests, and is far below any real mistake (a dropped
+or doubled expert changes the output by O(1)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+ATOL = RTOL = 2e-2
+
+
+# ---------------------------------------------------------------------------- data
+def global_weights(E: int, H: int, I: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded ``w13 [E, 2I, H]`` (gate rows first) and ``w2 [E, H, I]`` in bf16, same on every rank."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
+    return w13, w2
+
+
+def local_rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    epn = w.shape[0] // world
+    return w[rank * epn:(rank + 1) * epn].clone()
+
+
+def tokens(n: int, H: int, E: int, K: int, *, sigma: float, seed: int, rank: int):
+    """This rank's ``(x [n,H] bf16, ids [n,K] int32, weights [n,K] fp32)``."""
+    from vllm_moonep.common.routing import route
+
+    ids, w = route(n, E, K, sigma=sigma, seed=seed, rank=rank)
+    g = torch.Generator().manual_seed(77 + 131 * seed + rank)
+    x = torch.randn(n, H, generator=g).to(torch.bfloat16)
+    return x, ids, w
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> float:
+    """Assert the tolerance above; returns the max abs error."""
+    assert out.shape == ref.shape, f"{what}: shape {list(out.shape)} != {list(ref.shape)}"
+    diff = (out.float() - ref.float()).abs()
+    bound = ATOL + RTOL * ref.float().abs()
+    bad = diff > bound
+    if bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} values out of tolerance; max abs err "
+            f"{float(diff.max()):.4g}, first bad flat index {i}: got {float(out.reshape(-1)[i]):.5g}, "
+            f"want {float(ref.reshape(-1)[i]):.5g}"
+        )
+    return float(diff.max()) if diff.numel() else 0.0
+
+
+def rank_world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()
+
+
+# ---------------------------------------------------------------------------- MoonEP objects
+def make_pool(R: int, H: int, K: int, E: int, B: int, max_tokens: int, tp: int = 128):
+    from vllm_moonep.common import MoonEPBufferPool
+
+    return MoonEPBufferPool(
+        dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=tp, device="cpu"), max_tokens, engine="builtin"
+    )
+
+
+def symmetric_available() -> bool:
+    try:
+        from vllm_moonep.symmetric import SymmetricWeightLayout  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def make_layout(kind: str, w13_local, w2_local, E: int, B: int):
+    if kind == "replicated":
+        from vllm_moonep.replicated import ReplicatedWeightLayout
+
+        return ReplicatedWeightLayout(w13_local, w2_local, E, B)
+    if kind == "symmetric":
+        from vllm_moonep.symmetric import SymmetricWeightLayout
+
+        return SymmetricWeightLayout(w13_local, w2_local, E, num_slots=B, heap="host")
+    raise ValueError(kind)
+
+
+def moe_config(E: int, K: int, H: int, I: int, R: int, rank: int, max_tokens: int):
+    """A vLLM ``FusedMoEConfig`` for DP=EP=R with the moonep backend (no distributed state needed)."""
+    from vllm_moonep.tools.ab_vllm_poc import vllm_moe_config
+
+    return vllm_moe_config(E, K, H, I, R, rank, max_tokens, torch.device("cpu"))
+
+
+def Holder(layout):
+    """The vLLM layer stand-in the experts read ``_moonep_weight_layout`` from."""
+    from vllm_moonep.tools.ab_vllm_poc import LayoutHolder
+
+    return LayoutHolder(layout)
+
+
+def ensure_workspace() -> None:
+    """vLLM's workspace manager on CPU (the modular kernel asks it for scratch on non-CPU platforms)."""
+    from vllm_moonep.tools.ab_vllm_poc import ensure_workspace as ensure
+
+    ensure(torch.device("cpu"))
+
+
+def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, seed: int = 0):
+    """Pool, layout, P/F, experts and the vLLM ``FusedMoEKernel`` for this rank."""
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+
+    from vllm_moonep.common.vllm_modular import MoonEPExperts, MoonEPPrepareAndFinalize
+
+    rank, R = rank_world()
+    w13, w2 = global_weights(E, H, I, seed)
+    w13_l, w2_l = local_rows(w13, rank, R), local_rows(w2, rank, R)
+    pool = make_pool(R, H, K, E, B, max_tokens)
+    layout = make_layout(kind, w13_l, w2_l, E, B)
+    pf = MoonEPPrepareAndFinalize(pool, max_tokens_per_rank=max_tokens, num_dispatchers=R, num_global_experts=E)
+    experts = MoonEPExperts(moe_config(E, K, H, I, R, rank, max_tokens), FUSED_MOE_UNQUANTIZED_CONFIG)
+    ensure_workspace()
+    kernel = mk.FusedMoEKernel(pf, experts)  # calls pf.post_init_setup(experts)
+    experts.process_weights_after_loading(Holder(layout))
+    return dict(w13=w13, w2=w2, w13_l=w13_l, w2_l=w2_l, pool=pool, layout=layout, pf=pf, experts=experts,
+                kernel=kernel, E=E, K=K, H=H, I=I, R=R, rank=rank)
+
+
+def run_bare(o, x, ids, w, *, apply_on_input: bool = False, wr=None):
+    """prepare -> experts.apply -> finalize, by hand (no FusedMoEKernel)."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+
+    pf, ex = o["pf"], o["experts"]
+    a1q, scale, meta, ids2, w_nvs = pf.prepare(x, w, ids, o["E"], None, apply_on_input, FUSED_MOE_UNQUANTIZED_CONFIG)
+    assert scale is None and ids2 is None and w_nvs.dim() == 1
+    y = torch.empty_like(a1q)
+    ex.apply(y, a1q, o["w13_l"], o["w2_l"], w_nvs, ids, MoEActivation.SILU, o["E"], None, None, None,
+             torch.empty(0), torch.empty(0), meta, apply_on_input)
+    out = torch.empty_like(x)
+    pf.finalize(out, y, w, ids, apply_on_input, wr if wr is not None else ex.finalize_weight_and_reduce_impl())
+    return out
+
+
+def run_kernel(o, x, ids, w, *, apply_on_input: bool = False):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    return o["kernel"].apply(x, o["w13_l"], o["w2_l"], w, ids, MoEActivation.SILU, o["E"], None, apply_on_input)
+
+
+def dense_ref(o, x, ids, w, *, apply_on_input: bool = False):
+    from vllm_moonep.common.reference import dense_moe
+
+    if apply_on_input:  # the router weight scales the (bf16) input, the expert output is unweighted
+        x = (x * w.to(x.dtype))
+        w = torch.ones_like(w)
+    return dense_moe(x, ids, w, o["w13"], o["w2"])
+
+
+def set_threads() -> None:
+    torch.set_num_threads(max(1, int(os.environ.get("VLLM_MOONEP_THREADS_PER_RANK", "1"))))
