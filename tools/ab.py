@@ -314,6 +314,46 @@ def environment(device_kind: str, ranks: int) -> dict:
     return env
 
 
+def measure_anchor(device_kind: str) -> dict:
+    """A reference rate measured in the same run, so figures from different machines compare:
+    matmul throughput (bf16 on GPU, 8192^3; float32 on one CPU thread, 1024^3) and copy bandwidth."""
+    if device_kind == "cuda" and torch.cuda.is_available():
+        n, dev, dt = 8192, torch.device("cuda"), torch.bfloat16
+    else:
+        n, dev, dt = 1024, torch.device("cpu"), torch.float32
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        a = torch.randn(n, n, device=dev, dtype=dt)
+        b = torch.randn(n, n, device=dev, dtype=dt)
+        src = torch.randn(64 * 2**20 if dev.type == "cuda" else 16 * 2**20, device=dev)
+        dst = torch.empty_like(src)
+
+        def timed(fn, reps):
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+            return statistics.median(ts)
+
+        mm = timed(lambda: torch.mm(a, b), 10)
+        cp = timed(lambda: dst.copy_(src), 10)
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "matmul": f"{'bf16' if dt == torch.bfloat16 else 'fp32, 1 thread'} {n}^3",
+        "matmul_tflops": 2 * n**3 / mm / 1e12,
+        "copy_gbs": 2 * src.numel() * src.element_size() / cp / 1e9,
+    }
+
+
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -344,7 +384,8 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
         except ImportError:
             bar = None
     results = {"preset": preset, "shape": shape, "configs": {}, "skipped": skipped,
-               "environment": environment(device, ranks), "sigmas": {str(k): v for k, v in sigmas.items()}}
+               "environment": environment(device, ranks), "anchor": measure_anchor(device),
+               "sigmas": {str(k): v for k, v in sigmas.items()}}
     failures = []
     t_start = time.perf_counter()
     for cfg in configs:
@@ -441,10 +482,13 @@ def write_plots(results: dict, out_dir: str) -> list[str]:
 
 def format_table(results: dict) -> str:
     s = results["shape"]
+    an = results.get("anchor", {})
     lines = [
         f"moonep-ab: preset {results['preset']} on {results['environment']['ranks']} {results['environment']['device']} ranks; "
         f"H={s['hidden']} I={s['intermediate']} E={s['experts']} (full model / {s['expert_scale']:.1f}) "
         f"K={s['topk']} layers={s['layers']} (full model / {s['layer_scale']:.1f}) B={s['slots']}",
+        f"anchor (same run): matmul {an.get('matmul', '?')} {an.get('matmul_tflops', 0) * 1e3:.0f} GFLOP/s, "
+        f"copy {an.get('copy_gbs', 0):.0f} GB/s",
         "",
         f"{'config':<17} {'resident MiB':>12} {'home':>8} {'repl.':>8} {'slots':>8} {'load transient':>14} {'measured MiB':>12}",
     ]

@@ -41,7 +41,7 @@ def test_ab_writes_complete_json_and_plots(tmp_path):
     assert res["failures"] == []
     with open(tmp_path / "moonep-ab.json") as f:
         data = json.load(f)
-    for key in ("preset", "shape", "configs", "environment", "sigmas", "elapsed_s", "failures", "projection"):
+    for key in ("preset", "shape", "configs", "environment", "anchor", "sigmas", "elapsed_s", "failures", "projection"):
         assert key in data, key
     assert {"torch", "ranks", "device", "python"} <= set(data["environment"])
     for cfg in ("replicated", "symmetric", "symmetric-shared"):
