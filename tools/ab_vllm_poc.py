@@ -109,11 +109,24 @@ class PocRunner:
 
 
 def import_poc() -> None:
-    """Import the vLLM modules the PoC configuration uses (so callers can time/measure apart)."""
+    """Import the vLLM modules the PoC configuration uses (so callers can time/measure apart),
+    keeping vLLM's and torch's import-time warnings (no compiled ops on CPU, deprecations) quiet."""
+    import logging
+    import os
+
     install_engine_as_moonep()
-    import vllm.model_executor.layers.fused_moe.experts.moonep_experts  # noqa: F401
-    import vllm.model_executor.layers.fused_moe.modular_kernel  # noqa: F401
-    import vllm.model_executor.layers.fused_moe.prepare_finalize.moonep  # noqa: F401
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    quiet = [logging.getLogger(n) for n in ("torch", "torch._library", "torch.utils.cpp_extension", "vllm")]
+    levels = [lg.level for lg in quiet]
+    for lg in quiet:
+        lg.setLevel(logging.ERROR)
+    try:
+        import vllm.model_executor.layers.fused_moe.experts.moonep_experts  # noqa: F401
+        import vllm.model_executor.layers.fused_moe.modular_kernel  # noqa: F401
+        import vllm.model_executor.layers.fused_moe.prepare_finalize.moonep  # noqa: F401
+    finally:
+        for lg, lv in zip(quiet, levels):
+            lg.setLevel(lv)
 
 
 def build_poc(shape: dict, local, device: torch.device):
