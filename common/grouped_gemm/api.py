@@ -157,6 +157,12 @@ def expert_ffn(
         )
     if x.dtype != weights.dtype:
         raise MoonEPInputError(f"expert_ffn: x is {x.dtype}, weights are {weights.dtype}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise MoonEPInputError(f"expert_ffn: cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
+    if route_w.device != x.device or weights.gate[0].device != x.device:
+        raise MoonEPInputError(
+            f"expert_ffn: x is on {x.device}, route_w on {route_w.device}, weights on {weights.gate[0].device}"
+        )
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype:

@@ -112,16 +112,19 @@ class ArrivalBoard:
     alive, published through the group's store (see the module doc).
 
     One board per process group per process (``ArrivalBoard.for_group``), shared by every
-    transport on that group and reference-counted: the publisher thread stops when the last
-    transport closes. ``broken`` records the first failure on the group.
+    transport on that group and reference-counted: the publisher thread runs while at least one
+    transport holds it. The collective count lives as long as the process group (the board
+    tracks the group weakly, so it never keeps a destroyed group's backend alive), so it stays
+    comparable across ranks however their objects come and go. ``broken`` records the first
+    failure on the group.
     """
 
     _registry: dict[int, "ArrivalBoard"] = {}
     _registry_lock = threading.Lock()
 
-    def __init__(self, group, store, group_ranks: list[int], rank: int, label: str, interval_s: float):
-        self.group = group
-        self.store = store
+    def __init__(self, pg, group_ranks: list[int], rank: int, label: str, interval_s: float):
+        self._pg_ref = weakref.ref(pg)
+        self.store = None
         self.group_ranks = list(group_ranks)  # global rank of each group rank
         self.rank = rank  # this process's rank in the group
         self.world_size = len(group_ranks)
@@ -140,31 +143,37 @@ class ArrivalBoard:
     # -- registry ------------------------------------------------------------------------------
     @classmethod
     def for_group(cls, group, interval_s: float, store=None) -> "ArrivalBoard | None":
-        """The board of ``group`` (``None``: the default group), made on first use; ``None`` when
-        the board is disabled or the group's store is not reachable from here."""
+        """Acquire the board of ``group`` (``None``: the default group), made on first use;
+        ``None`` when the board is disabled or the group's store is not reachable from here."""
         pg = group if group is not None else dist.group.WORLD
-        if pg is None:
+        if pg is None or not _board_enabled():
             return None
         with cls._registry_lock:
+            for k in [k for k, b in cls._registry.items() if b._pg_ref() is None]:
+                del cls._registry[k]  # boards of groups that no longer exist
             board = cls._registry.get(id(pg))
-            if board is not None and board.group is pg:
-                board.refs += 1
+            if board is None or board._pg_ref() is not pg:
+                try:
+                    ranks = dist.get_process_group_ranks(pg)
+                    rank = dist.get_rank(pg)
+                    label = getattr(pg, "group_name", "") or str(id(pg))
+                except Exception:
+                    return None
+                board = cls(pg, ranks, rank, label, interval_s)
+                cls._registry[id(pg)] = board
+            board.refs += 1
+            if board.refs > 1:
                 return board
-            if not _board_enabled():
-                return None
             try:
-                if store is None:
-                    store = dist.distributed_c10d._get_default_store()
-                ranks = dist.get_process_group_ranks(pg)
-                rank = dist.get_rank(pg)
-                label = getattr(pg, "group_name", "") or str(id(pg))
+                board.store = store if store is not None else dist.distributed_c10d._get_default_store()
             except Exception:
+                board.refs -= 1
                 return None
-            board = cls(pg, store, ranks, rank, label, interval_s)
-            board.refs = 1
-            cls._registry[id(pg)] = board
+            board.store_error = None
+            board._stop = threading.Event()
         board._publish()  # the key exists from the start
-        board._thread = threading.Thread(target=board._loop, name=f"moonep-arrival-{label}", daemon=True)
+        board._thread = threading.Thread(target=board._loop, args=(board._stop,), name=f"moonep-arrival-{board.label}",
+                                         daemon=True)
         board._thread.start()
         return board
 
@@ -173,24 +182,22 @@ class ArrivalBoard:
             self.refs -= 1
             if self.refs > 0:
                 return
-            if self._registry.get(id(self.group)) is self:
-                del self._registry[id(self.group)]
-        self._stop.set()
-        t = self._thread
+            self._stop.set()
+            t, self._thread = self._thread, None
+            store, self.store = self.store, None
         if t is not None and t is not threading.current_thread():
             t.join(timeout=max(2 * self.interval_s, 0.5))
-        if self.broken is None and self.store_error is None:
-            try:  # tidy, best effort: a later board on the same store starts from a fresh key
-                self.store.delete_key(self._key(self.rank))
+        if self.broken is None and self.store_error is None and store is not None:
+            try:  # tidy, best effort
+                store.delete_key(self._key(self.rank))
             except Exception:
                 pass
-        self.store = None
-        self.group = None
 
     @classmethod
     def live_boards(cls) -> int:
+        """Boards with a running publisher (held by at least one transport)."""
         with cls._registry_lock:
-            return len(cls._registry)
+            return sum(1 for b in cls._registry.values() if b.refs > 0)
 
     # -- hot path ------------------------------------------------------------------------------
     def mark(self, op: str, step) -> int:
@@ -204,18 +211,19 @@ class ArrivalBoard:
         return f"moonep/arrival/{self.label}/{self.group_ranks[group_rank]}"
 
     def _publish(self) -> None:
-        if self.store_error is not None:
+        store = self.store
+        if self.store_error is not None or store is None:
             return
         seq, step, op = self._last
         self._beat += 1
         value = f"{seq}|{self._beat}|{'' if step is None else step}|{op}"
         try:
-            self.store.set(self._key(self.rank), value)
+            store.set(self._key(self.rank), value)
         except Exception as exc:  # the store's host died: stop publishing (and stop the noise)
             self.store_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+    def _loop(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval_s):
             self._publish()
             if self.store_error is not None:
                 return
@@ -223,16 +231,19 @@ class ArrivalBoard:
     # -- diagnosis -----------------------------------------------------------------------------
     def snapshot(self) -> dict[int, tuple | None]:
         """``{group rank: (seq, beat, step, op) or None}`` for every peer (raises if the store is gone)."""
+        store = self.store
+        if store is None:
+            raise MoonEPStateError("the arrival board was released")
         peers = [r for r in range(self.world_size) if r != self.rank]
         keys = [self._key(r) for r in peers]
-        present = self.store.check(keys) if keys else True
+        present = store.check(keys) if keys else True
         out: dict[int, tuple | None] = {r: None for r in peers}
         if not present:  # at least one key missing: read the ones that exist one by one
             for r, k in zip(peers, keys):
-                if self.store.check([k]):
-                    out[r] = _parse(self.store.get(k))
+                if store.check([k]):
+                    out[r] = _parse(store.get(k))
             return out
-        for r, v in zip(peers, self.store.multi_get(keys)):
+        for r, v in zip(peers, store.multi_get(keys)):
             out[r] = _parse(v)
         return out
 
@@ -258,7 +269,8 @@ class ArrivalBoard:
                     else "alive" if before is not None else "liveness unknown")
             if pseq < seq:
                 missing.append(r)
-                last = f"last entered {op!r} at step {step or '-'}, collective #{pseq}" if pseq else "entered no MoonEP collective yet"
+                last = (f"last entered {op!r} at step {'-' if step is None else step}, collective #{pseq}" if pseq
+                        else "published no arrival since the board started")
                 notes.append(f"{name} ({last}; {life})")
             elif stalled:
                 missing.append(r)
@@ -353,8 +365,10 @@ class CollectiveTransport:
             self._seq += 1
             seq = self._seq
         t0 = time.monotonic()
-        work = issue()
-        self._wait(work, op, seq=seq, t0=t0)
+        # no local reference to the work here: on failure _wait drops its own before raising, so
+        # a traceback kept by the caller does not keep the failed group's backend alive (which
+        # would stop the peers' pending operations from failing when this rank tears down)
+        self._wait(issue(), op, seq=seq, t0=t0)
 
     def _wait(self, work, op: str, *, seq: int | None = None, t0: float | None = None) -> None:
         self.last_op = op
@@ -397,6 +411,7 @@ class CollectiveTransport:
                 second = board.snapshot()
             except Exception as e:
                 store_exc = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        del work  # see _run
         elapsed = time.monotonic() - t0
         if board is not None:
             missing, diag = board.diagnose(seq or 0, first, second, store_exc)

@@ -1,0 +1,335 @@
+"""Faults the way serving fails in production, on real gloo ranks (fresh spawned pools, since a
+killed rank or a failed collective leaves a process group unusable):
+
+- gloo's ``work.wait(timeout)``: what it does when a peer is late (the basis of the bound);
+- a rank process that exits between dispatch and combine: the survivors raise
+  ``MoonEPCollectiveTimeout`` naming the op, the step and the dead rank, fast;
+- a rank that stops calling (sleeps; here rank 0, which hosts the store): the peer raises within
+  the timeout naming it as alive-but-absent; then every rank tears down after the failed step
+  (idempotent, before the process group), rebuilds the process group and a fresh set of
+  buffers/pools/layouts in the same process, and gets bitwise the same output as before;
+- a peer that never loads its weights: the replicated layout's load-time all-gather is bounded;
+- a rank that rejects its input: its peers time out naming it (no hang, no partial output);
+- the store's host (rank 0) exits: the survivor still raises promptly, saying why it cannot name it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
+from vllm_moonep.engine import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine.transport import ArrivalBoard
+from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.tools.launch import RankFailure, launched_world_size, run_on_ranks
+
+pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="fault injection needs spawned ranks")
+
+TIMEOUT_S = 3.0
+ENV = {"VLLM_MOONEP_COLLECTIVE_TIMEOUT_S": str(TIMEOUT_S), "VLLM_MOONEP_TEST_GROUP_TIMEOUT_S": "20"}
+#: what the survivors may take beyond the bound: the diagnosis of a transport error (probe) and
+#: scheduling noise on a 2-core machine
+SLACK_S = 2.0
+E, H, I, K, B, TP, MAX_TOKENS = 12, 128, 128, 2, 2, 8, 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fresh(R, fn, *args):
+    return run_on_ranks(R, fn, *args, env=ENV, fresh=True, allow_failures=True, timeout_s=120)
+
+
+def _build(seed=0, group=None):
+    r, R = dist.get_rank(), dist.get_world_size()
+    w13, w2 = global_weights(E, H, I, seed)
+    lw13, lw2 = local_experts(w13, w2, r, R)
+    layout = ReplicatedWeightLayout(lw13, lw2, E, B, group)
+    pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=TP, device="cpu", group=group),
+                            max_tokens_per_rank=MAX_TOKENS, engine="builtin", min_capacity=16)
+    return MoonEPMoE(pool, layout, impl="reference"), w13, w2
+
+
+def _step_inputs(step):
+    return rank_inputs(20 + 7 * step, E, K, H, sigma=2.0, seed=500 + step, rank=dist.get_rank())
+
+
+def _teardown(moe, twice=True):
+    for _ in range(2 if twice else 1):
+        moe.pool.destroy()
+        moe.layout.destroy()
+
+
+def _rebuild_group(port):
+    """Destroy the (failed) default group and make a fresh one on ``port`` (same ranks)."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=R,
+                            timeout=datetime.timedelta(seconds=20))
+
+
+def _timed(fn, *args, **kwargs):
+    t0 = time.monotonic()
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return exc, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def _describe(exc, elapsed):
+    return {
+        "type": type(exc).__name__ if exc else None,
+        "msg": str(exc) if exc else "",
+        "missing": getattr(exc, "missing", None),
+        "op": getattr(exc, "op", None),
+        "step": getattr(exc, "step", None),
+        "timed_out": getattr(exc, "timed_out", None),
+        "elapsed": elapsed,
+    }
+
+
+# ------------------------------------------------------------------------------ gloo semantics
+def gloo_wait_semantics():
+    r = dist.get_rank()
+    out = {}
+    # 1) a peer 2.5 s late, a 1 s wait: RuntimeError "timed out" after ~1 s; the work stays
+    #    pending and a second wait completes it with the right data
+    t = torch.full((4,), float(r))
+    parts = [torch.empty(4) for _ in range(2)]
+    if r == 1:
+        time.sleep(2.5)
+    t0 = time.monotonic()
+    work = dist.all_gather(parts, t, async_op=True)
+    if r == 0:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=1.0))
+            out["first"] = "completed"
+        except RuntimeError as exc:
+            out["first"] = str(exc)
+        out["first_elapsed"] = time.monotonic() - t0
+        out["second"] = work.wait(timeout=datetime.timedelta(seconds=10))
+    else:
+        work.wait(timeout=datetime.timedelta(seconds=10))
+    out["data_ok"] = all(bool((p == q).all()) for q, p in enumerate(parts))
+    # 2) through the transport: a peer late by more than the first wait but within the bound
+    #    (inside the probe window) completes without error
+    from vllm_moonep.engine.transport import CollectiveTransport
+
+    tr = CollectiveTransport(timeout_s=TIMEOUT_S)
+    board = tr.board
+    if r == 1:
+        time.sleep(TIMEOUT_S - 0.5 * board.probe_s)
+    exc, el = _timed(tr.all_gather, torch.tensor([r]), "late peer within the bound")
+    out["late_within_bound"] = (None if exc is None else str(exc), el)
+    tr.close()
+    tr.close()
+    out["boards_after_close"] = ArrivalBoard.live_boards()
+    return out
+
+
+def test_gloo_wait_timeout_semantics_and_late_peer_within_bound():
+    res = _fresh(2, gloo_wait_semantics)
+    assert not any(isinstance(x, RankFailure) for x in res), res
+    r0 = res[0]
+    assert "timed out" in r0["first"].lower(), r0
+    assert 0.9 <= r0["first_elapsed"] < 2.0, r0
+    assert r0["second"] is True and r0["data_ok"] and res[1]["data_ok"]
+    for r in res:
+        assert r["late_within_bound"][0] is None, r
+        assert r["boards_after_close"] == 0
+
+
+# ------------------------------------------------------------------------------ a rank dies
+class _DieInPrefetch:
+    """Fault injection: the victim's process exits between dispatch and combine at ``at_step``."""
+
+    def __init__(self, inner, victim, at_step):
+        self._inner, self._victim, self._at = inner, victim, at_step
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def prefetch(self, buffer, plan):
+        if dist.get_rank() == self._victim and plan.step == self._at:
+            os._exit(17)
+        self._inner.prefetch(buffer, plan)
+
+
+def rank_dies_mid_step(victim, at_step):
+    moe, w13, w2 = _build()
+    moe.layout = _DieInPrefetch(moe.layout, victim, at_step)
+    for step in range(at_step):
+        x, ids, w = _step_inputs(step)
+        check_against_dense(moe.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS), x, ids, w, w13, w2)
+    x, ids, w = _step_inputs(at_step)
+    exc, elapsed = _timed(moe.forward, x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    out = _describe(exc, elapsed)
+    # the group is unusable now: the next step is refused at once, it never hangs or returns output
+    exc2, el2 = _timed(moe.forward, x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    out["next"] = (type(exc2).__name__, str(exc2), el2)
+    _teardown(moe)  # works after a failed step, twice
+    return out
+
+
+def test_rank_exit_mid_step_survivors_name_it():
+    res = _fresh(3, rank_dies_mid_step, 2, 2)
+    assert isinstance(res[2], RankFailure) and res[2].status == "died" and res[2].exitcode == 17, res[2]
+    for r in (0, 1):
+        o = res[r]
+        assert o["type"] == "MoonEPCollectiveTimeout", o
+        assert o["missing"] == [2], o
+        assert o["op"] == "combine: all_to_all(hidden)" and o["step"] == 2, o
+        assert "'combine: all_to_all(hidden)'" in o["msg"] and "at step 2" in o["msg"], o["msg"]
+        assert "did not answer: rank 2" in o["msg"], o["msg"]
+        assert "dead or frozen" in o["msg"], o["msg"]
+        assert o["elapsed"] < TIMEOUT_S + SLACK_S, o
+        assert o["next"][0] == "MoonEPStateError" and "unusable" in o["next"][1] and o["next"][2] < 0.5, o["next"]
+
+
+# ------------------------------------------------------------------------------ a rank stops calling
+def rank_stops_calling_then_rebuild(port):
+    r = dist.get_rank()
+    moe, w13, w2 = _build()
+    x, ids, w = _step_inputs(0)
+    first = moe.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    check_against_dense(first, x, ids, w, w13, w2)
+    out = {}
+    x1, ids1, w1 = _step_inputs(1)
+    if r == 0:
+        time.sleep(2 * TIMEOUT_S)  # rank 0 (the store's host) stops calling for a while
+    exc, elapsed = _timed(moe.forward, x1, ids1, w1, num_tokens_across_dp=MAX_TOKENS)
+    out["fail"] = _describe(exc, elapsed)
+    # teardown after the failed step: idempotent, before the process group, no collective
+    _teardown(moe)
+    with pytest.raises(MoonEPStateError):
+        moe.pool.get(1)
+    with pytest.raises(MoonEPStateError):
+        moe.layout.grouped_weights()
+    t_rb = time.monotonic()
+    _rebuild_group(port)
+    out["rebuild_s"] = time.monotonic() - t_rb
+    # a fresh set in the same process: correct, and bitwise what the first set produced
+    moe2, _, _ = _build()
+    again = moe2.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    out["bitwise_after_rebuild"] = torch.equal(first, again)
+    out2 = moe2.forward(x1, ids1, w1, num_tokens_across_dp=MAX_TOKENS)
+    check_against_dense(out2, x1, ids1, w1, w13, w2)
+    _teardown(moe2)
+    out["boards_left"] = ArrivalBoard.live_boards()
+    return out
+
+
+def test_rank_stops_calling_then_teardown_and_recreate():
+    res = _fresh(2, rank_stops_calling_then_rebuild, _free_port())
+    assert not any(isinstance(x, RankFailure) for x in res), res
+    o = res[1]["fail"]  # the rank that kept calling
+    assert o["type"] == "MoonEPCollectiveTimeout" and o["timed_out"], o
+    assert o["op"] == "dispatch: all_gather(tokens_per_expert)" and o["step"] == 1, o
+    assert o["missing"] == [0] and "did not answer: rank 0" in o["msg"] and "alive" in o["msg"], o["msg"]
+    assert "timed out after" in o["msg"] and "at step 1" in o["msg"], o["msg"]
+    assert TIMEOUT_S - 0.2 <= o["elapsed"] < TIMEOUT_S + SLACK_S, o
+    # the late rank got matched against the peer's pending gather, then waited alone: it names rank 1
+    o0 = res[0]["fail"]
+    assert o0["type"] == "MoonEPCollectiveTimeout" and o0["missing"] == [1], o0
+    assert o0["elapsed"] < TIMEOUT_S + SLACK_S, o0
+    for r in res:
+        assert r["bitwise_after_rebuild"] is True
+        assert r["boards_left"] == 0
+
+
+# ------------------------------------------------------------------------------ load time, bad input, recreate
+def load_and_input_faults(port1, port2):
+    r = dist.get_rank()
+    out = {}
+    # 1) rank 1 never loads: rank 0's load-time all-gather is bounded and names it
+    if r == 0:
+        w13, w2 = global_weights(E, H, I, 0)
+        lw13, lw2 = local_experts(w13, w2, r, 2)
+        exc, el = _timed(ReplicatedWeightLayout, lw13, lw2, E, B, timeout_s=2.0)  # the argument beats the env
+        out["load"] = _describe(exc, el)
+    else:
+        time.sleep(2.0 + 1.0)
+    _rebuild_group(port1)
+    # 2) rank 1 passes ids out of range: it raises MoonEPInputError before any collective, and
+    #    rank 0 times out naming it, instead of hanging
+    moe, w13, w2 = _build()
+    x, ids, w = _step_inputs(0)
+    if r == 1:
+        ids = ids.clone()
+        ids[0, 0] = E
+    exc, el = _timed(moe.forward, x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    out["input"] = _describe(exc, el)
+    _teardown(moe)
+    _rebuild_group(port2)
+    moe, w13, w2 = _build()
+    x, ids, w = _step_inputs(0)
+    check_against_dense(moe.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS), x, ids, w, w13, w2)
+    _teardown(moe)
+    return out
+
+
+def test_load_time_and_bad_input_faults_then_recreate():
+    res = _fresh(2, load_and_input_faults, _free_port(), _free_port())
+    assert not any(isinstance(x, RankFailure) for x in res), res
+    load = res[0]["load"]
+    assert load["type"] == "MoonEPCollectiveTimeout" and load["missing"] == [1], load
+    assert load["op"] == "ReplicatedWeightLayout: all_gather(w13)" and "set-up" in load["msg"], load
+    assert 1.8 <= load["elapsed"] < 2.0 + SLACK_S, load
+    assert res[1]["input"]["type"] == "MoonEPInputError" and "topk_ids must be in [0, 12)" in res[1]["input"]["msg"], res[1]
+    o = res[0]["input"]
+    assert o["type"] == "MoonEPCollectiveTimeout" and o["missing"] == [1], o
+    # the bad ids are caught before the step's first collective (the capacity's buffer construction)
+    assert o["op"] == "Buffer.__init__ (config check)" and o["step"] is None, o
+
+
+# ------------------------------------------------------------------------------ the store's host dies
+def store_host_dies():
+    moe, w13, w2 = _build()
+    x, ids, w = _step_inputs(0)
+    moe.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    if dist.get_rank() == 0:
+        os._exit(19)
+    x, ids, w = _step_inputs(1)
+    exc, el = _timed(moe.forward, x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    out = _describe(exc, el)
+    _teardown(moe)
+    return out
+
+
+def test_store_host_dies_survivor_raises_promptly():
+    res = _fresh(2, store_host_dies)
+    assert isinstance(res[0], RankFailure) and res[0].exitcode == 19
+    o = res[1]
+    assert o["type"] == "MoonEPCollectiveTimeout", o
+    assert o["op"].startswith("dispatch") and o["step"] == 1, o
+    assert "rendezvous store" in o["msg"] and "global rank 0" in o["msg"], o["msg"]
+    assert o["elapsed"] < TIMEOUT_S + SLACK_S, o
+
+
+# ------------------------------------------------------------------------------ configuration
+def test_timeout_configuration_is_validated(monkeypatch):
+    from vllm_moonep.engine.transport import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
+
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert collective_timeout_s() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
+    assert collective_timeout_s() == 7.5 and collective_timeout_s(2) == 2.0
+    for bad in ("0", "-1", "nan", "inf", "abc"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(MoonEPInputError, match=TIMEOUT_ENV):
+            collective_timeout_s()
+    monkeypatch.delenv(TIMEOUT_ENV)
+    with pytest.raises(MoonEPInputError, match="timeout_s"):
+        collective_timeout_s(0)
