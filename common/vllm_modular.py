@@ -195,9 +195,12 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         **_extra: Any,
     ) -> mk.PrepareResultType:
         if self._state is not None:
+            # Either a caller bug (prepare twice) or a forward that failed between prepare and
+            # finalize. Say so once, and drop the dead step so the layer is usable again.
+            self._state = None
             raise MoonEPStateError(
-                "MoonEPPrepareAndFinalize.prepare() called again before finalize(): a MoonEP step is "
-                "collective and must be finished (finalize) or dropped (reset) first"
+                "MoonEPPrepareAndFinalize.prepare() called again before finalize(): the pending MoonEP step "
+                "was dropped (a step is collective: every rank must finish it or fail it); call prepare again"
             )
         layout = self._layout()
         check_hidden_states(a1, layout.hidden_size)
@@ -240,8 +243,10 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 "route weights and MoonEP's combine does the K-sum), got "
                 f"{type(weight_and_reduce_impl).__name__}; pair it with MoonEP-aware experts"
             )
-        out = combine_rows(state, fused_expert_output)
-        self._state = None
+        try:
+            out = combine_rows(state, fused_expert_output)
+        finally:
+            self._state = None  # the step is over, finished or failed
         output.copy_(out)
 
 
@@ -375,6 +380,7 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
         cu = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
         route_w = topk_weights.float()
         if apply_router_weight_on_input:
-            # already folded into the input rows before dispatch
-            route_w = torch.ones_like(route_w)
+            # The weight was folded into the input rows before dispatch: real rows get 1 (vLLM's
+            # own prepare still ships the original weight), padding and sanitized invalid ids keep 0.
+            route_w = (route_w != 0).to(route_w.dtype)
         expert_ffn(hidden_states, route_w, cu, lay.grouped_weights(), impl=self.impl, out=output)

@@ -254,8 +254,6 @@ def test_seam_verification():
 @pytest.mark.parametrize("layout,shared", [("replicated", False), ("symmetric", False), ("symmetric", True)],
                          ids=["replicated", "symmetric", "symmetric-shared-slots"])
 def test_vllm_layer_forward(layout, shared):
-    if layout == "symmetric" and not W.symmetric_available():
-        pytest.skip("symmetric/layout.py has not landed yet")
     extra = {"moonep": {"weight_layout": layout, "engine": "builtin", "num_prefetch_slots": 4,
                         "heap": "host", "impl": "reference", "shared_slot_pool": shared}}
     counts = [37, 150]

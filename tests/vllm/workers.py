@@ -74,14 +74,6 @@ def make_pool(R: int, H: int, K: int, E: int, B: int, max_tokens: int, tp: int =
     )
 
 
-def symmetric_available() -> bool:
-    try:
-        from vllm_moonep.symmetric import SymmetricWeightLayout  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def make_layout(kind: str, w13_local, w2_local, E: int, B: int):
     if kind == "replicated":
         from vllm_moonep.replicated import ReplicatedWeightLayout
