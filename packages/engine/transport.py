@@ -452,13 +452,21 @@ class CollectiveTransport:
         if self.local:
             self._check_usable(op)
             return [obj]
+        dev = self.comm_device
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64), op + " (sizes)")
+        sizes = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64, device=dev), op + " (sizes)").cpu()
         n = int(sizes.max())
-        padded = torch.zeros(n, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        every = self.all_gather(padded, op)
+        padded = torch.zeros(n, dtype=torch.uint8, device=dev)
+        padded[: data.numel()] = data.to(dev)
+        every = self.all_gather(padded, op).cpu()
         return [pickle.loads(every[r, : int(sizes[r, 0])].numpy().tobytes()) for r in range(self.world_size)]
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where host-side objects are staged for a collective: CUDA for NCCL groups, else CPU."""
+        if not self.local and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], op: str) -> torch.Tensor:
         """Rows ``send[sum(send_splits[:d]) : ...]`` go to rank ``d``; returns received rows in rank order."""

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from vllm_moonep.engine.transport import CollectiveTransport
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 
 __all__ = ["HeapHandle", "SymmetricHeap", "group_rank_world"]
@@ -90,16 +91,28 @@ class SymmetricHeap:
         self._id = f"{type(self).__name__}@{id(self):x}"
 
     # ------------------------------------------------------------------ collectives
+    # Every heap collective goes through the engine's bounded transport: a dead or stuck peer
+    # raises MoonEPCollectiveTimeout naming it instead of hanging construction or teardown.
+    # After such a failure the group is unusable, and teardown only releases local memory.
+    @property
+    def _transport(self) -> CollectiveTransport:
+        t = self.__dict__.get("_transport_obj")
+        if t is None:
+            t = CollectiveTransport(self.group, world_size=self.world_size)
+            self.__dict__["_transport_obj"] = t
+        return t
+
+    def _local_only(self) -> bool:
+        return self.world_size == 1 or self.__dict__.get("_teardown_local", False)
+
     def _all_gather_object(self, obj) -> list:
-        if self.world_size == 1:
-            return [obj]
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        if self._local_only():
+            return [obj] * self.world_size if self.world_size > 1 else [obj]
+        return self._transport.all_gather_object(obj, f"{type(self).__name__} all_gather_object")
 
     def _host_barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self.group)
+        if not self._local_only():
+            self._transport.barrier(f"{type(self).__name__} barrier")
 
     # ------------------------------------------------------------------ public API
     @property
@@ -226,10 +239,15 @@ class SymmetricHeap:
                 f"{type(self).__name__}.close: {len(self._live)} allocation(s) leaked (still live): {tags}; "
                 "destroy their owners first (LIFO) or close(force=True)"
             )
+        t = self.__dict__.get("_transport_obj")
+        if t is not None and t.broken:
+            self.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
         while self._live:
             self.free(self._live[-1])
         self._close()
         self._closed = True
+        if t is not None:
+            t.close()
 
     def __enter__(self):
         return self

@@ -333,3 +333,42 @@ def test_timeout_configuration_is_validated(monkeypatch):
     monkeypatch.delenv(TIMEOUT_ENV)
     with pytest.raises(MoonEPInputError, match="timeout_s"):
         collective_timeout_s(0)
+
+
+# ------------------------------------------------------------------------------ symmetric heap collectives
+def symmetric_load_peer_missing(port):
+    """Rank 1 never builds its symmetric layout: rank 0's heap collective is bounded and names it;
+    the heap's teardown after the failure is local; a fresh set works after a new group."""
+    from vllm_moonep.symmetric import SymmetricWeightLayout, make_heap
+
+    r = dist.get_rank()
+    out = {}
+    w13, w2 = global_weights(E, H, I, 0)
+    lw13, lw2 = local_experts(w13, w2, r, 2)
+    if r == 0:
+        heap = make_heap("host")  # both ranks make the heap (collective) ...
+        exc, el = _timed(SymmetricWeightLayout, lw13, lw2, E, B, heap=heap)  # ... only rank 0 allocates
+        out["load"] = _describe(exc, el)
+        heap.close(force=True)  # local only: the group is broken, the peer may be gone
+        out["closed"] = heap.closed and heap.live() == []
+    else:
+        heap = make_heap("host")
+        time.sleep(TIMEOUT_S + 1.0)
+        heap.close(force=True)
+    _rebuild_group(port)
+    heap = make_heap("host")
+    lay = SymmetricWeightLayout(lw13, lw2, E, B, heap=heap)
+    lay.destroy()
+    heap.close()
+    out["rebuilt"] = heap.live() == []
+    return out
+
+
+def test_symmetric_heap_collectives_are_bounded():
+    res = _fresh(2, symmetric_load_peer_missing, _free_port())
+    assert not any(isinstance(x, RankFailure) for x in res), res
+    load = res[0]["load"]
+    assert load["type"] == "MoonEPCollectiveTimeout" and load["missing"] == [1], load
+    assert "HostHeap" in load["op"], load
+    assert load["elapsed"] < TIMEOUT_S + SLACK_S, load
+    assert res[0]["closed"] and res[0]["rebuilt"] and res[1]["rebuilt"]
