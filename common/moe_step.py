@@ -98,6 +98,19 @@ def step_token_count(num_local: int, num_tokens_across_dp: int | None) -> int:
     return n
 
 
+def check_layout_matches_pool(pool: MoonEPBufferPool, layout: WeightLayout) -> None:
+    """The layout's experts and slots must be the buffers' ``E`` and ``B`` (else the plan's slot
+    rows would not exist in the layout); checked before any collective."""
+    kw = pool.buffer_kwargs
+    E, R = kw.get("E"), kw.get("num_ep_ranks")
+    B = kw.get("B") or (E // R if E and R else None)
+    if (E, B) != (layout.num_experts, layout.num_slots):
+        raise MoonEPInputError(
+            f"the weight layout has E={layout.num_experts} experts and B={layout.num_slots} slots, the buffer pool "
+            f"E={E}, B={B}: build both from the same configuration"
+        )
+
+
 def dispatch_and_prefetch(
     pool: MoonEPBufferPool,
     layout: WeightLayout,
@@ -116,10 +129,9 @@ def dispatch_and_prefetch(
     t = timer or _NULL
     with t.phase("pad"):
         cap = pool.capacity_for(num_tokens)  # raises on capacity overflow, before any collective
-        if hidden.shape[0] > cap:
-            raise MoonEPInputError(f"MoonEP buffer capacity exceeded: {hidden.shape[0]} tokens > S={cap}")
         x, ids, w, s = pad_to_capacity(hidden, topk_ids, topk_weights, cap)
         tpe = tokens_per_expert(ids, layout.num_experts)
+        check_layout_matches_pool(pool, layout)
         cap, buf = pool.get(num_tokens)
     with t.phase("dispatch"):
         x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)

@@ -45,11 +45,23 @@ class MoonEPBufferPool:
         if max_tokens_per_rank <= 0:
             raise MoonEPInputError(f"max_tokens_per_rank must be > 0, got {max_tokens_per_rank}")
         self._kwargs = {k: v for k, v in buffer_kwargs.items() if k != "S"}
+        # The step's ids and counts come from padding.tokens_per_expert (ids range-checked there,
+        # counts derived from the ids), so the engine's per-call re-validation would only add host
+        # synchronizations on a GPU; keep it on CPU, where it is free, unless the caller says.
+        if "check_inputs" not in self._kwargs:
+            from vllm_moonep.engine.buffer import resolve_device
+
+            self._kwargs["check_inputs"] = resolve_device(self._kwargs.get("device")).type != "cuda"
         self.max_tokens_per_rank = int(max_tokens_per_rank)
         self.min_capacity = int(min_capacity)
         self.engine = engine
         self.buffers: dict[int, Any] = {}
         self._destroyed = False
+
+    @property
+    def buffer_kwargs(self) -> dict[str, Any]:
+        """The ``Buffer`` arguments (except ``S``) every buffer of this pool is made with."""
+        return dict(self._kwargs)
 
     def capacity_for(self, num_tokens: int) -> int:
         return capacity_for(num_tokens, self.max_tokens_per_rank, self.min_capacity)

@@ -342,6 +342,11 @@ class SymmetricWeightLayout:
 
     def grouped_weights(self) -> GroupedWeights:
         self._alive("grouped_weights")
+        if self.slot_pool is not None and self.slot_pool.holder is not self:
+            raise MoonEPStateError(
+                "SymmetricWeightLayout.grouped_weights: the shared slot pool holds another layer's experts "
+                "(a layer's expert compute must follow its own prefetch, with no other layer's prefetch between)"
+            )
         return self._weights
 
     def prefetch(self, buffer, plan) -> None:

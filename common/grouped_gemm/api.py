@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -33,6 +33,15 @@ class GroupedWeights:
     group_pool: torch.Tensor
     group_row: torch.Tensor
     dense_groups: torch.Tensor | None = None
+    _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def dense_groups_on(self, device: torch.device) -> torch.Tensor:
+        """``dense_groups`` on ``device``, copied once (not on every expert call)."""
+        key = str(device)
+        t = self._device_copies.get(key)
+        if t is None:
+            t = self._device_copies[key] = self.dense_groups.to(device)
+        return t
 
     @staticmethod
     def contiguous(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> "GroupedWeights":

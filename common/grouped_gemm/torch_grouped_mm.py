@@ -24,7 +24,7 @@ def expert_ffn_grouped_mm(
     if weights.dense_groups is None:
         raise MoonEPInputError("grouped_mm needs a dense row source (GroupedWeights.dense_groups)")
     gate, up, down = weights.gate[0], weights.up[0], weights.down[0]
-    groups = weights.dense_groups.to(cu_seqlens.device)
+    groups = weights.dense_groups_on(cu_seqlens.device)
     offs = cu_seqlens.index_select(0, groups).to(torch.int32)
     h_gate = torch._grouped_mm(x, gate.transpose(1, 2), offs=offs)
     h_up = torch._grouped_mm(x, up.transpose(1, 2), offs=offs)

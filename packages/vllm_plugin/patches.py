@@ -276,6 +276,9 @@ def _make_manager_class():
                     pool.destroy()
                 self._pools.clear()
                 self.handle_cache._cache.clear()
+            # vLLM destroys the all2all manager before the process group: the layouts, slot pools
+            # and heaps (collective, LIFO) go with it
+            STATE.reset()
 
     return MoonEPAll2AllManager
 

@@ -252,6 +252,9 @@ def shared_slot_pool_layers(E, B, L):
             out_r = MoonEPMoE(pool, rep, impl="reference").forward(x, ids, w, num_tokens_across_dp=64)
             assert torch.equal(out.view(torch.int16), out_r.view(torch.int16))
             rep.destroy()
+    # a layer whose slots were overwritten by another layer's prefetch refuses to compute
+    with pytest.raises(MoonEPStateError, match="another layer's experts"):
+        layers[0].grouped_weights()
     # memory: L layers + one pool == the formula with a shared pool
     total = sum((lay.memory_report() for lay in layers[1:]), layers[0].memory_report()) + slot_pool.memory_report()
     assert total == symmetric_accounting(E, R, B, H, I, layers=L, shared_slot_pool=True)

@@ -113,3 +113,23 @@ def test_config_bounds_single_process():
         Buffer(2**20, 8, 32, 8, 1, device="cpu")
     b = Buffer(16, 8, 2, 8, 1, device="cpu")
     assert b.B == 8 and b._ctx["NvS"] == 16 * 2 + 127 * 2 * 8
+
+
+def test_layout_and_pool_must_agree_before_any_collective():
+    from tests.moe_fixtures import global_weights
+    from vllm_moonep.common import MoonEPMoE
+    from vllm_moonep.replicated import ReplicatedWeightLayout
+
+    w13, w2 = global_weights(8, 128, 128)
+    layout = ReplicatedWeightLayout(w13, w2, 8, 4)
+    pool = MoonEPBufferPool(dict(H=128, K=2, E=8, num_ep_ranks=1, B=2, device="cpu"), 128, engine="builtin")
+    moe = MoonEPMoE(pool, layout, impl="reference")
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    ids = torch.tensor([[0, 1]] * 4, dtype=torch.int32)
+    w = torch.full((4, 2), 0.5)
+    with pytest.raises(MoonEPInputError, match="B=4 slots, the buffer pool E=8, B=2"):
+        moe.forward(x, ids, w)
+    assert pool.buffers == {}, "no buffer (a collective) may be made for a mismatched step"
+    good = MoonEPMoE(MoonEPBufferPool(dict(H=128, K=2, E=8, num_ep_ranks=1, B=4, device="cpu"), 128, engine="builtin"),
+                     layout, impl="reference")
+    assert good.forward(x, ids, w).shape == (4, 128)
