@@ -62,8 +62,19 @@ def launched_world_size() -> int | None:
     return None
 
 
+def _bind_gpu(rank: int, backend: str) -> None:
+    """NCCL needs one GPU per rank: rank ``r`` uses GPU ``LOCAL_RANK`` (torchrun) or ``r``."""
+    if backend == "nccl":
+        import torch
+
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local % max(torch.cuda.device_count(), 1))
+
+
 def _init_group(rank: int, world_size: int, init_method: str, backend: str) -> None:
     import torch.distributed as dist
+
+    _bind_gpu(rank, backend)
 
     dist.init_process_group(
         backend=backend,
@@ -222,7 +233,8 @@ def shutdown_pools() -> None:
     _POOLS.clear()
 
 
-def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, fresh: bool = False, **kwargs) -> list[Any]:
+def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, fresh: bool = False,
+                 backend: str = "gloo", **kwargs) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks and return the per-rank results.
 
     Under torchrun the launched processes are the ranks: ``world_size`` must equal the launched
@@ -243,6 +255,7 @@ def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, 
             raise RankError(f"launched with WORLD_SIZE={launched}, the call needs {world_size}")
         if not dist.is_initialized():
             backend = os.environ.get("VLLM_MOONEP_BACKEND", "gloo")
+            _bind_gpu(int(os.environ.get("RANK", "0")), backend)
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=_group_timeout_s()))
         if env:
             os.environ.update(env)
@@ -251,9 +264,9 @@ def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, 
         dist.all_gather_object(out, mine)
         return out
     if fresh:
-        pool = RankPool(world_size, env=env)
+        pool = RankPool(world_size, env=env, backend=backend)
         try:
             return pool.run(fn, *args, **kwargs)
         finally:
             pool.close()
-    return get_pool(world_size, env=env).run(fn, *args, **kwargs)
+    return get_pool(world_size, env=env, backend=backend).run(fn, *args, **kwargs)
