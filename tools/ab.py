@@ -102,10 +102,11 @@ def _device(kind: str) -> torch.device:
 
 
 def _layer_weights(E, H, I, seed, layer, device):
-    g = torch.Generator().manual_seed(seed * 1000 + layer)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
-    return w13.to(device), w2.to(device)
+    """Seeded random weights, drawn on the device itself (full-size experts are GBs)."""
+    g = torch.Generator(device=device).manual_seed(seed * 1000 + layer)
+    w13 = (torch.randn(E, 2 * I, H, generator=g, device=device) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g, device=device) / I**0.5).to(torch.bfloat16)
+    return w13, w2
 
 
 def _build_ours(cfg, shape, local, device, impl):
