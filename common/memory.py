@@ -86,10 +86,14 @@ def measured_bytes(device: torch.device | str) -> dict:
     """What the process holds now: CUDA allocator statistics on GPU, RSS on CPU."""
     device = torch.device(device)
     if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
         return {
             "allocated": torch.cuda.memory_allocated(device),
             "max_allocated": torch.cuda.max_memory_allocated(device),
             "reserved": torch.cuda.memory_reserved(device),
+            # the whole device, so allocations outside torch's caching allocator count too
+            # (PyTorch symmetric memory and NVSHMEM have their own)
+            "device_used": total - free,
         }
     rss = 0
     try:

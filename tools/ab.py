@@ -182,8 +182,9 @@ def rank_build(cfg, shape, seed, device_kind, impl):
     load_s = time.perf_counter() - t0
     after = measured_bytes(device)
     if device.type == "cuda":
-        measured = after["allocated"] - before["allocated"]
-        peak = after["max_allocated"] - before["allocated"]
+        # device-wide use: symmetric-memory heaps allocate outside torch's caching allocator
+        measured = after["device_used"] - before["device_used"]
+        peak = max(after["max_allocated"] - before["allocated"], measured)
     else:
         measured = after["rss"] - before["rss"]
         peak = measured

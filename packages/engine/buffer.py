@@ -215,8 +215,10 @@ class Buffer:
         # local entries in (destination, row) order: rows reach each peer already sorted
         send_order = torch.argsort(dest * self.NvS + row, stable=True)
         flows = gp.flows()  # [src, dst]
-        splits = torch.stack([flows[self.rank], flows[:, self.rank]]).tolist()
-        send_splits, recv_splits = splits[0], splits[1]
+        # one host read for everything the host needs: split sizes and this shard's used rows
+        host = torch.cat([flows[self.rank], flows[:, self.rank], gp.cu_seqlens[self.rank, -1:]]).tolist()
+        R = self.R
+        send_splits, recv_splits, used_rows = host[:R], host[R:2 * R], host[2 * R]
         tok = send_order // self.K
         send_hidden = hidden_sh.index_select(0, tok)
         meta = torch.stack(
@@ -226,7 +228,10 @@ class Buffer:
         recv_meta = tr.all_to_all(meta, send_splits, recv_splits, "dispatch: all_to_all(meta)")
         recv_hidden = tr.all_to_all(send_hidden, send_splits, recv_splits, "dispatch: all_to_all(hidden)")
         recv_rows = recv_meta[:, 0].to(torch.int64)
-        hidden_nvsh = torch.zeros(self.NvS, self.H, dtype=self.dtype, device=self.device)
+        # rows past the last segment are undefined by contract: only the used rows are zeroed
+        # (padding rows must read 0), not all NvS, whose (tp-1)*2*epn slack can dwarf S*K
+        hidden_nvsh = torch.empty(self.NvS, self.H, dtype=self.dtype, device=self.device)
+        hidden_nvsh[:used_rows].zero_()
         hidden_nvsh.index_copy_(0, recv_rows, recv_hidden)
         route_nvs = torch.zeros(self.NvS, dtype=torch.float32, device=self.device)
         route_nvs.index_copy_(0, recv_rows, recv_meta[:, 1].contiguous().view(torch.float32))
@@ -298,7 +303,7 @@ class Buffer:
             hidden_nvsh.index_select(0, plan.recv_rows), plan.recv_splits, plan.send_splits, "combine: all_to_all(hidden)"
         )
         n = self.S * self.K
-        acc = torch.zeros(n, self.H, dtype=torch.float32, device=self.device)
+        acc = torch.empty(n, self.H, dtype=torch.float32, device=self.device)  # every entry comes back
         acc.index_copy_(0, plan.send_order, back.float())
         out = acc.view(self.S, self.K, self.H).sum(dim=1).to(self.dtype)
         rw = None
@@ -335,14 +340,17 @@ class Buffer:
 
 
 def copy_slots_from_rows(slots: torch.Tensor, E: int, weights) -> None:
-    """For every ``[E+B, ...]`` tensor: row ``E+b`` <- row ``slots[b]`` where ``slots[b] >= 0``.
+    """For every ``[E+B, ...]`` tensor: row ``E+b`` <- row ``slots[b]`` where ``slots[b] >= 0``;
+    unused slots (``-1``) are not touched.
 
-    Unused slots (``-1``) copy onto themselves, which leaves them bitwise unchanged, so the
-    operation needs no host synchronization.
+    Reads the B slot ids on the host (one small synchronization; dispatch already made one) so
+    that only used slots move: copying unused ones onto themselves would move every slot's
+    weights every step, GBs per layer at full size.
     """
-    B = slots.numel()
-    dst = torch.arange(E, E + B, device=slots.device)
-    src = torch.where(slots >= 0, slots.to(torch.int64), dst)
+    used = [(E + b, e) for b, e in enumerate(slots.tolist()) if e >= 0]
+    if not used:
+        return
+    dst = torch.tensor([d for d, _ in used], dtype=torch.int64)
+    src = torch.tensor([s for _, s in used], dtype=torch.int64)
     for w in weights:
         w.index_copy_(0, dst.to(w.device), w.index_select(0, src.to(w.device)))
-

@@ -43,7 +43,7 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed):
     x[:, 1] = torch.arange(S, dtype=torch.float32)
     x[:, 2:] = torch.randn(S, H - 2, generator=torch.Generator().manual_seed(r))
     xn, wn, cu, plan = buf.dispatch(x.to(_device()), w, ids, tpe)
-    assert xn.device == _device() and cu.device == _device()
+    assert xn.device.type == _device().type and cu.device.type == _device().type
     xn, wn, cu, w = xn.cpu(), wn.cpu(), cu.cpu(), w.cpu()
     plan_cpu_etc = plan.experts_to_copy.cpu()
     # the reference plan, from every rank's routing (regenerated from the shared seeds)

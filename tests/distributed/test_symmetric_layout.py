@@ -310,6 +310,11 @@ def memory_accounting(E, B, Hm, Im):
     rep.destroy()
     del rep
     dist.barrier()
+    # warm up the heap path too (its first use maps files and builds Python state)
+    warm = HostHeap(staging=False)
+    SymmetricWeightLayout(lw13, lw2, E, B, heap=warm).destroy()
+    warm.close()
+    dist.barrier()
     rss1 = _rss()
     heap = HostHeap(staging=False)  # staging would double the owner's bytes (private + shared copy)
     sym = SymmetricWeightLayout(lw13, lw2, E, B, heap=heap)
@@ -330,7 +335,7 @@ def memory_accounting(E, B, Hm, Im):
 
 
 def test_memory_accounted_equals_formula_and_measured():
-    E, B, Hm, Im = 16, 4, 256, 256
+    E, B, Hm, Im = 16, 4, 512, 512
     # fresh processes: RSS growth in a reused rank process would be hidden by freed pages of earlier tests
     res = ranks(4, memory_accounting, E, B, Hm, Im, fresh=True)
     for rss_rep, rss_sym, acc_rep, acc_sym in res:

@@ -135,6 +135,12 @@ def _child_main() -> None:
 def report():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not importable here")
+    import torch
+
+    if torch.cuda.is_available():
+        # The interpreter stands in for a GPU in CPU CI. Where a GPU exists, tests/gpu runs the
+        # same kernels natively (and Triton 3.6's interpreter breaks on that machine's numpy 2.5).
+        pytest.skip("a CUDA GPU is present: the kernels run natively in tests/gpu")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     env.setdefault("CUDA_VISIBLE_DEVICES", "")
     proc = subprocess.run(
