@@ -210,15 +210,16 @@ class Buffer:
         tr = self.transport
         tr.step = self._step
         tpe_all = tr.all_gather(tokens_per_expert.to(torch.int64), "dispatch: all_gather(tokens_per_expert)")
-        gp = plan_global(tpe_all, self.S, self.K, self.B, self.token_padding)
+        # The plan is made on the host from the small [R, E] table (the one host read of the
+        # step: the transfer sizes come from it too), then its tables go to the device.
+        gp_host = plan_global(tpe_all.cpu(), self.S, self.K, self.B, self.token_padding)
+        gp = gp_host if self.device.type == "cpu" else gp_host.to(self.device)
         dest, row = place_entries(gp, self.rank, topk_experts_sk)
         # local entries in (destination, row) order: rows reach each peer already sorted
         send_order = torch.argsort(dest * self.NvS + row, stable=True)
-        flows = gp.flows()  # [src, dst]
-        # one host read for everything the host needs: split sizes and this shard's used rows
-        host = torch.cat([flows[self.rank], flows[:, self.rank], gp.cu_seqlens[self.rank, -1:]]).tolist()
-        R = self.R
-        send_splits, recv_splits, used_rows = host[:R], host[R:2 * R], host[2 * R]
+        flows = gp_host.flows()  # [src, dst]
+        send_splits, recv_splits = flows[self.rank].tolist(), flows[:, self.rank].tolist()
+        used_rows = int(gp_host.cu_seqlens[self.rank, -1])
         tok = send_order // self.K
         send_hidden = hidden_sh.index_select(0, tok)
         meta = torch.stack(

@@ -11,7 +11,7 @@ Notation: ``R`` ranks, ``E`` experts, ``epn = E // R``, ``B`` slots per rank, ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -28,7 +28,7 @@ def _first_index_of(values: torch.Tensor, target: torch.Tensor, dim: int = -1) -
     return torch.where(hit, idx, n).amin(dim=dim)
 
 
-def rank_quotas(balance: torch.Tensor) -> torch.Tensor:
+def rank_quotas(balance: torch.Tensor, early_exit: bool = False) -> torch.Tensor:
     """Rule 2: rank-to-rank quotas ``z[h, u]`` (rows ``h`` send to ``u``) from ``balance[R]``.
 
     Each round the most over-full rank fills the most under-full one in one shot (ties: the
@@ -41,6 +41,8 @@ def rank_quotas(balance: torch.Tensor) -> torch.Tensor:
     ar = torch.arange(R, device=bal.device)
     for _ in range(max(R - 1, 0)):
         mx = bal.amax()
+        if early_exit and int(mx) <= 0:  # host tensors: stopping costs nothing
+            break
         mn = bal.amin()
         h = _first_index_of(bal, mx, dim=0)
         u = _first_index_of(bal, mn, dim=0)
@@ -52,7 +54,7 @@ def rank_quotas(balance: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def split_quotas(count: torch.Tensor, z: torch.Tensor, epn: int) -> torch.Tensor:
+def split_quotas(count: torch.Tensor, z: torch.Tensor, epn: int, early_exit: bool = False) -> torch.Tensor:
     """Rule 3: split each home's quotas over its experts; returns ``alloc[E, R]``.
 
     ``alloc[e, d]`` is how many of expert ``e``'s rows rank ``d`` computes. All homes run in
@@ -68,6 +70,8 @@ def split_quotas(count: torch.Tensor, z: torch.Tensor, epn: int) -> torch.Tensor
     ar_e = torch.arange(epn, device=dev)
     for _ in range(R - 1 + epn):
         qmax = quota.amax(dim=1)
+        if early_exit and int(qmax.max()) <= 0:
+            break
         d = _first_index_of(quota, qmax, dim=1)
         rmax = rem.amax(dim=1)
         le = _first_index_of(rem, rmax, dim=1)
@@ -107,6 +111,10 @@ class GlobalPlan:
     ordinal_base: torch.Tensor
     cum_alloc: torch.Tensor
 
+    def to(self, device: torch.device) -> "GlobalPlan":
+        """The same plan with every table on ``device``."""
+        return GlobalPlan(*(getattr(self, f.name).to(device) for f in fields(self)))
+
     def flows(self) -> torch.Tensor:
         """``[R_src, R_dst]`` rows each rank sends to each rank (from the tables alone)."""
         lo = self.ordinal_base  # [R, E]
@@ -119,7 +127,14 @@ class GlobalPlan:
 
 
 def plan_global(tpe: torch.Tensor, S: int, K: int, B: int, token_padding: int) -> GlobalPlan:
-    """Rules 1 to 4 from the all-gathered ``tpe[R, E]``."""
+    """Rules 1 to 4 from the all-gathered ``tpe[R, E]``.
+
+    On CPU tensors the bounded loops stop as soon as no work is left (reading a host value is
+    free); on a device they run their full bound, so the plan needs no host synchronization.
+    The built-in engine plans on the host (one small ``[R, E]`` read per step, which it needs
+    anyway for the transfer sizes): at full size (E=384) the device version is launch-bound.
+    """
+    early_exit = tpe.device.type == "cpu"
     R, E = tpe.shape
     epn = E // R
     dev = tpe.device
@@ -127,8 +142,8 @@ def plan_global(tpe: torch.Tensor, S: int, K: int, B: int, token_padding: int) -
     count = tpe.sum(dim=0)  # [E]
     group = count.view(R, epn).sum(dim=1)
     cap = S * K
-    z = rank_quotas(group - cap)
-    alloc = split_quotas(count, z, epn)
+    z = rank_quotas(group - cap, early_exit)
+    alloc = split_quotas(count, z, epn, early_exit)
 
     # Rule 4: slots of each destination, by (alloc, e) descending.
     e_ids = torch.arange(E, device=dev)
