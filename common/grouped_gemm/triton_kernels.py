@@ -106,6 +106,27 @@ def _pick(sel, v):
 
 
 @triton.jit
+def _tile(t, cum, tiles, gidx, mb, start, eend, N, BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr):
+    """Decode persistent tile ``t``: its group, the group mask, the end of the group's rows that
+    need computing, and the tile's rows and columns (plus clamped copies always safe to load)."""
+    g = tl.sum((cum <= t).to(tl.int32), 0)
+    sel = gidx == g
+    local = t - _pick(sel, cum - tiles)
+    mbg = _pick(sel, mb)
+    ntile = local // mbg
+    mtile = local - ntile * mbg
+    ee = _pick(sel, eend)
+    rows = _pick(sel, start) + mtile * BM + tl.arange(0, BM)
+    rows_ld = tl.minimum(rows, ee - 1).to(tl.int64)
+    cols = ntile * BN + tl.arange(0, BN)
+    if EVEN_N:
+        cols_ld = cols
+    else:
+        cols_ld = tl.minimum(cols, N - 1)
+    return g, sel, ee, rows, rows_ld, cols, cols_ld
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, act_ptr,
     G, N, K, stride_xm, stride_am,
@@ -123,21 +144,7 @@ def _gate_up_kernel(
     wty = tl.pointer_type(x_ptr.dtype.element_ty)
     offs_k = tl.arange(0, BK)
     for t in range(pid, total, nprog):
-        g = tl.sum((cum <= t).to(tl.int32), 0)
-        sel = gidx == g
-        local = t - _pick(sel, cum - tiles)
-        mbg = _pick(sel, mb)
-        st = _pick(sel, start)
-        ee = _pick(sel, eend)
-        ntile = local // mbg
-        mtile = local - ntile * mbg
-        rows = st + mtile * BM + tl.arange(0, BM)
-        rows_ld = tl.minimum(rows, ee - 1).to(tl.int64)
-        cols = ntile * BN + tl.arange(0, BN)
-        if EVEN_N:
-            cols_ld = cols
-        else:
-            cols_ld = tl.minimum(cols, N - 1)
+        g, sel, ee, rows, rows_ld, cols, cols_ld = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN, EVEN_N)
         wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
         a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + offs_k[None, :]
@@ -196,22 +203,8 @@ def _down_kernel(
     offs_k = tl.arange(0, BK)
     for t in range(pid, total + ztotal, nprog):
         if t < total:
-            g = tl.sum((cum <= t).to(tl.int32), 0)
-            sel = gidx == g
-            local = t - _pick(sel, cum - tiles)
-            mbg = _pick(sel, mb)
-            st = _pick(sel, start)
-            ee = _pick(sel, eend)
+            g, sel, ee, rows, rows_ld, cols, cols_ld = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN, EVEN_N)
             en = _pick(sel, end)
-            ntile = local // mbg
-            mtile = local - ntile * mbg
-            rows = st + mtile * BM + tl.arange(0, BM)
-            rows_ld = tl.minimum(rows, ee - 1).to(tl.int64)
-            cols = ntile * BN + tl.arange(0, BN)
-            if EVEN_N:
-                cols_ld = cols
-            else:
-                cols_ld = tl.minimum(cols, N - 1)
             wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
             a_ptrs = act_ptr + rows_ld[:, None] * stride_am + offs_k[None, :]
             d_ptrs = wd + cols_ld[:, None] * s_dn + offs_k[None, :] * s_dk
