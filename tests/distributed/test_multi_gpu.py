@@ -56,7 +56,7 @@ def step_both_layouts(layout_kind, B):
 def test_nccl_dispatch_rows_land_where_the_plan_says(R):
     if _gpus() < R:
         pytest.skip(f"needs {R} GPUs, have {_gpus()}")
-    slots = ranks(R, traceable_rows, 24, 16, 4, 2 * R, 2, 8, 2.5, 7, env=NCCL_ENV, backend="nccl")
+    slots = ranks(R, traceable_rows, 24, 16, 4, 8 * R, 4, 8, 2.5, 7, env=NCCL_ENV, backend="nccl")
     assert slots[0] > 0
 
 
