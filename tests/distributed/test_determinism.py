@@ -106,7 +106,8 @@ def engine_bitwise():
         xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
         y = (xn.float() * 1.5).to(torch.bfloat16)
         out, rw, _ = buf.combine(plan, y, wn)
-        outs.append((xn, wn, cu, plan.experts_to_copy, out, rw))
+        end = int(cu[-1])  # rows past the last segment are undefined by contract
+        outs.append((xn[:end], wn[:end], cu, plan.experts_to_copy, out, rw))
         buf.destroy()
     return all(torch.equal(a, b) for a, b in zip(*outs))
 
