@@ -10,6 +10,23 @@ import torch
 import torch.nn.functional as F
 
 
+def random_expert_weights(E: int, H: int, I: int, seed: int = 0, device: torch.device | str = "cpu"):
+    """Seeded ``w13 [E, 2I, H]`` (gate rows first) and ``w2 [E, H, I]`` in bf16, scaled so a layer's
+    output is O(1); the same on every rank for the same seed and device type. Drawn on ``device``
+    (full-size experts are GBs)."""
+    g = torch.Generator(device=device).manual_seed(int(seed))
+    w13 = (torch.randn(E, 2 * I, H, generator=g, device=device) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g, device=device) / I**0.5).to(torch.bfloat16)
+    return w13, w2
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float32 (0 for empty tensors)."""
+    if ref.numel() == 0:
+        return 0.0
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
 def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """``x [s,H]``, ``ids/weights [s,K]``, global ``w13 [E,2I,H]`` (gate rows first), ``w2 [E,H,I]``.

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_moonep.common.reference import dense_moe
+from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
 from vllm_moonep.common.routing import route
 
 
 def global_weights(E: int, H: int, I: int, seed: int = 0):
     """``w13 [E, 2I, H]`` (gate rows first) and ``w2 [E, H, I]`` in bf16, scaled so outputs are O(1)."""
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
-    return w13, w2
+    return random_expert_weights(E, H, I, seed)
 
 
 def local_experts(w13, w2, rank: int, world: int):
@@ -37,7 +34,7 @@ def check_against_dense(out, x, ids, w, w13, w2, *, tol: float = 2e-2):
     assert torch.isfinite(out.float()).all()
     if ref.numel() == 0:
         return 0.0
-    err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
+    err = relative_error(out, ref)
     assert err < tol, f"relative error {err:.3e} against the dense reference"
     # no token may be badly wrong even if the average is fine
     per_tok = (out.float() - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-3)

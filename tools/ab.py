@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, replicated_accounting
-from vllm_moonep.common.reference import dense_moe
+from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
 from vllm_moonep.common.routing import route, sigma_for_maxvio
 from vllm_moonep.common.timing import PHASES, PhaseTimer
 from vllm_moonep.tools.launch import run_on_ranks, shutdown_pools
@@ -101,14 +101,6 @@ def _device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _layer_weights(E, H, I, seed, layer, device):
-    """Seeded random weights, drawn on the device itself (full-size experts are GBs)."""
-    g = torch.Generator(device=device).manual_seed(seed * 1000 + layer)
-    w13 = (torch.randn(E, 2 * I, H, generator=g, device=device) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g, device=device) / I**0.5).to(torch.bfloat16)
-    return w13, w2
-
-
 def _build_ours(cfg, shape, local, device, impl):
     """Layer runners for our layouts; returns (moes, extra objects to destroy, accounted report)."""
     from vllm_moonep.replicated import ReplicatedWeightLayout
@@ -157,7 +149,7 @@ def rank_build(cfg, shape, seed, device_kind, impl):
     epn = E // R
     full, local = [], []
     for layer in range(L):
-        w13, w2 = _layer_weights(E, H, I, seed, layer, device)
+        w13, w2 = random_expert_weights(E, H, I, seed * 1000 + layer, device)
         full.append((w13, w2))
         local.append((w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()))
     if cfg == "vllm-poc":  # import vLLM before measuring, so its import is not counted as expert memory
@@ -232,7 +224,7 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
         for layer, (h_in, out) in enumerate(seen):
             w13, w2 = st["full"][layer]
             ref = dense_moe(h_in, ids, w, w13, w2)
-            errs.append(float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)) if ref.numel() else 0.0)
+            errs.append(relative_error(out, ref))
         res = timer.results()
         if step < warmup:
             continue

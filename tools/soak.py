@@ -7,8 +7,8 @@ the largest token count across the DP ranks (cycling through every capacity of t
 with 1 token and the maximum forced regularly), each rank's own count (some ranks get fewer
 tokens, or none), and the routing skew ``sigma`` (a new value every step). The step runs
 through ``--layers`` MoE layers (the output of one, RMS-normalised, is the input of the next)
-on the replicated layout, and on the symmetric layout too when ``vllm_moonep.symmetric`` is
-importable (``--layouts``), all sharing one buffer pool.
+on the replicated and the symmetric layout (``--layouts``; ``auto`` = both), all sharing one
+buffer pool.
 
 Checks, every step: each layer's output against the dense float32 reference on that layer's
 input (``--check-every``); bitwise against the first run of the same inputs (inputs repeat with
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import measured_bytes
-from vllm_moonep.common.reference import dense_moe
+from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
 from vllm_moonep.common.routing import route
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.tools.launch import run_on_ranks
@@ -48,14 +48,6 @@ DEFAULTS = dict(
     mem_every=25, warmup=None, tol=2e-2, layouts="auto", impl="reference", timeout_s=60.0,
     max_errors=20,
 )
-
-
-def symmetric_available() -> bool:
-    try:
-        from vllm_moonep.symmetric import SymmetricWeightLayout  # noqa: F401
-    except Exception:
-        return False
-    return True
 
 
 def pool_capacities(max_tokens: int, min_capacity: int) -> list[int]:
@@ -91,22 +83,9 @@ def step_schedule(cfg: dict, step: int) -> tuple[int, list[int], float, int]:
     return n_max, counts, sigma, recipe
 
 
-def _global_weights(E, H, I, seed):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
-    return w13, w2
-
-
 def _digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.contiguous().view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16
                            else t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if ref.numel() == 0:
-        return 0.0
-    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-12))
 
 
 def _rss() -> int:
@@ -118,16 +97,11 @@ def soak_rank(cfg: dict) -> dict:
     r, R = dist.get_rank(), dist.get_world_size()
     cfg = {**DEFAULTS, **cfg, "ranks": R}
     E, H, I, K, B, L = (cfg[k] for k in ("experts", "hidden", "intermediate", "topk", "slots", "layers"))
-    kinds = ["replicated"]
-    if cfg["layouts"] in ("auto", "both", "symmetric") and symmetric_available():
-        kinds.append("symmetric")
-    elif cfg["layouts"] in ("both", "symmetric"):
-        raise RuntimeError("--layouts asks for the symmetric layout, but vllm_moonep.symmetric does not import")
-    if cfg["layouts"] == "symmetric":
-        kinds = ["symmetric"]
+    kinds = {"auto": ["replicated", "symmetric"], "both": ["replicated", "symmetric"],
+             "replicated": ["replicated"], "symmetric": ["symmetric"]}[cfg["layouts"]]
     t_setup = time.monotonic()
     rss_start = _rss()
-    weights = [_global_weights(E, H, I, cfg["seed"] * 7919 + l) for l in range(L)]
+    weights = [random_expert_weights(E, H, I, cfg["seed"] * 7919 + l) for l in range(L)]
     epn = E // R
     local = [(w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()) for w13, w2 in weights]
     pool = MoonEPBufferPool(
@@ -188,7 +162,7 @@ def soak_rank(cfg: dict) -> dict:
                         err(step, f"{kind} layer {l}: output {tuple(out.shape)} {out.dtype}")
                     if cfg["check_every"] and step % cfg["check_every"] == 0:
                         ref = dense_moe(x, ids, w, *weights[l])
-                        e = _rel_err(out, ref)
+                        e = relative_error(out, ref)
                         stats["dense_checks"] += 1
                         stats["max_rel_err"] = max(stats["max_rel_err"], e)
                         if not e < cfg["tol"] or not bool(torch.isfinite(out.float()).all()):

@@ -24,10 +24,9 @@ ATOL = RTOL = 2e-2
 # ---------------------------------------------------------------------------- data
 def global_weights(E: int, H: int, I: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded ``w13 [E, 2I, H]`` (gate rows first) and ``w2 [E, H, I]`` in bf16, same on every rank."""
-    g = torch.Generator().manual_seed(1000 + seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(torch.bfloat16)
-    return w13, w2
+    from vllm_moonep.common.reference import random_expert_weights
+
+    return random_expert_weights(E, H, I, 1000 + seed)
 
 
 def local_rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
