@@ -14,7 +14,7 @@ from vllm_moonep.common.grouped_gemm import GroupedWeights
 from vllm_moonep.common.layout import check_local_experts
 from vllm_moonep.common.memory import MemoryReport, replicated_accounting
 from vllm_moonep.engine import MoonEPStateError
-from vllm_moonep.engine.transport import CollectiveTransport
+from vllm_moonep.engine.collective import CollectiveTransport
 
 
 class ReplicatedWeightLayout:

@@ -38,7 +38,7 @@ from vllm_moonep.common.grouped_gemm import GroupedWeights
 from vllm_moonep.common.layout import WEIGHT_TILE, check_local_experts
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, symmetric_accounting
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
-from vllm_moonep.symmetric.heaps import SymmetricHeap, make_heap
+from vllm_moonep.engine.heaps import SymmetricHeap, make_heap
 
 __all__ = ["SharedSlotPool", "SymmetricWeightLayout", "destroy_in_order"]
 

@@ -13,7 +13,7 @@ from vllm_moonep.engine.errors import (
     MoonEPUnavailableError,
 )
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
-from vllm_moonep.engine.select import ENGINES, make_buffer, real_moonep_status, resolve_engine
+from vllm_moonep.engine.select import ENGINES, TRANSPORTS, make_buffer, real_moonep_status, resolve_engine, resolve_transport
 
 __all__ = [
     "ENGINES",
@@ -32,5 +32,7 @@ __all__ = [
     "plan_global",
     "real_moonep_status",
     "resolve_engine",
+    "resolve_transport",
+    "TRANSPORTS",
     "validate_config",
 ]

@@ -13,7 +13,7 @@ import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
-from vllm_moonep.engine.transport import CollectiveTransport
+from vllm_moonep.engine.collective import CollectiveTransport
 
 __all__ = ["Buffer", "Plan", "nvs_rows", "resolve_device", "validate_config"]
 
@@ -92,7 +92,7 @@ class Buffer:
     ``device`` (default: the current CUDA device if available, else CPU), ``dtype`` of the hidden
     rows (bf16 by contract; float32 allowed for exact tests), ``check_inputs`` (validate every
     call; costs a host synchronization on GPU), ``timeout_s`` (bound on each collective; ``None``:
-    ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s; see ``vllm_moonep.engine.transport``).
+    ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s; see ``vllm_moonep.engine.collective``).
 
     Faults: when a peer dies or stops calling, ``dispatch``/``combine`` (and construction) raise
     ``MoonEPCollectiveTimeout`` within ``timeout_s`` naming the operation, the step and the peer;

@@ -284,7 +284,7 @@ def _make_manager_class():
 
 
 def _group_for_heap(kind: str, device: torch.device):
-    from vllm_moonep.symmetric.heaps import resolve_heap_kind
+    from vllm_moonep.engine.heaps import resolve_heap_kind
 
     ep = _ep_group()
     which = resolve_heap_kind(kind, device)

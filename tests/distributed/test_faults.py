@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
-from vllm_moonep.engine.transport import ArrivalBoard
+from vllm_moonep.engine.arrival_board import ArrivalBoard
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.tools.launch import RankFailure, launched_world_size, run_on_ranks
 
@@ -125,7 +125,7 @@ def gloo_wait_semantics():
     out["data_ok"] = all(bool((p == q).all()) for q, p in enumerate(parts))
     # 2) through the transport: a peer late by more than the first wait but within the bound
     #    (inside the probe window) completes without error
-    from vllm_moonep.engine.transport import CollectiveTransport
+    from vllm_moonep.engine.collective import CollectiveTransport
 
     tr = CollectiveTransport(timeout_s=TIMEOUT_S)
     board = tr.board
@@ -320,7 +320,7 @@ def test_store_host_dies_survivor_raises_promptly():
 
 # ------------------------------------------------------------------------------ configuration
 def test_timeout_configuration_is_validated(monkeypatch):
-    from vllm_moonep.engine.transport import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
+    from vllm_moonep.engine.timeouts import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
 
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
     assert collective_timeout_s() == DEFAULT_TIMEOUT_S

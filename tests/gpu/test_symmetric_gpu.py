@@ -29,7 +29,7 @@ def _device() -> torch.device:
 
 
 def heap_peer_views():
-    from vllm_moonep.symmetric.heaps import TorchSymmHeap, make_heap
+    from vllm_moonep.engine.heaps import TorchSymmHeap, make_heap
 
     dev = _device()
     r, R = dist.get_rank(), dist.get_world_size()
@@ -71,7 +71,7 @@ def layout_prefetch_and_steps(E, B, sigma, seed):
     from vllm_moonep.common.grouped_gemm import available_impls
     from vllm_moonep.replicated import ReplicatedWeightLayout
     from vllm_moonep.symmetric import SymmetricWeightLayout
-    from vllm_moonep.symmetric.heaps import TorchSymmHeap
+    from vllm_moonep.engine.heaps import TorchSymmHeap
 
     dev = _device()
     r, R = dist.get_rank(), dist.get_world_size()

@@ -15,7 +15,7 @@ from vllm_moonep.common.memory import symmetric_accounting
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import HostHeap, SharedSlotPool, SymmetricWeightLayout, make_heap
-from vllm_moonep.symmetric.heaps import host as host_mod
+from vllm_moonep.engine.heaps import host as host_mod
 
 H, I = 128, 128
 

@@ -26,7 +26,7 @@ import uuid
 import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
-from vllm_moonep.symmetric.heaps.base import HeapHandle, SymmetricHeap
+from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
 
 __all__ = ["HostHeap"]
 

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.engine.transport import CollectiveTransport
+from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 
 __all__ = ["HeapHandle", "SymmetricHeap", "group_rank_world"]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError
-from vllm_moonep.symmetric.heaps.base import HeapHandle, SymmetricHeap
-from vllm_moonep.symmetric.heaps.host import HostHeap
+from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
+from vllm_moonep.engine.heaps.host import HostHeap
 
 HEAP_KINDS = ("auto", "host", "torch", "nvshmem")
 
@@ -23,11 +23,11 @@ __all__ = ["HEAP_KINDS", "HeapHandle", "HostHeap", "NvshmemHeap", "SymmetricHeap
 
 def __getattr__(name):  # lazy: the GPU heaps import their backends only when used
     if name == "TorchSymmHeap":
-        from vllm_moonep.symmetric.heaps.torch_symm import TorchSymmHeap
+        from vllm_moonep.engine.heaps.torch_symm import TorchSymmHeap
 
         return TorchSymmHeap
     if name == "NvshmemHeap":
-        from vllm_moonep.symmetric.heaps.nvshmem_heap import NvshmemHeap
+        from vllm_moonep.engine.heaps.nvshmem_heap import NvshmemHeap
 
         return NvshmemHeap
     raise AttributeError(name)
@@ -48,9 +48,9 @@ def make_heap(kind: str = "auto", group=None, device: torch.device | str | None 
     if which == "host":
         return HostHeap(group, device=device or "cpu", **kwargs)
     if which == "torch":
-        from vllm_moonep.symmetric.heaps.torch_symm import TorchSymmHeap
+        from vllm_moonep.engine.heaps.torch_symm import TorchSymmHeap
 
         return TorchSymmHeap(group, device, **kwargs)
-    from vllm_moonep.symmetric.heaps.nvshmem_heap import NvshmemHeap
+    from vllm_moonep.engine.heaps.nvshmem_heap import NvshmemHeap
 
     return NvshmemHeap(group, device, **kwargs)

@@ -23,7 +23,7 @@ import torch
 
 from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.multicast import check_multicast_off
-from vllm_moonep.symmetric.heaps.base import HeapHandle, SymmetricHeap
+from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
 
 __all__ = ["NvshmemHeap", "nvshmem_status"]
 
