@@ -51,9 +51,19 @@ def pad_to_capacity(
 
 
 def tokens_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Local bincount of the (sanitized) ids, int32 ``[E]``; ids ``>= num_experts`` are rejected
-    (the bincount's length shows them without an extra host synchronization)."""
-    counts = torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=num_experts)
+    """Local bincount of the (sanitized) ids, int32 ``[E]``.
+
+    On CPU, ids ``>= num_experts`` are rejected here (the bincount's length shows them for free).
+    On CUDA the count stays on the device (``torch.bincount`` would read its length on the host):
+    out-of-range ids are counted in a spill bin that is dropped, and the engine's device-side
+    placement check reports them.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    if flat.device.type == "cuda":
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, flat.clamp(0, num_experts), torch.ones_like(flat, dtype=torch.int32))
+        return counts[:num_experts]
+    counts = torch.bincount(flat, minlength=num_experts)
     if counts.numel() > num_experts:
         raise MoonEPInputError(
             f"topk_ids must be in [0, {num_experts}) (negative ids are sanitized to expert 0), "

@@ -38,6 +38,7 @@ from vllm_moonep.common.grouped_gemm import GroupedWeights
 from vllm_moonep.common.layout import WEIGHT_TILE, check_local_experts
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, symmetric_accounting
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine.row_copy import address_table, copy_rows
 from vllm_moonep.engine.heaps import SymmetricHeap, make_heap
 
 __all__ = ["SharedSlotPool", "SymmetricWeightLayout", "destroy_in_order"]
@@ -250,6 +251,12 @@ class SymmetricWeightLayout:
         w2[epn:].zero_()
         heap.barrier()  # publish the home rows
         self._weights = self._make_grouped_weights()
+        # on GPUs whose peers are all addressable, prefetch reads the owners' rows through a
+        # device table of their addresses (built once: graph capture cannot build it)
+        self._peer_tables = None
+        if self.device.type == "cuda" and heap.peers_addressable:
+            self._peer_tables = tuple(
+                address_table(heap.peer_view(h, r) for r in range(self.world_size)) for h in (self._w13, self._w2))
         self._destroyed = False
 
     def _make_grouped_weights(self) -> GroupedWeights:
@@ -357,7 +364,19 @@ class SymmetricWeightLayout:
         if not isinstance(etc, torch.Tensor) or etc.dim() != 2 or tuple(etc.shape) != (R, B):
             shape = list(etc.shape) if isinstance(etc, torch.Tensor) else type(etc).__name__
             raise MoonEPInputError(f"prefetch: plan.experts_to_copy must be [R={R}, B={B}], got {shape}")
-        slots = etc[self.rank].tolist()  # one small device-to-host copy on GPU
+        if self._peer_tables is not None:  # GPU, every owner addressable: no host read
+            mine = etc[self.rank]
+            copy_rows(mine, self.slots_w13, table=self._peer_tables[0], rows_per_source=epn)
+            copy_rows(mine, self.slots_w2, table=self._peer_tables[1], rows_per_source=epn)
+        else:
+            self._prefetch_host(etc[self.rank].tolist())
+        if self.slot_pool is not None:
+            self.slot_pool.holder = self
+
+    def _prefetch_host(self, slots: list[int]) -> None:
+        """Prefetch with the slot ids on the host: CPU ranks, and heaps that reach some owners
+        only by RMA (``copy_from_peer``)."""
+        E, epn = self.num_experts, self.epn
         bad = [e for e in slots if not -1 <= e < E]
         if bad:
             raise MoonEPInputError(f"prefetch: experts_to_copy[{self.rank}] has ids outside [-1, {E}): {bad}")
@@ -378,8 +397,6 @@ class SymmetricWeightLayout:
                 else:
                     self.heap.copy_from_peer(tmp, handle, owner, s)
                 slot_rows.index_copy_(0, d, tmp)
-        if self.slot_pool is not None:
-            self.slot_pool.holder = self
 
     def adopt_parameters(self, w13_param: torch.Tensor, w2_param: torch.Tensor, *, copy: bool = True) -> None:
         """Rebind the framework's parameters to the heap's home rows (collective).

@@ -1,12 +1,17 @@
-"""Dispatch and combine of the built-in engine alone: time per call and bytes moved per rank.
+"""Dispatch and combine of the built-in engine, next to plain transports of the same payload
+measured in the same run and process group.
 
-    python -m vllm_moonep.tools.bench_dispatch --device cuda --ranks 8 --preset kimi-k2 \
-        --tokens 128 1024 4096 --maxvio 0 1 2 [--backend nccl] [--profile]
+    python -m vllm_moonep.tools.bench_dispatch --device cuda --backend nccl --ranks 2 --preset kimi-k2 \
+        --tokens 1 128 1024 4096 --maxvio 0 2 [--transport auto|symmetric|collective] [--programs N]
 
 Payload per rank as the MoonEP benchmarks define it: ``S*K*H*2`` bytes (every token slot's bf16
-row, whichever rank it goes to); "moved" counts only rows that leave the rank. Rates are payload
-over the median time, to compare with the interconnect (NVLink: 450 GB/s per direction on
-H100/H200). ``--profile`` prints the top kernels of one dispatch on rank 0 (where the time goes).
+row, whichever rank it goes to). Anchors, on that payload split evenly over the ranks:
+``all_to_all_single`` on the process group, and (CUDA) plain one-sided copies into every peer's
+symmetric buffer followed by a device barrier. Every time is the slowest rank's median over
+``--iters`` calls, host-timed (barrier, synchronize, call, synchronize) and device-timed (CUDA
+events around the call); ``graph`` is one replay of a CUDA graph holding dispatch + combine
+(symmetric transport). Ratios are engine / anchor (host-timed). ``--profile`` prints the top
+kernels of one dispatch on rank 0.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.common.routing import route, sigma_for_maxvio
-from vllm_moonep.engine import Buffer
+from vllm_moonep.engine import TRANSPORTS, Buffer
 from vllm_moonep.tools.launch import run_on_ranks, shutdown_pools
 
 SHAPES = {  # hidden size, experts, top-k
@@ -35,88 +40,204 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile):
+def _time(fn, dev, iters, warmup, barrier=True):
+    """``(host median s, device median s or None)`` of ``fn()``; every rank calls it together."""
+    host, device = [], []
+    cuda = dev.type == "cuda"
+    for i in range(warmup + iters):
+        if barrier:
+            dist.barrier()
+        _sync(dev)
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            e1.record()
+        _sync(dev)
+        t1 = time.perf_counter()
+        if i >= warmup:
+            host.append(t1 - t0)
+            if cuda:
+                device.append(e0.elapsed_time(e1) / 1e3)
+    return statistics.median(host), (statistics.median(device) if device else None)
+
+
+def _anchors(S, K, H, dev, iters, warmup):
+    """Plain transports of the same payload (``S*K`` bf16 rows of ``H``, split evenly)."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    n = S * K
+    send = torch.randn(n, H, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16).to(dev)
+    splits = [n // R + (1 if q < n % R else 0) for q in range(R)]
+    recv = torch.empty_like(send)
+    out = {}
+    out["a2a"] = _time(lambda: dist.all_to_all_single(recv, send, splits, splits), dev, iters, warmup)
+    if dev.type == "cuda":
+        from vllm_moonep.engine.heaps import make_heap
+
+        heap = make_heap("torch", device=dev)
+        h = heap.allocate((n, H), torch.bfloat16, "bench.anchor")
+        views = [heap.peer_view(h, q) for q in range(R)]
+        lo = [sum(splits[:q]) for q in range(R)]
+        # rank r's chunk for peer q lands at rows [lo[r], lo[r] + splits[q]) of q's buffer (sizes
+        # differ by at most one row from the all-to-all's)
+        chunks = [(views[q][lo[r]: lo[r] + splits[q]], send[lo[q]: lo[q] + splits[q]]) for q in range(R)]
+
+        def copies():
+            for dst, src in chunks:
+                dst.copy_(src, non_blocking=True)
+            heap.device_barrier()
+
+        out["copies"] = _time(copies, dev, iters, warmup)
+        heap.free(h)
+        heap.close()
+    return out
+
+
+def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, programs):
     r, R = dist.get_rank(), dist.get_world_size()
     dev = torch.device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device())
-    buf = Buffer(S, H, K, E, R, B=E // R, device=dev, check_inputs=False)
+    buf = Buffer(S, H, K, E, R, B=E // R, device=dev, check_inputs=False, transport=transport, num_sms=programs)
     ids, w = route(S, E, K, sigma=sigma, seed=1, rank=r)
     x = torch.randn(S, H, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16).to(dev)
     ids, w = ids.to(dev), w.to(dev)
     tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
-    t_d, t_c = [], []
-    plan = None
-    for i in range(warmup + iters):
-        dist.barrier()
-        _sync(dev)
-        t0 = time.perf_counter()
-        xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
-        _sync(dev)
-        t1 = time.perf_counter()
+    state = {}
+
+    def dispatch():
+        state["d"] = buf.dispatch(x, w, ids, tpe)
+
+    def combine():
+        xn, _, _, plan = state["d"]
         buf.combine(plan, xn)
-        _sync(dev)
-        t2 = time.perf_counter()
+
+    def both():
+        dispatch()
+        combine()
+
+    # dispatch then combine, each timed on its own (combine needs the plan of the dispatch before)
+    d_host, d_dev, c_host, c_dev = [], [], [], []
+    for i in range(warmup + iters):
+        hd = _time(dispatch, dev, 1, 0)
+        hc = _time(combine, dev, 1, 0)
         if i >= warmup:
-            t_d.append(t1 - t0)
-            t_c.append(t2 - t1)
+            d_host.append(hd[0]), c_host.append(hc[0])
+            if hd[1] is not None:
+                d_dev.append(hd[1]), c_dev.append(hc[1])
+    res = {"dispatch": (statistics.median(d_host), statistics.median(d_dev) if d_dev else None),
+           "combine": (statistics.median(c_host), statistics.median(c_dev) if c_dev else None),
+           "transport": buf.transport_name}
+    res["graph"] = None
+    if dev.type == "cuda" and buf.transport_name == "symmetric":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            both()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            both()
+        res["graph"] = _time(g.replay, dev, iters, warmup)
+        del g
+    buf.check_errors(sync=True)
+    plan = state["d"][3]
+    res["slots_used"] = int((plan.experts_to_copy[r] >= 0).sum())
     prof = None
     if profile and r == 0:
         from torch.profiler import ProfilerActivity, profile as tprofile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with tprofile(activities=acts) as p:
-            buf.dispatch(x, w, ids, tpe)
+            both()
             _sync(dev)
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         prof = p.key_averages().table(sort_by=key, row_limit=15)
     elif profile:
-        buf.dispatch(x, w, ids, tpe)
-    sent = sum(plan.send_splits) - plan.send_splits[r]
+        both()
+    res["profile"] = prof
     buf.destroy()
-    return {"dispatch_s": statistics.median(t_d), "combine_s": statistics.median(t_c),
-            "rows_out": sent, "slots_used": int((plan.experts_to_copy[r] >= 0).sum()), "profile": prof}
+    res.update(_anchors(S, K, H, dev, iters, warmup))
+    return res
+
+
+def _us(v):
+    return "-" if v is None else f"{v * 1e6:.0f}"
+
+
+def _worst(res, key, i):
+    vals = [x[key][i] for x in res if x.get(key) is not None and x[key][i] is not None]
+    return max(vals) if vals else None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench_dispatch", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="kimi-k2", choices=list(SHAPES))
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 1024])
-    ap.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 1.0, 2.0])
+    ap.add_argument("--preset", default="kimi-k2", choices=list(SHAPES), help="model shape (hidden, experts, top-k)")
+    ap.add_argument("--ranks", type=int, default=2, help="EP ranks (spawned processes)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 1024], help="tokens per rank (the buffer's S)")
+    ap.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 1.0, 2.0],
+                    help="routing skew: max/mean - 1 of the tokens per expert (0: balanced)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                    help="process group (nccl: one GPU per rank)")
+    ap.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help="the engine's transport")
+    ap.add_argument("--programs", type=int, default=None,
+                    help="programs of the symmetric transport's row kernels (the Buffer's num_sms)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one dispatch+combine on rank 0")
+    ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
+    if a.ranks < 1:
+        ap.error("--ranks must be >= 1")
+    if any(t < 1 for t in a.tokens):
+        ap.error("--tokens must be >= 1")
     H, E, K = SHAPES[a.preset]
+    if E % a.ranks:
+        ap.error(f"{a.preset} has {E} experts, not divisible by --ranks {a.ranks}")
     env = {"VLLM_MOONEP_THREADS_PER_RANK": "1"}
+    if a.device == "cuda" and a.backend == "gloo":
+        env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     rows = []
+    transport = None
     try:
         for S in a.tokens:
             for mv in a.maxvio:
                 sigma = sigma_for_maxvio(mv, E, K, S * a.ranks)
                 res = run_on_ranks(a.ranks, rank_bench, H, E, K, S, sigma, a.device, a.iters, a.warmup,
-                                   a.profile, env=env, backend=a.backend)
-                d = max(x["dispatch_s"] for x in res)
-                c = max(x["combine_s"] for x in res)
+                                   a.profile, a.transport, a.programs, env=env, backend=a.backend)
+                transport = res[0]["transport"]
                 payload = S * K * H * 2
-                rows.append({"tokens": S, "maxvio": mv, "dispatch_us": d * 1e6, "combine_us": c * 1e6,
-                             "payload_MB": payload / 1e6, "moved_MB_max": max(x["rows_out"] for x in res) * H * 2 / 1e6,
-                             "dispatch_GBs": payload / d / 1e9, "combine_GBs": payload / c / 1e9,
-                             "slots_used": sum(x["slots_used"] for x in res)})
+                row = {"tokens": S, "maxvio": mv, "payload_MB": payload / 1e6,
+                       "slots_used": sum(x["slots_used"] for x in res)}
+                for key in ("dispatch", "combine", "graph", "a2a", "copies"):
+                    row[f"{key}_us"] = None if _worst(res, key, 0) is None else _worst(res, key, 0) * 1e6
+                    row[f"{key}_dev_us"] = None if _worst(res, key, 1) is None else _worst(res, key, 1) * 1e6
+                rows.append(row)
                 if a.profile and res[0]["profile"]:
-                    print(f"--- one dispatch, rank 0, tokens {S}, maxvio {mv} ---\n{res[0]['profile']}")
+                    print(f"--- one dispatch + combine, rank 0, tokens {S}, maxvio {mv} ---\n{res[0]['profile']}")
     finally:
         shutdown_pools()
-    print(f"built-in engine, {a.preset} (H={H}, E={E}, K={K}), {a.ranks} ranks on {a.device} over {a.backend}")
-    print("| tokens/rank | maxvio | dispatch us | combine us | payload MB/rank | moved MB (max rank) | dispatch GB/s | combine GB/s | slots used |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"built-in engine ({transport} transport), {a.preset} (H={H}, E={E}, K={K}), {a.ranks} ranks on "
+          f"{a.device} over {a.backend}; us = slowest rank's median, host-timed (device-timed)")
+    print("| tokens/rank | maxvio | payload MB | dispatch us | combine us | graph d+c us | all_to_all us | "
+          "one-sided copies us | dispatch/a2a | combine/a2a | dispatch GB/s | slots used |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def cell(r, k):
+        h, d = r[f"{k}_us"], r[f"{k}_dev_us"]
+        if h is None:
+            return "-"
+        return f"{h:.0f}" + (f" ({d:.0f})" if d is not None else "")
+
     for r in rows:
-        print(f"| {r['tokens']} | {r['maxvio']:.1f} | {r['dispatch_us']:.0f} | {r['combine_us']:.0f} | {r['payload_MB']:.1f} | "
-              f"{r['moved_MB_max']:.1f} | {r['dispatch_GBs']:.1f} | {r['combine_GBs']:.1f} | {r['slots_used']} |")
+        a2a = r["a2a_us"]
+        print(f"| {r['tokens']} | {r['maxvio']:.1f} | {r['payload_MB']:.1f} | {cell(r, 'dispatch')} | {cell(r, 'combine')} | "
+              f"{cell(r, 'graph')} | {cell(r, 'a2a')} | {cell(r, 'copies')} | {r['dispatch_us'] / a2a:.2f} | "
+              f"{r['combine_us'] / a2a:.2f} | {r['payload_MB'] * 1e6 / (r['dispatch_us'] * 1e-6) / 1e9:.1f} | "
+              f"{r['slots_used']} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -13,7 +13,8 @@ from vllm_moonep.engine.errors import (
     MoonEPUnavailableError,
 )
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
-from vllm_moonep.engine.select import ENGINES, TRANSPORTS, make_buffer, real_moonep_status, resolve_engine, resolve_transport
+from vllm_moonep.engine.select import ENGINES, make_buffer, real_moonep_status, resolve_engine
+from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
 
 __all__ = [
     "ENGINES",

@@ -7,15 +7,35 @@ plan gives it, and returns the expert-grouped shard; ``prefetch_weight`` fills s
 
 from __future__ import annotations
 
+import logging
+import socket
+import zlib
 from dataclasses import dataclass, field
 
 import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
+from vllm_moonep.engine.row_copy import copy_rows
 from vllm_moonep.engine.collective import CollectiveTransport
+from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
 
 __all__ = ["Buffer", "Plan", "nvs_rows", "resolve_device", "validate_config"]
+
+log = logging.getLogger("vllm_moonep.engine")
+_SAID: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    """Each choice made for the user, said once per process at INFO."""
+    if msg not in _SAID:
+        _SAID.add(msg)
+        log.info(msg)
+
+
+def _host_id() -> int:
+    """A number that differs between hosts (peers on another host are not addressable)."""
+    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
 
 #: upstream bounds (contract, "Buffer")
 MAX_RANKS = 128
@@ -86,19 +106,53 @@ class Plan:
 class Buffer:
     """The built-in MoonEP engine for one MoE layer shape (collective, not thread-safe).
 
-    Args follow the contract: ``S`` tokens per rank, ``H`` hidden, ``K`` top-k, ``E`` experts,
-    ``num_ep_ranks`` R, ``B`` slots per rank (``None``: ``E // R``), ``token_padding``.
-    ``group`` is the EP process group (``None``: the default group). Extra keywords:
-    ``device`` (default: the current CUDA device if available, else CPU), ``dtype`` of the hidden
-    rows (bf16 by contract; float32 allowed for exact tests), ``check_inputs`` (validate every
-    call; costs a host synchronization on GPU), ``timeout_s`` (bound on each collective; ``None``:
-    ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s; see ``vllm_moonep.engine.collective``).
+    The contract (``docs/CONTRACT.md``), in short. Construction, ``destroy()`` and every call
+    below are collective: every rank of the EP group makes the same calls in the same order.
 
-    Faults: when a peer dies or stops calling, ``dispatch``/``combine`` (and construction) raise
+    Per step, in this order (one step in flight per buffer):
+
+    1. ``dispatch(hidden_sh [S,H] bf16, route_weights_sk [S,K] f32, topk_experts_sk [S,K] int32,
+       tokens_per_expert [E] int32)`` -> ``(hidden_nvsh [NvS,H], route_weights_nvs [NvS] f32,
+       cu_seqlens [E+B] int32, plan)``. Every rank passes exactly ``S`` rows (pad); ids in
+       ``[0, E)`` (int32: convert ``torch.topk``'s int64 with ``.to(torch.int32)``);
+       ``tokens_per_expert`` is the bincount of the ids. The shard is grouped by expert row:
+       segment ``g < E`` for expert ``g``, ``E+b`` for slot ``b``, each padded to a multiple of
+       ``token_padding`` with zero rows (weight 0); rows past ``cu_seqlens[-1]`` are undefined.
+       ``plan.experts_to_copy [R,B]`` names the expert in each rank's slots (``-1``: unused).
+    2. ``prefetch_weight(plan=, full_gate_weight=, full_up_weight=, full_down_weight=)``: slot row
+       ``E+b`` of each ``[E+B, out, in]`` bf16 weight becomes a copy of row
+       ``experts_to_copy[rank, b]`` (layouts that own their slots do this themselves).
+    3. the expert compute, which applies ``route_weights_nvs`` to its output rows;
+    4. ``combine(plan, hidden_nvsh [NvS,H], route_weights_nvs=None)`` -> ``(hidden_sh [S,H],
+       route_weights_sk or None, None)``: each token's K rows summed in fp32, rounded once.
+
+    Args: ``S`` tokens per rank, ``H`` hidden, ``K`` top-k, ``E`` experts, ``num_ep_ranks`` R,
+    ``num_sms`` (programs of the symmetric transport's row-moving kernels; ``None``: its
+    default), ``token_padding``, ``B`` slots per rank (``None``: ``E // R``), ``group`` (the EP
+    process group; ``None``: the default group), ``explicitly_destroy`` (accepted for upstream
+    compatibility: this buffer is always destroyed explicitly). Keywords of this engine:
+
+    - ``transport``: ``"auto"`` | ``"symmetric"`` | ``"collective"`` (``vllm_moonep.engine.select``).
+      ``symmetric``: one-sided writes into peers' buffers on a symmetric heap with device-side
+      signals, no host synchronization and CUDA-graph capturable on GPUs (CPU ranks run the same
+      protocol over the host heap). ``collective``: all-gather + all-to-all (gloo/NCCL). ``auto``
+      takes ``symmetric`` on CUDA when every peer is on this node, else ``collective``.
+    - ``heap``: the symmetric heap (a ``SymmetricHeap`` spanning the group, or a kind:
+      ``"auto"``/``"host"``/``"torch"``/``"nvshmem"``); ``None``: ``auto`` (the buffer owns it).
+    - ``device`` (default: the current CUDA device if available, else CPU), ``dtype`` of the rows
+      (bf16 by contract; float32 allowed for exact tests), ``check_inputs`` (validate the values of
+      every call on the host: costs a host synchronization on GPU; without it the GPU path still
+      checks ids on the device and reports through the error board), ``timeout_s`` (bound on each
+      collective and device-side wait; ``None``: ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s).
+
+    Unknown keywords are refused (a misspelt option must not be silently ignored).
+
+    Faults: when a peer dies or stops calling, the collective transport raises
     ``MoonEPCollectiveTimeout`` within ``timeout_s`` naming the operation, the step and the peer;
-    no output is returned. The process group is unusable afterwards: every call except
-    ``destroy()`` then raises ``MoonEPStateError``. ``destroy()`` issues no collective here, so it
-    works after a failure; it must still run before the process group is destroyed.
+    the symmetric transport's device-side waits give up after ``timeout_s`` and the next call (or
+    ``check_errors(sync=True)``) raises the same error. The group is unusable afterwards: every
+    call except ``destroy()`` then raises. ``destroy()`` works after a failure (teardown is local
+    then); it must run before the process group is destroyed.
     """
 
     engine_name = "builtin"
@@ -119,8 +173,18 @@ class Buffer:
         dtype: torch.dtype = torch.bfloat16,
         check_inputs: bool = True,
         timeout_s: float | None = None,
-        **_ignored,
+        transport: str = "auto",
+        heap=None,
+        explicitly_destroy: bool = True,
+        **unknown,
     ):
+        if unknown:
+            raise MoonEPInputError(
+                f"Buffer got unknown keyword(s) {sorted(unknown)}; it takes S, H, K, E, num_ep_ranks, num_sms, "
+                "token_padding, B, group, explicitly_destroy, device, dtype, check_inputs, timeout_s, transport, heap"
+            )
+        if transport not in TRANSPORTS:
+            raise MoonEPInputError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         R = num_ep_ranks
         if B is None and isinstance(E, int) and isinstance(R, int) and R > 0:
             B = E // R
@@ -145,27 +209,70 @@ class Buffer:
         self._ctx = {"NvS": self.NvS, "S": S, "H": H, "K": K, "E": E, "B": B, "R": R, "tp": token_padding}
         self._destroyed = False
         self._step = 0
-        # Construction is collective: every rank must agree on the shape of the buffer.
-        mine = torch.tensor([S, H, K, E, R, B, token_padding], dtype=torch.int64, device=self._comm_device())
+        self._sym = None
+        # Construction is collective: every rank must agree on the shape of the buffer and the
+        # transport; the host each rank runs on tells whether every peer is addressable.
+        asked = TRANSPORTS.index(transport)
+        mine = torch.tensor([S, H, K, E, R, B, token_padding, asked, _host_id()], dtype=torch.int64,
+                            device=self.transport.comm_device)
         try:
-            every = self.transport.all_gather(mine, "Buffer.__init__ (config check)")
+            every = self.transport.all_gather(mine, "Buffer.__init__ (config check)").cpu()
         except BaseException:
             self.destroy()
             raise
-        if not bool((every == mine).all()):
+        if not bool((every[:, :8] == mine[:8].cpu()).all()):
             self.destroy()
-            rows = every.tolist()
+            rows = every[:, :8].tolist()
             raise MoonEPInputError(
-                "MoonEP Buffer configuration differs across ranks ([S,H,K,E,R,B,tp] per rank): " + str(rows)
+                "MoonEP Buffer configuration differs across ranks ([S,H,K,E,R,B,tp,transport] per rank): " + str(rows)
             )
+        one_node = bool((every[:, 8] == every[0, 8]).all())
+        self.transport_name, why = resolve_transport(transport, self.device.type, one_node)
+        _say_once(f"MoonEP built-in engine: transport={self.transport_name} ({why})")
+        if self.transport_name == "symmetric":
+            try:
+                self._sym = self._make_symmetric(heap, group, num_sms)
+            except BaseException:
+                self.destroy()
+                raise
 
     # ------------------------------------------------------------------ helpers
-    def _comm_device(self) -> torch.device:
-        return self.device
+    def _make_symmetric(self, heap, group, num_sms):
+        from vllm_moonep.engine.heaps import SymmetricHeap, make_heap
+        from vllm_moonep.engine.symmetric_transport import SymmetricTransport
+
+        owns = not isinstance(heap, SymmetricHeap)
+        if owns:
+            kind = heap or "auto"
+            # the host heap's staging mode hides owner writes until a barrier; the transport's
+            # peers write into each other's buffers, so it maps the shared pages directly
+            extra = {"staging": False} if self.device.type == "cpu" else {}
+            heap = make_heap(kind, group=group, device=self.device, **extra)
+        try:
+            sym = SymmetricTransport(heap, R=self.R, rank=self.rank, S=self.S, K=self.K, H=self.H, E=self.E, B=self.B,
+                                     NvS=self.NvS, token_padding=self.token_padding, dtype=self.dtype,
+                                     timeout_s=self.transport.timeout_s, num_programs=num_sms)
+        except BaseException:
+            if owns:
+                heap.close(force=True)
+            raise
+        self._owns_heap = owns
+        return sym
+
+    def check_errors(self, sync: bool = False) -> None:
+        """Raise what a device-side wait or check recorded (``sync``: after the stream finished
+        the calls issued so far). ``dispatch`` and ``combine`` check on entry, without a sync."""
+        if self._sym is not None:
+            try:
+                self._sym.board.check(sync=sync)
+            except BaseException as exc:
+                self.transport.mark_broken(f"symmetric transport: {str(exc).split(':')[0]}")
+                raise
 
     def _alive(self, what: str) -> None:
         if self._destroyed:
             raise MoonEPStateError(f"Buffer.{what}: the buffer was destroyed")
+        self.check_errors()
         why = self.transport.broken
         if why is not None:
             raise MoonEPStateError(
@@ -207,6 +314,13 @@ class Buffer:
         """Plan and move rows. Returns ``(hidden_nvsh [NvS,H], route_weights_nvs [NvS], cu_seqlens [E+B] int32, plan)``."""
         self._alive("dispatch")
         self._check_dispatch_inputs(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)
+        if self._sym is not None:
+            hidden_nvsh, route_nvs, cu, gp = self._sym.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
+                                                                tokens_per_expert)
+            plan = Plan(experts_to_copy=gp.experts_to_copy, global_plan=gp, owner=id(self), step=self._step,
+                        cu_seqlens=cu)
+            self._step += 1
+            return hidden_nvsh, route_nvs, cu, plan
         tr = self.transport
         tr.step = self._step
         tpe_all = tr.all_gather(tokens_per_expert.to(torch.int64), "dispatch: all_gather(tokens_per_expert)")
@@ -298,6 +412,9 @@ class Buffer:
             desc = (f"{route_weights_nvs.dtype} {list(route_weights_nvs.shape)} on {route_weights_nvs.device}"
                     if isinstance(route_weights_nvs, torch.Tensor) else type(route_weights_nvs).__name__)
             raise MoonEPInputError(f"combine: route_weights_nvs must be float32 [NvS={self.NvS}] on {self.device}, got {desc}")
+        if self._sym is not None:
+            out, rw = self._sym.combine(hidden_nvsh, route_weights_nvs)
+            return out, rw, None
         tr = self.transport
         tr.step = plan.step
         back = tr.all_to_all(
@@ -319,13 +436,23 @@ class Buffer:
         return out, rw, None
 
     def destroy(self) -> None:
-        """Idempotent; call before the process group is destroyed. The built-in engine holds no
-        communication resources beyond the transport's arrival-board reference, so this issues no
-        collective and works after a failed step (the real moonep's destroy is collective)."""
+        """Idempotent; call before the process group is destroyed. With the collective transport
+        this issues no collective; with the symmetric one it frees the heap buffers (collective,
+        or local after a failed step)."""
         if self._destroyed:
             return
         self._destroyed = True
-        self.transport.close()
+        sym, self._sym = getattr(self, "_sym", None), None
+        try:
+            if sym is not None:
+                heap = sym.heap
+                if self.transport.broken:
+                    heap.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
+                sym.close()
+                if self._owns_heap:
+                    heap.close(force=True)
+        finally:
+            self.transport.close()
 
     @property
     def destroyed(self) -> bool:
@@ -336,22 +463,14 @@ class Buffer:
             return "Buffer(engine=builtin, not constructed)"
         return (
             f"Buffer(engine=builtin, S={self.S}, H={self.H}, K={self.K}, E={self.E}, R={self.R}, B={self.B}, "
-            f"tp={self.token_padding}, NvS={self.NvS}, device={self.device})"
+            f"tp={self.token_padding}, NvS={self.NvS}, device={self.device}, transport={self.transport_name})"
         )
 
 
 def copy_slots_from_rows(slots: torch.Tensor, E: int, weights) -> None:
     """For every ``[E+B, ...]`` tensor: row ``E+b`` <- row ``slots[b]`` where ``slots[b] >= 0``;
-    unused slots (``-1``) are not touched.
-
-    Reads the B slot ids on the host (one small synchronization; dispatch already made one) so
-    that only used slots move: copying unused ones onto themselves would move every slot's
-    weights every step, GBs per layer at full size.
-    """
-    used = [(E + b, e) for b, e in enumerate(slots.tolist()) if e >= 0]
-    if not used:
-        return
-    dst = torch.tensor([d for d, _ in used], dtype=torch.int64)
-    src = torch.tensor([s for _, s in used], dtype=torch.int64)
+    unused slots (``-1``) are not touched (copying them onto themselves would move every slot's
+    weights every step, GBs per layer at full size). On CUDA the slot ids stay on the device
+    (``row_copy``: no host read); on CPU only the used slots are read and copied."""
     for w in weights:
-        w.index_copy_(0, dst.to(w.device), w.index_select(0, src.to(w.device)))
+        copy_rows(slots, w[E:], src=w, rows_per_source=w.shape[0])

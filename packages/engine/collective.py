@@ -106,6 +106,14 @@ class CollectiveTransport:
         """Why the group is unusable (a collective on it failed earlier), else ``None``."""
         return self.board.broken if self.board is not None else getattr(self, "_broken", None)
 
+    def mark_broken(self, summary: str) -> None:
+        """Record that the group failed outside a collective (a device-side wait of the symmetric
+        transport): every MoonEP object on the group then refuses further steps."""
+        if self.board is not None:
+            self.board.broken = self.board.broken or summary
+        else:
+            self._broken = getattr(self, "_broken", None) or summary
+
     def close(self) -> None:
         """Release the arrival board (idempotent, local: safe after a failure)."""
         if self._closed:

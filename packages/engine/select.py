@@ -1,17 +1,10 @@
-"""Choosing the engine and its transport.
-
-Engine: the real ``moonep`` when installed and usable, else the built-in one.
+"""Choosing the engine: the real ``moonep`` when installed and usable, else the built-in one.
 
 ``engine="auto"`` takes the real package only when it imports, a CUDA device is present and the
 user opted into multicast (upstream's kernels need NVSwitch multicast, which this project keeps
 off by default); otherwise the built-in engine. ``engine="moonep"`` where that is not the case
 raises ``MoonEPUnavailableError`` with the reason.
-
-Transport (built-in engine): ``symmetric`` (one-sided writes into peers' receive buffers on a
-symmetric heap, device-side signals; the fast path between GPUs of one node, and CPU ranks over
-the host heap) or ``collective`` (``torch.distributed`` all-to-all: CPU ranks, other nodes).
-``transport="auto"`` takes ``symmetric`` on CUDA when every peer is addressable, else
-``collective``.
+The built-in engine's transport is chosen in ``transports.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +21,6 @@ from vllm_moonep.multicast import OPT_IN_VAR, multicast_opted_in
 log = logging.getLogger("vllm_moonep.engine")
 
 ENGINES = ("auto", "builtin", "moonep")
-TRANSPORTS = ("auto", "symmetric", "collective")
 
 
 def real_moonep_status() -> tuple[object | None, str]:
@@ -78,23 +70,10 @@ def make_buffer(*args, engine: str = "auto", **kwargs):
     name, why = resolve_engine(engine)
     if name == "moonep":
         mod, _ = real_moonep_status()
-        for k in ("device", "dtype", "check_inputs", "timeout_s"):
+        for k in ("device", "dtype", "check_inputs", "timeout_s", "transport", "heap"):
             kwargs.pop(k, None)
         log.info("MoonEP engine: moonep (%s)", why)
         return mod.Buffer(*args, **kwargs)
     log.debug("MoonEP engine: builtin (%s)", why)
     return BuiltinBuffer(*args, **kwargs)
 
-
-def resolve_transport(requested: str, device_type: str, peers_addressable: bool = True) -> tuple[str, str]:
-    """``(name, reason)``: the transport ``requested`` selects on ``device_type`` (``cpu``/``cuda``);
-    ``peers_addressable`` says whether every peer's memory can be mapped (one node)."""
-    if requested not in TRANSPORTS:
-        raise MoonEPInputError(f"transport must be one of {TRANSPORTS}, got {requested!r}")
-    if requested != "auto":
-        return requested, "requested"
-    if device_type != "cuda":
-        return "collective", "CPU ranks move rows with gloo all-to-all (transport='symmetric' runs over the host heap)"
-    if not peers_addressable:
-        return "collective", "some peers' memory is not addressable from here (ranks on other nodes)"
-    return "symmetric", "every peer is a GPU of this node: one-sided writes over NVLink/P2P"

@@ -30,13 +30,23 @@ def _inputs(S, E, K, H, sigma, seed, rank, dtype):
     return x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev)
 
 
+def _transport():
+    """The transport under test: ``auto`` by default (collective on CPU ranks, symmetric between
+    GPUs of one node); the symmetric cases set VLLM_MOONEP_TEST_TRANSPORT for their ranks."""
+    return os.environ.get("VLLM_MOONEP_TEST_TRANSPORT", "auto")
+
+
 GPU_ENV = {"VLLM_MOONEP_TEST_DEVICE": "cuda"}
+#: the same checks over the symmetric transport (CPU ranks: the host heap) and, on GPUs, over
+#: the collective one (auto picks symmetric there)
+SYM_ENV = {"VLLM_MOONEP_TEST_TRANSPORT": "symmetric"}
+GPU_COLL_ENV = {**GPU_ENV, "VLLM_MOONEP_TEST_TRANSPORT": "collective"}
 
 
 def traceable_rows(S, H, K, E, B, tp, sigma, seed):
     """Encode (source rank, token) in the hidden values and check every row's position."""
     r, R = dist.get_rank(), dist.get_world_size()
-    buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=_device(), dtype=torch.float32)
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=_device(), dtype=torch.float32, transport=_transport())
     _, w, ids, tpe = _inputs(S, E, K, H, sigma, seed, r, torch.float32)
     x = torch.zeros(S, H)
     x[:, 0] = r + 1
@@ -74,27 +84,32 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed):
     return plan.slots_used
 
 
+@pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "symmetric"])
 @pytest.mark.parametrize("R", [2, 3, 4])
 @pytest.mark.parametrize("sigma", [0.0, 2.5])
-def test_rows_land_where_the_plan_says(R, sigma):
+def test_rows_land_where_the_plan_says(R, sigma, env):
+    """A row at the wrong shard position, a padding row not zeroed, or a weight that did not travel
+    with its row (either transport)."""
     E = 12 if R == 3 else 16
-    slots = ranks(R, traceable_rows, 24, 16, 4, E, E // R, 8, sigma, 7 + R)
+    slots = ranks(R, traceable_rows, 24, 16, 4, E, E // R, 8, sigma, 7 + R, env=env)
     assert len(set(slots)) == 1
     if sigma > 0:
         assert slots[0] > 0, "skewed routing must use prefetch slots"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("env", [GPU_ENV, GPU_COLL_ENV], ids=["symmetric", "collective"])
 @pytest.mark.parametrize("R", [2, 4])
-def test_rows_land_where_the_plan_says_cuda(R):
-    slots = ranks(R, traceable_rows, 24, 16, 4, 16, 16 // R, 8, 2.5, 7 + R, env=GPU_ENV)
+def test_rows_land_where_the_plan_says_cuda(R, env):
+    """The same on CUDA: the symmetric transport's kernels (auto) and the collective one."""
+    slots = ranks(R, traceable_rows, 24, 16, 4, 16, 16 // R, 8, 2.5, 7 + R, env=env)
     assert len(set(slots)) == 1 and slots[0] > 0, "skewed routing must use prefetch slots"
 
 
 def per_expert_scale(S, H, K, E, B, tp, sigma, seed):
     """An expert that scales its segment by a per-expert factor matches the dense computation (bf16)."""
     r, R = dist.get_rank(), dist.get_world_size()
-    buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=_device())
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=_device(), transport=_transport())
     x, w, ids, tpe = _inputs(S, E, K, H, sigma, seed, r, torch.bfloat16)
     xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
     xn, wn, cu, x, w, ids = xn.cpu(), wn.cpu(), cu.cpu(), x.cpu(), w.cpu(), ids.cpu()
@@ -116,24 +131,27 @@ def per_expert_scale(S, H, K, E, B, tp, sigma, seed):
     return plan.slots_used
 
 
+@pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "symmetric"])
 @pytest.mark.parametrize("R", [2, 3, 4])
-def test_per_expert_scale_matches_dense(R):
+def test_per_expert_scale_matches_dense(R, env):
+    """An output row combined into the wrong token, or an expert applied to another's rows."""
     E = 12 if R == 3 else 16
-    slots = ranks(R, per_expert_scale, 40, 32, 3, E, E // R, 16, 3.0, 5)
+    slots = ranks(R, per_expert_scale, 40, 32, 3, E, E // R, 16, 3.0, 5, env=env)
     assert slots[0] > 0
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("env", [GPU_ENV, GPU_COLL_ENV], ids=["symmetric", "collective"])
 @pytest.mark.parametrize("R", [2, 4])
-def test_per_expert_scale_matches_dense_cuda(R):
-    slots = ranks(R, per_expert_scale, 40, 32, 3, 16, 16 // R, 16, 3.0, 5, env=GPU_ENV)
+def test_per_expert_scale_matches_dense_cuda(R, env):
+    slots = ranks(R, per_expert_scale, 40, 32, 3, 16, 16 // R, 16, 3.0, 5, env=env)
     assert slots[0] > 0
 
 
 def prefetch_slots(R_unused, sigma):
     r, R = dist.get_rank(), dist.get_world_size()
     S, H, K, E, B = 32, 8, 4, 4 * R, 4
-    buf = Buffer(S, H, K, E, R, B=B, token_padding=4, device=_device())
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=4, device=_device(), transport=_transport())
     x, w, ids, tpe = _inputs(S, E, K, H, sigma, 21, r, torch.bfloat16)
     _, _, _, plan = buf.dispatch(x, w, ids, tpe)
     g = torch.Generator().manual_seed(99)
@@ -158,9 +176,10 @@ def prefetch_slots(R_unused, sigma):
     return sum(e >= 0 for e in etc)
 
 
+@pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "symmetric"])
 @pytest.mark.parametrize("R", [2, 4])
-def test_prefetch_copies_used_slots_and_leaves_unused(R):
-    used = ranks(R, prefetch_slots, R, 3.0)
+def test_prefetch_copies_used_slots_and_leaves_unused(R, env):
+    used = ranks(R, prefetch_slots, R, 3.0, env=env)
     assert sum(used) > 0
     assert any(u < 4 for u in used), "some slot must stay unused to check the sentinel"
 
@@ -174,7 +193,7 @@ def test_prefetch_copies_used_slots_and_leaves_unused_cuda():
 def bad_inputs_then_valid():
     r, R = dist.get_rank(), dist.get_world_size()
     S, H, K, E = 16, 8, 2, 4 * R
-    buf = Buffer(S, H, K, E, R, B=2, token_padding=4, device=_device())
+    buf = Buffer(S, H, K, E, R, B=2, token_padding=4, device=_device(), transport=_transport())
     x, w, ids, tpe = _inputs(S, E, K, H, 1.0, 3, r, torch.bfloat16)
     cases = {
         "fp16 hidden": ((x.half(), w, ids, tpe), "must be torch.bfloat16"),
@@ -194,7 +213,7 @@ def bad_inputs_then_valid():
         assert needle in str(ei.value), (name, str(ei.value))
         msgs[name] = str(ei.value)
     # a foreign plan and a destroyed buffer are state errors
-    other = Buffer(S, H, K, E, R, B=2, token_padding=4, device=_device())
+    other = Buffer(S, H, K, E, R, B=2, token_padding=4, device=_device(), transport=_transport())
     _, _, _, foreign = other.dispatch(x, w, ids, tpe)
     with pytest.raises(MoonEPStateError):
         buf.combine(foreign, torch.zeros(buf.NvS, H, dtype=torch.bfloat16))
@@ -213,15 +232,17 @@ def bad_inputs_then_valid():
     return len(msgs)
 
 
+@pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "symmetric"])
 @pytest.mark.parametrize("R", [2, 3])
-def test_bad_inputs_raise_and_next_step_works(R):
-    assert ranks(R, bad_inputs_then_valid) == [9] * R
+def test_bad_inputs_raise_and_next_step_works(R, env):
+    """A rejected call that left a half-sent step behind (the next valid step would then be wrong)."""
+    assert ranks(R, bad_inputs_then_valid, env=env) == [9] * R
 
 
 def config_mismatch():
     r, R = dist.get_rank(), dist.get_world_size()
     try:
-        Buffer(16, 8 if r == 0 else 16, 2, 8, R, device=_device())
+        Buffer(16, 8 if r == 0 else 16, 2, 8, R, device=_device(), transport=_transport())
     except MoonEPInputError as exc:
         return str(exc)
     return ""
@@ -234,7 +255,7 @@ def test_config_mismatch_across_ranks_is_reported():
 
 def world_size_mismatch():
     with pytest.raises(MoonEPInputError, match="does not match the process group"):
-        Buffer(16, 8, 2, 24, dist.get_world_size() + 1, device=_device())
+        Buffer(16, 8, 2, 24, dist.get_world_size() + 1, device=_device(), transport=_transport())
     return True
 
 
@@ -245,7 +266,7 @@ def test_world_size_mismatch():
 def combine_accumulates_in_fp32(S, H, K, E):
     """bf16 expert rows, combined: must equal the fp32 sum of each token's K rows rounded once."""
     r, R = dist.get_rank(), dist.get_world_size()
-    buf = Buffer(S, H, K, E, R, B=E // R, token_padding=4, device=_device())
+    buf = Buffer(S, H, K, E, R, B=E // R, token_padding=4, device=_device(), transport=_transport())
     x, w, ids, tpe = _inputs(S, E, K, H, 3.0, 17, r, torch.bfloat16)
     xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
     # a row-specific bf16 output: each row scaled by its route weight and a per-expert factor
@@ -263,8 +284,9 @@ def combine_accumulates_in_fp32(S, H, K, E):
     return exact, not torch.equal(naive, acc.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "symmetric"])
 @pytest.mark.parametrize("R", [2, 3])
-def test_combine_accumulates_in_fp32_and_rounds_once(R):
-    res = ranks(R, combine_accumulates_in_fp32, 64, 64, 3, 6 * R)
+def test_combine_accumulates_in_fp32_and_rounds_once(R, env):
+    res = ranks(R, combine_accumulates_in_fp32, 64, 64, 3, 6 * R, env=env)
     assert all(exact for exact, _ in res), "combine is not an fp32 sum rounded once to bf16"
     assert any(distinguishing for _, distinguishing in res)

@@ -372,3 +372,43 @@ def test_symmetric_heap_collectives_are_bounded():
     assert "HostHeap" in load["op"], load
     assert load["elapsed"] < TIMEOUT_S + SLACK_S, load
     assert res[0]["closed"] and res[0]["rebuilt"] and res[1]["rebuilt"]
+
+
+# ------------------------------------------------------------------------------ symmetric transport
+def symmetric_rank_stops_calling():
+    """Rank 1 skips dispatch #1; rank 0's wait for its counts must give up within the bound and name it."""
+    from vllm_moonep.engine import Buffer
+
+    r, R = dist.get_rank(), dist.get_world_size()
+    S, Hs, Ks, Es = 8, 16, 2, 8
+    buf = Buffer(S, Hs, Ks, Es, R, B=Es // R, token_padding=4, device="cpu", transport="symmetric")
+    g = torch.Generator().manual_seed(r)
+    ids = torch.randint(0, Es, (S, Ks), generator=g, dtype=torch.int32)
+    w = torch.rand(S, Ks, generator=g)
+    x = torch.randn(S, Hs, generator=g).to(torch.bfloat16)
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=Es).to(torch.int32)
+    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)  # step 0: both ranks
+    buf.combine(plan, xn)
+    out = {}
+    if r == 0:
+        exc, elapsed = _timed(buf.dispatch, x, w, ids, tpe)  # step 1: rank 1 never comes
+        out = _describe(exc, elapsed)
+        exc2, _ = _timed(buf.dispatch, x, w, ids, tpe)  # and the buffer refuses further steps
+        out["after"] = type(exc2).__name__ if exc2 else None
+    else:
+        time.sleep(TIMEOUT_S + SLACK_S + 1.0)
+    buf.destroy()  # local after the failure on rank 0; rank 1's heap free is collective, bounded
+    return out
+
+
+def test_symmetric_transport_wait_is_bounded_and_names_the_peer():
+    """A device/host-side signal wait that hangs forever, or reports without naming the peer that
+    never signalled, when a rank stops calling."""
+    res = _fresh(2, symmetric_rank_stops_calling)
+    r0 = res[0]
+    assert not isinstance(r0, RankFailure), r0
+    assert r0["type"] == "MoonEPCollectiveTimeout", r0
+    assert r0["missing"] == [1] and "token counts" in r0["op"], r0
+    assert "first rank 1" in r0["msg"] and "timed out" in r0["msg"]
+    assert TIMEOUT_S <= r0["elapsed"] <= TIMEOUT_S + SLACK_S, r0
+    assert r0["after"] in ("MoonEPStateError", "MoonEPCollectiveTimeout"), r0

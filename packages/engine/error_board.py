@@ -1,0 +1,97 @@
+"""The error board: where device-side code reports what it could not do, without a host sync.
+
+A GPU kernel that waits for a peer's signal must never hang the GPU, and it cannot raise. So
+every device-side wait is bounded (``timeout_s``, see ``timeouts.py``); when the bound runs
+out, the kernel writes a record here and returns. Device-side input checks (an expert id
+outside ``[0, E)``) write here too, and the offending rows are skipped instead of written out
+of bounds.
+
+::
+
+    kernel (GPU) --st.sys--> board [pinned host memory, mapped] <--plain read-- host
+                                                                 check(): raise if set
+
+On CUDA the board lives in page-locked host memory, which kernels address directly (unified
+addressing), so the host reads it with no CUDA call and no synchronization: ``check()`` is free
+and runs at the start of every ``dispatch``/``combine``; ``check(sync=True)`` first waits for
+the stream, for a caller that wants to know about the step just issued. On CPU ranks the
+transport waits on the host and records failures here itself, so both report the same way.
+
+The first record wins (later ones are kept in ``records`` only by count); a raised error leaves
+the board set, so every later call raises too: after a peer failed to signal, the epochs of
+the ranks no longer agree and the buffer must be rebuilt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
+
+__all__ = ["ErrorBoard", "WAIT_OPS", "CODE_BAD_ID"]
+
+#: record layout (int64 words)
+FLAG, CODE, PEER, EPOCH, ELAPSED_NS, SEEN, TARGET = range(7)
+WORDS = 8
+
+#: codes of the bounded waits (the operation named in the error)
+WAIT_OPS = {
+    1: "dispatch: wait for every peer's token counts",
+    2: "dispatch: wait for every peer's rows",
+    3: "combine: wait for every peer's expert outputs",
+}
+#: an expert id outside [0, E) reached the device-side placement
+CODE_BAD_ID = 16
+
+
+class ErrorBoard:
+    """One record of ``WORDS`` int64 words (see the module doc) on ``device``'s host side."""
+
+    def __init__(self, device: torch.device, *, rank: int, world_size: int, timeout_s: float, what: str):
+        pinned = device.type == "cuda"
+        self.words = torch.zeros(WORDS, dtype=torch.int64, pin_memory=pinned)
+        self.address = self.words.data_ptr()  # kernels write here (unified addressing)
+        self.rank, self.world_size, self.timeout_s, self.what = rank, world_size, timeout_s, what
+        self.device = device
+        self.raised: BaseException | None = None
+
+    # -- written by the host transport (CPU ranks) ------------------------------------------------
+    def record(self, code: int, peer: int, epoch: int, elapsed_ns: int, seen: int = 0, target: int = 0) -> None:
+        if int(self.words[FLAG]):
+            return
+        self.words[CODE], self.words[PEER], self.words[EPOCH] = code, peer, epoch
+        self.words[ELAPSED_NS], self.words[SEEN], self.words[TARGET] = elapsed_ns, seen, target
+        self.words[FLAG] = 1
+
+    # -- read by the host -------------------------------------------------------------------------
+    @property
+    def is_set(self) -> bool:
+        return bool(int(self.words[FLAG]))
+
+    def check(self, sync: bool = False) -> None:
+        """Raise the recorded failure (``sync``: after the device finished what was issued)."""
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if not int(self.words[FLAG]):
+            return
+        raise self.error()
+
+    def error(self) -> BaseException:
+        w = [int(v) for v in self.words.tolist()]
+        code, peer, epoch = w[CODE], w[PEER], w[EPOCH]
+        if code == CODE_BAD_ID:
+            return MoonEPInputError(
+                f"{self.what}: an expert id outside [0, E) reached dispatch #{epoch} on rank {self.rank} (the "
+                "device-side check skipped its row, so this step's output is wrong); sanitize invalid ids first. "
+                "Rebuild the buffer: the ranks' step counts may no longer agree."
+            )
+        op = WAIT_OPS.get(code, f"wait #{code}")
+        return MoonEPCollectiveTimeout(
+            f"MoonEP {op!r} timed out after {w[ELAPSED_NS] / 1e9:.1f}s (limit {self.timeout_s:g}s) at its "
+            f"call #{epoch} on rank {self.rank} of {self.world_size}: peer(s) that did not signal, first rank "
+            f"{peer} (signal {w[SEEN]} of {w[TARGET]} expected); it died, stopped calling, or called another "
+            f"buffer. {self.what}: the device wait gave up instead of hanging the GPU, so this step's output is "
+            "wrong. Destroy the MoonEP buffers, pools and layouts, then the process group, and build a fresh set.",
+            op=op, step=epoch, rank=self.rank, world_size=self.world_size, missing=[peer], timed_out=True,
+            elapsed_s=w[ELAPSED_NS] / 1e9, timeout_s=self.timeout_s, seq=epoch,
+        )

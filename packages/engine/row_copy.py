@@ -1,0 +1,86 @@
+"""Expert-row copies driven by slot ids on the device: the prefetch without a host read.
+
+``copy_rows(slot_ids [B] int32, dst [B, ...], src=..., rows_per_source=...)``: for every ``b``
+with ``e = slot_ids[b] >= 0``, ``dst[b]`` becomes a bitwise copy of row ``e % rows_per_source`` of
+source ``e // rows_per_source``; slots with ``-1`` are untouched. The sources are one tensor (the
+replicated layout: its own rows ``[0, E)``) or a device table of addresses (the symmetric layout:
+every peer's home rows, read over NVLink). On CUDA one Triton launch does it with no host
+synchronization (graph-capturable); on CPU, the slot ids are read on the host and only used
+slots move.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["copy_rows", "address_table"]
+
+_CHUNK = 1 << 16  # elements per program
+
+
+def address_table(tensors) -> torch.Tensor:
+    """Device int64 table of the tensors' addresses (build once, outside graph capture)."""
+    tensors = list(tensors)
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    global _copy_rows_kernel
+    if _copy_rows_kernel is not None:
+        return _copy_rows_kernel
+
+    @triton.jit
+    def copy_rows_kernel(ids, dst, src, table, rows_per_source, row_elems, TABLE: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        e = tl.load(ids + b)
+        if e >= 0:
+            owner = e // rows_per_source
+            local = (e % rows_per_source).to(tl.int64)
+            if TABLE:
+                base = tl.load(table + owner).to(dst.dtype)
+            else:
+                base = src + owner.to(tl.int64) * rows_per_source * row_elems
+            s = base + local * row_elems
+            d = dst + b.to(tl.int64) * row_elems
+            lo = c.to(tl.int64) * CHUNK
+            o = tl.arange(0, BLOCK)
+            for k in range(0, CHUNK, BLOCK):
+                m = lo + k + o < row_elems
+                tl.store(d + lo + k + o, tl.load(s + lo + k + o, mask=m), mask=m)
+
+    _copy_rows_kernel = copy_rows_kernel
+    return copy_rows_kernel
+
+
+_copy_rows_kernel = None
+
+
+def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | None = None,
+              table: torch.Tensor | None = None, rows_per_source: int) -> None:
+    """See the module doc. ``dst`` is ``[B, ...]`` contiguous; ``src`` is ``[N, ...]`` (rows of
+    the same shape) or ``table`` holds one address per source."""
+    B = dst.shape[0]
+    row_elems = dst[0].numel() if B else 0
+    if B == 0 or row_elems == 0:
+        return
+    if dst.device.type == "cuda":
+        import triton
+
+        kern = _kernel()
+        grid = (B, triton.cdiv(row_elems, _CHUNK))
+        kern[grid](slot_ids, dst, src if src is not None else dst, table if table is not None else slot_ids,
+                   rows_per_source, row_elems, TABLE=table is not None, CHUNK=_CHUNK, BLOCK=4096, num_warps=8)
+        return
+    used = [(b, e) for b, e in enumerate(slot_ids.tolist()) if e >= 0]
+    if not used:
+        return
+    if src is None:
+        raise ValueError("copy_rows on CPU needs src (address tables are a device feature)")
+    d = torch.tensor([b for b, _ in used], dtype=torch.int64)
+    s = torch.tensor([e for _, e in used], dtype=torch.int64)
+    dst.index_copy_(0, d, src.reshape((-1,) + tuple(dst.shape[1:])).index_select(0, s))

@@ -1,0 +1,280 @@
+"""The symmetric transport: rows move by one-sided writes into peers' receive buffers on a
+symmetric heap, with signals instead of collectives. The fast path between GPUs of one node.
+
+One ``SymmetricTransport`` per ``Buffer`` (its capacity ``S`` fixes every size), allocated once
+on the heap at construction (collective), never per step::
+
+    every rank:  counts [R, E] i32     row src = src's tokens_per_expert
+                 recv_x [NvS, H]       the dispatched shard (returned as hidden_nvsh)
+                 recv_w [NvS] f32      route weight of each row
+                 recv_src [NvS] i32    src_rank * S*K + flat entry of each row, -1 for padding
+                 comb_x [S*K, H]       expert outputs of this rank's entries, landed by their computing rank
+                 comb_w [S*K] f32      their route weights
+                 sig [3, R] i64        signal counters per phase and source (see symmetric_kernels)
+
+    dispatch:  put counts to every peer -> wait(counts) -> plan [R,E] (device planner) -> place own
+               entries -> write each entry's row into recv_* of its destination -> signal
+               -> zero own padding rows, wait(rows)
+    combine:   each real row of recv_x's outputs -> comb_* of its source -> signal
+               -> wait(outputs) -> out[t] = bf16(sum_k fp32 comb_x[t*K+k])
+
+Ordering between steps needs no extra barrier: a rank writes into a peer's ``recv_*`` for step
+``t+1`` only after its own wait for step ``t+1``'s counts, which the peer sends after its combine
+of step ``t``, which runs after the peer's expert compute of step ``t`` on its stream; likewise
+``comb_*`` and ``counts``. So one step in flight per buffer, as the contract says.
+
+Two executors of the same protocol:
+
+- GPU (``TorchSymmHeap`` or any heap whose peers are addressable): Triton kernels
+  (``symmetric_kernels``) and the device planner; no host synchronization, no allocation per
+  step, so a whole step can be captured in a CUDA graph (one graph per buffer capacity). Waits
+  are bounded on the device and report through the ``ErrorBoard``.
+- CPU ranks (``HostHeap`` without staging, shared ``/dev/shm`` mappings): the same buffers,
+  written with torch ops through peer views, host planner, host waits (polling with the same
+  bound; a time-out raises at once, naming the peer). This is how CPU CI tests the protocol.
+  Signals there have one writer per slot (the source rank), so plain stores suffice; ordering
+  relies on the x86-64 (TSO) store order that CI machines have.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_moonep.engine.error_board import ErrorBoard
+from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
+from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
+
+__all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS"]
+
+#: programs of the row-moving kernels (persistent); a Buffer's ``num_sms`` overrides it
+DEFAULT_PROGRAMS = 128
+_PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
+_WAIT_CODE = {"counts": 1, "dispatch": 2, "combine": 3}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+class SymmetricTransport:
+    """Buffers, address table, epochs and error board of one engine ``Buffer`` (see the module doc).
+
+    Args: ``heap`` (a ``SymmetricHeap`` spanning the EP group; the transport allocates on it and
+    frees in ``close()``), the buffer's shape (``R, rank, S, K, H, E, B, NvS, token_padding``),
+    ``dtype`` of the rows, ``timeout_s`` (bound on every wait), ``num_programs`` (row-moving
+    kernels' grid; ``None``: ``DEFAULT_PROGRAMS``).
+    """
+
+    def __init__(self, heap, *, R: int, rank: int, S: int, K: int, H: int, E: int, B: int, NvS: int,
+                 token_padding: int, dtype: torch.dtype, timeout_s: float, num_programs: int | None = None):
+        if not heap.peers_addressable:
+            raise MoonEPUnavailableError(
+                f"the symmetric transport needs every peer's memory addressable, and this {type(heap).__name__} "
+                "cannot map some peers (ranks on other nodes): use transport='collective'"
+            )
+        self.heap = heap
+        self.R, self.rank, self.S, self.K, self.H, self.E, self.B, self.NvS = R, rank, S, K, H, E, B, NvS
+        self.tp = token_padding
+        self.dtype = dtype
+        self.device = heap.device
+        self.on_gpu = self.device.type == "cuda"
+        self.timeout_s = float(timeout_s)
+        SK = S * K
+        tag = f"moonep.transport.S{S}"
+        specs = [  # (name, shape, dtype) in table-row order (symmetric_kernels.T_*)
+            ("counts", (R, E), torch.int32),
+            ("recv_x", (NvS, H), dtype),
+            ("recv_w", (NvS,), torch.float32),
+            ("recv_src", (NvS,), torch.int32),
+            ("comb_x", (SK, H), dtype),
+            ("comb_w", (SK,), torch.float32),
+            ("sig", (3, R), torch.int64),
+        ]
+        self._handles = []
+        try:
+            for name, shape, dt in specs:
+                self._handles.append(heap.allocate(shape, dt, f"{tag}.{name}"))
+        except BaseException:
+            for h in reversed(self._handles):
+                heap.free(h)
+            raise
+        self.buf = {name: h.tensor for (name, _, _), h in zip(specs, self._handles)}
+        self.buf["sig"].zero_()
+        self.buf["counts"].zero_()
+        self.buf["recv_src"].fill_(-1)
+        # peer views (and, on GPU, their addresses): what one-sided writes go through
+        self.peer = {name: [heap.peer_view(h, d) for d in range(R)] for (name, _, _), h in zip(specs, self._handles)}
+        heap.barrier()  # every rank zeroed its signals before anyone signals
+        self.epoch = torch.zeros(3, dtype=torch.int64, device=self.device)  # completed waits per phase
+        self._host_epoch = [0, 0, 0]
+        self.board = ErrorBoard(self.device, rank=rank, world_size=R, timeout_s=self.timeout_s,
+                                what=f"MoonEP buffer S={S} (symmetric transport)")
+        self.programs = max(1, min(int(num_programs or DEFAULT_PROGRAMS), SK))
+        if self.on_gpu:
+            table = [[self.peer[name][d].data_ptr() for d in range(R)] for name, _, _ in specs]
+            self.table = torch.tensor(table, dtype=torch.int64, device=self.device)
+            from vllm_moonep.engine.device_planner import DevicePlanner
+
+            self.planner = DevicePlanner(R, E, S, K, B, token_padding, self.device)
+            self.cu32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
+            self._block_h = min(_pow2(H), 8192)
+        self._closed = False
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor):
+        """Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], GlobalPlan)``."""
+        self.board.check()
+        if self.on_gpu:
+            return self._dispatch_gpu(hidden, route_w, ids, tpe)
+        return self._dispatch_host(hidden, route_w, ids, tpe)
+
+    def combine(self, y: torch.Tensor, y_w: torch.Tensor | None):
+        """Returns ``(hidden_sh [S,H], route_weights [S,K] or None)``."""
+        self.board.check()
+        if self.on_gpu:
+            return self._combine_gpu(y, y_w)
+        return self._combine_host(y, y_w)
+
+    # ------------------------------------------------------------------ GPU executor
+    def _timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+    def _dispatch_gpu(self, hidden, route_w, ids, tpe):
+        from vllm_moonep.engine import symmetric_kernels as k
+
+        R, E, rank, H = self.R, self.E, self.rank, self.H
+        RP = _pow2(R)
+        b = self.buf
+        k.put_counts_kernel[(R,)](tpe, self.table, R, rank, E, E_PAD=_pow2(E), R_PAD=RP)
+        k.wait_kernel[(1,)](b["sig"], self.epoch, k.PH_COUNTS, R, 1, self.board.address, _WAIT_CODE["counts"],
+                            self._timeout_ns(), R_PAD=RP)
+        gp = self.planner.plan(b["counts"])
+        dest, row = self.planner.place(gp, rank, ids)
+        n = self.S * self.K
+        k.dispatch_rows_kernel[(self.programs,)](hidden, route_w, dest, row, self.table, self.board.address, n, self.K, H,
+                                                 R, rank, self.programs, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
+        cu = gp.cu_seqlens[rank]
+        k.finish_dispatch_kernel[(self.programs,)](
+            cu, gp.seg_len[rank], b["recv_x"], b["recv_w"], b["recv_src"], E + self.B, H, b["sig"], self.epoch, R,
+            self.programs, self.board.address, self._timeout_ns(), self.programs,
+            TP_ROWS=4, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
+        self.cu32.copy_(cu)
+        return b["recv_x"], b["recv_w"], self.cu32, gp
+
+    def _combine_gpu(self, y, y_w):
+        from vllm_moonep.engine import symmetric_kernels as k
+
+        R, rank, H, K = self.R, self.rank, self.H, self.K
+        RP = _pow2(R)
+        b = self.buf
+        has_w = y_w is not None
+        cu_last = self.cu32[self.E + self.B - 1:]
+        k.combine_rows_kernel[(self.programs,)](y, y_w if has_w else b["recv_w"], b["recv_src"], cu_last, self.table,
+                                                self.S * K, H, R, rank, self.programs, HAS_W=has_w,
+                                                BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
+        k.wait_kernel[(1,)](b["sig"], self.epoch, k.PH_COMBINE, R, self.programs, self.board.address,
+                            _WAIT_CODE["combine"], self._timeout_ns(), R_PAD=RP)
+        # the result is the caller's (a layer's output must survive the next layer's combine on
+        # this buffer): fresh tensors from the caching allocator, no synchronization
+        out = torch.empty(self.S, H, dtype=self.dtype, device=self.device)
+        out_w = torch.empty(self.S, K, dtype=torch.float32, device=self.device) if has_w else out
+        bh = min(_pow2(H), 1024)
+        k.reduce_kernel[(self.S, triton_cdiv(H, bh))](b["comb_x"], b["comb_w"], out, out_w, K, H, HAS_W=has_w,
+                                                     K_PAD=_pow2(K), BLOCK_H=bh, num_warps=4)
+        return out, (out_w if has_w else None)
+
+    # ------------------------------------------------------------------ CPU executor
+    def _signal_host(self, phase: str, peers) -> None:
+        p = _PHASE[phase]
+        value = self._host_epoch[p] + 1
+        for d in peers:
+            self.peer["sig"][d][p, self.rank] = value
+
+    def _wait_host(self, phase: str) -> None:
+        p = _PHASE[phase]
+        target = self._host_epoch[p] + 1
+        sig = self.buf["sig"][p]
+        t0 = time.monotonic()
+        pause = 0.0
+        while True:
+            seen = sig.clone()
+            late = (seen < target).nonzero().flatten().tolist()
+            if not late:
+                break
+            elapsed = time.monotonic() - t0
+            if elapsed >= self.timeout_s:
+                self.board.record(_WAIT_CODE[phase], late[0], target, int(elapsed * 1e9), int(seen[late[0]]), target)
+                self.board.check()
+            pause = min(1e-3, pause + 2e-5)
+            time.sleep(pause)
+        self._host_epoch[p] = target
+
+    def _dispatch_host(self, hidden, route_w, ids, tpe):
+        R, rank, S, K = self.R, self.rank, self.S, self.K
+        b = self.buf
+        for d in range(R):
+            self.peer["counts"][d][rank].copy_(tpe)
+        self._signal_host("counts", range(R))
+        self._wait_host("counts")
+        gp = plan_global(b["counts"].to(torch.int64), S, K, self.B, self.tp)
+        dest, row = place_entries(gp, rank, ids)
+        n = S * K
+        flat = torch.arange(n)
+        src_id = (rank * n + flat).to(torch.int32)
+        wflat = route_w.reshape(-1)
+        for d in range(R):
+            sel = (dest == d).nonzero().flatten()
+            if sel.numel():
+                rows = row[sel]
+                self.peer["recv_x"][d].index_copy_(0, rows, hidden.index_select(0, sel // K))
+                self.peer["recv_w"][d].index_copy_(0, rows, wflat.index_select(0, sel))
+                self.peer["recv_src"][d].index_copy_(0, rows, src_id.index_select(0, sel))
+        self._signal_host("dispatch", range(R))
+        # padding rows of this rank's segments: hidden 0, weight 0, no source
+        cu = gp.cu_seqlens[rank]
+        start = cu - torch.where(gp.seg_len[rank] > 0, (gp.seg_len[rank] + self.tp - 1) // self.tp * self.tp, 0)
+        for s0, end in zip((start + gp.seg_len[rank]).tolist(), cu.tolist()):
+            if s0 < end:
+                b["recv_x"][s0:end].zero_()
+                b["recv_w"][s0:end].zero_()
+                b["recv_src"][s0:end].fill_(-1)
+        self._wait_host("dispatch")
+        self._used = int(cu[-1])
+        return b["recv_x"], b["recv_w"], cu.to(torch.int32), gp
+
+    def _combine_host(self, y, y_w):
+        R, S, K, H = self.R, self.S, self.K, self.H
+        b = self.buf
+        n = S * K
+        # rows past cu[-1] may hold an earlier step's source ids: only [0, cu[-1]) is this step's
+        src = b["recv_src"][: self._used].to(torch.int64)
+        for d in range(R):
+            rows = ((src >= d * n) & (src < (d + 1) * n)).nonzero().flatten()
+            if rows.numel():
+                entries = src.index_select(0, rows) - d * n
+                self.peer["comb_x"][d].index_copy_(0, entries, y.index_select(0, rows))
+                if y_w is not None:
+                    self.peer["comb_w"][d].index_copy_(0, entries, y_w.index_select(0, rows))
+        self._signal_host("combine", range(R))
+        self._wait_host("combine")
+        out = b["comb_x"].view(S, K, H).float().sum(dim=1).to(self.dtype)
+        rw = b["comb_w"].view(S, K).clone() if y_w is not None else None
+        return out, rw
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Free the heap allocations (collective unless the group failed; LIFO on the heap)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.peer.clear()
+        self.buf.clear()
+        for h in reversed(self._handles):
+            self.heap.free(h)
+        self._handles.clear()
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
