@@ -17,12 +17,14 @@ memory of full-size models at EP 8/16/32/64 from the same accounting code the la
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 
@@ -30,9 +32,10 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
+from vllm_moonep.common.grouped_gemm import IMPLS, GroupedWeights, available_impls
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, replicated_accounting
 from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
-from vllm_moonep.common.routing import route, sigma_for_maxvio
+from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.common.timing import PHASES, PhaseTimer
 from vllm_moonep.tools.launch import run_on_ranks, shutdown_pools
 from vllm_moonep.tools.memory_projection import MODELS, projection_rows, render
@@ -62,6 +65,91 @@ PRESETS = {
 }
 
 CONFIGS = ("replicated", "symmetric", "symmetric-shared", "vllm-poc")
+DEVICES = ("cpu", "cuda")
+#: per-rank expert memory the scaled model may use by default, GiB
+DEFAULT_BUDGET_GB = {"cpu": 1.0, "cuda": 40.0}
+#: the reference check's default bound on the relative error of each configuration's output
+MAX_REF_ERR = 2e-2
+
+
+def config_choice(value: str) -> str:
+    """One ``--configs`` entry: a known configuration or an importable ``module:function``."""
+    if value in CONFIGS:
+        return value
+    if ":" in value:
+        try:
+            _resolve_custom(value)
+        except Exception as exc:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not an importable module:function ({type(exc).__name__}: {exc})") from None
+        return value
+    close = difflib.get_close_matches(value, CONFIGS, n=1)
+    raise argparse.ArgumentTypeError(
+        f"unknown configuration {value!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+        + f"; choose from {', '.join(CONFIGS)}, or module:function")
+
+
+def kernels_on(device: str) -> list[str]:
+    """The grouped-GEMM implementations that run on ``device`` for one dense weight tensor."""
+    dev = torch.device(device)
+    w = torch.zeros(1, 128, 128, dtype=torch.bfloat16, device=dev)
+    return available_impls(torch.zeros(1, 128, dtype=torch.bfloat16, device=dev), GroupedWeights.contiguous(w, w, w))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_steps, device, configs, impl, slots,
+              budget_gb, max_ref_err=MAX_REF_ERR) -> None:
+    """Every choice of a run, checked before any rank is spawned; ``ValueError`` names the first problem."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"--ranks must be a positive integer, got {ranks!r}")
+    if p.experts % ranks:
+        ok = [d for d in _divisors(p.experts) if 1 < d <= 64]
+        raise ValueError(
+            f"--ranks {ranks} does not divide the {preset} preset's {p.experts} experts (MoonEP gives every rank "
+            f"E/R of them); use one of {', '.join(map(str, ok))}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {layers}")
+    if not tokens or any(t < 1 for t in tokens):
+        raise ValueError(f"--tokens must be positive token counts per rank, got {list(tokens)}")
+    if not maxvios or any(not (m >= 0) for m in maxvios):
+        raise ValueError(f"--maxvio must be >= 0 (0 is even routing), got {list(maxvios)}")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got steps={steps}, warmup={warmup}")
+    if check_steps < 1:
+        raise ValueError("--check-steps must be >= 1: every configuration is checked against the dense reference")
+    if check_steps > steps:
+        raise ValueError(f"--check-steps {check_steps} exceeds --steps {steps}")
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible here (use --device cpu)")
+    if impl not in IMPLS:
+        raise ValueError(f"--impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl != "auto":
+        avail = kernels_on(device)
+        if impl not in avail:
+            raise ValueError(f"--impl {impl} cannot run on {device} ranks here (available: {', '.join(avail)}; "
+                             "'auto' takes the best of them)")
+    for c in configs or ():
+        try:
+            config_choice(c)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--configs: {exc}") from None
+    if impl == "grouped_mm" and "symmetric-shared" in (configs or CONFIGS):
+        raise ValueError("--impl grouped_mm cannot read symmetric-shared's shared slot pool (it needs one dense "
+                         "weight tensor); leave symmetric-shared out of --configs or use another --impl")
+    if slots is not None and slots < 1:
+        raise ValueError(f"--slots must be >= 1, got {slots}")
+    if budget_gb is not None and not (budget_gb > 0):
+        raise ValueError(f"--budget-gb must be > 0, got {budget_gb}")
+    if not (max_ref_err > 0):
+        raise ValueError(f"max_ref_err must be > 0, got {max_ref_err}")
 
 
 def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, slots: int | None) -> dict:
@@ -237,10 +325,12 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
         slots_used.append(int((info.experts_to_copy[r] >= 0).sum()) if info is not None else 0)
         padded.append(int(info.cu_seqlens[-1]) if info is not None else 0)
     # rows each rank would compute without redundancy: all rows of its home experts
-    mine = torch.stack(rows_no_plan).sum(0) if rows_no_plan else torch.zeros(E, dtype=torch.int64)
-    every = [torch.zeros_like(mine) for _ in range(R)]
-    dist.all_gather(every, mine)
-    home = torch.stack(every).sum(0).view(R, -1).sum(1).double()
+    per_step = torch.stack(rows_no_plan) if rows_no_plan else torch.zeros(1, E, dtype=torch.int64)  # [steps, E]
+    every = [torch.zeros_like(per_step) for _ in range(R)]
+    dist.all_gather(every, per_step)
+    tpe_steps = torch.stack(every).sum(0)  # [steps, E] over all ranks
+    home = tpe_steps.sum(0).view(R, -1).sum(1).double()
+    achieved = [maxvio(t) for t in tpe_steps]
     cap = moes[-1].last.capacity if moes[-1].last is not None else tokens
     with_plan = cap * K * len(totals)
     return {
@@ -249,6 +339,7 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
         "ref_rel_err": max(errs) if errs else None,
         "rows_without_plan": float(home[r]),
         "rows_without_plan_max_over_mean": float(home.max() / home.mean()) if home.mean() > 0 else 1.0,
+        "maxvio_achieved": statistics.mean(achieved),
         "rows_with_plan": with_plan,
         "slots_used": slots_used,
         "padded_rows": padded,
@@ -358,18 +449,23 @@ def vllm_available() -> bool:
 
 def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.0, 1.0, 2.0), steps=3, warmup=1,
            check_steps=1, device="cpu", seed=0, configs=None, impl="auto", slots=None, budget_gb=None,
-           out_dir="moonep-ab-out", plots=True, progress=True, max_ref_err=2e-2) -> dict:
-    """Run the comparison; returns the result dict (also written to ``out_dir/moonep-ab.json``)."""
+           out_dir="moonep-ab-out", plots=True, progress=True, max_ref_err=MAX_REF_ERR) -> dict:
+    """Run the comparison; returns the result dict (also written to ``out_dir/moonep-ab.json``).
+    Every argument is checked (``check_run``, ``ValueError``) before any rank is spawned."""
+    t_start = time.perf_counter()
+    check_run(preset=preset, ranks=ranks, layers=layers, tokens=tokens, maxvios=maxvios, steps=steps, warmup=warmup,
+              check_steps=check_steps, device=device, configs=configs, impl=impl, slots=slots, budget_gb=budget_gb,
+              max_ref_err=max_ref_err)
     p = PRESETS[preset]
-    if check_steps < 1:
-        raise ValueError("check_steps must be >= 1: every configuration is checked against the dense reference")
-    if check_steps > steps:
-        raise ValueError(f"check_steps={check_steps} exceeds steps={steps}")
     if budget_gb is None:
-        budget_gb = 1.0 if device == "cpu" else 40.0
+        budget_gb = DEFAULT_BUDGET_GB[device]
     shape = scaled_shape(p, ranks, layers, int(budget_gb * GiB), slots)
     shape["max_tokens"] = max(tokens)
     configs = list(configs or CONFIGS)
+    if impl == "grouped_mm" and "symmetric" in configs and shape["slots"] < shape["experts"] // ranks:
+        raise ValueError(f"--impl grouped_mm cannot run the symmetric configuration with --slots {shape['slots']} < "
+                         f"E/R = {shape['experts'] // ranks} (ranks then read overflow rows from their peers' "
+                         "memory, which is no dense tensor)")
     skipped = {}
     if "vllm-poc" in configs and not vllm_available():
         configs.remove("vllm-poc")
@@ -389,7 +485,6 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
                "environment": environment(device, ranks), "anchor": measure_anchor(device),
                "sigmas": {str(k): v for k, v in sigmas.items()}}
     failures = []
-    t_start = time.perf_counter()
     for cfg in configs:
         mem = run_on_ranks(ranks, rank_build, cfg, shape, seed, device, impl, env=env_vars)
         entry = {"memory": mem, "points": []}
@@ -403,7 +498,7 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
                               for ph in PHASES}
                     err = max((r["ref_rel_err"] or 0.0) for r in res)
                     pt = {
-                        "tokens": t, "maxvio": mv, "sigma": sigmas[mv],
+                        "tokens": t, "maxvio": mv, "maxvio_achieved": res[0]["maxvio_achieved"], "sigma": sigmas[mv],
                         "median_s": statistics.median(per_step), "p90_s": _percentile(per_step, 0.9),
                         "phases_median_s": phases,
                         "imbalance_without_plan": res[0]["rows_without_plan_max_over_mean"],
@@ -427,16 +522,18 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
         results["configs"][cfg] = entry
     if bar:
         bar.close()
-    results["elapsed_s"] = time.perf_counter() - t_start
     results["failures"] = failures
+    results["max_ref_err"] = max_ref_err
     results["projection"] = projection_rows()
     os.makedirs(out_dir, exist_ok=True)
+    if plots:
+        results["plots"] = write_plots(results, out_dir)
+    # the whole run: anchor, every rank process, the points, the plots
+    results["elapsed_s"] = time.perf_counter() - t_start
     path = os.path.join(out_dir, "moonep-ab.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1, default=float)
     results["json_path"] = path
-    if plots:
-        results["plots"] = write_plots(results, out_dir)
     return results
 
 
@@ -486,6 +583,17 @@ def write_plots(results: dict, out_dir: str) -> list[str]:
     return paths
 
 
+LEGEND = (
+    "memory (per rank, rank 0): resident MiB = expert weights held while serving, from the layouts' own accounting (home = this rank's E/R experts, repl. = the replicated [0,E) copy, slots = the B prefetch slots); load transient = extra held only while the weights are built; measured MiB = how much the rank process actually grew while building the layers (RSS on CPU, device memory in use on GPU): a check on the accounting, which allocator caching, pages not yet touched and buffers outside the expert weights make differ.",
+    "latency: tokens = tokens per rank per step; maxvio = the requested routing skew, max/mean tokens per expert - 1 over all ranks' tokens of a step (0 = even); got = the skew the routing actually had, mean over the timed steps (random routing is never perfectly even, so a requested 0 comes out above 0); median / p90 ms = step time over all layers of the slowest rank; the phase columns are median ms per step summed over layers, slowest rank: pad = pad the step to the buffer's capacity and count tokens per expert, dispatch = plan and send rows to their ranks, prefetch = fill the slots with the planned experts' weights, experts = the grouped GEMM, combine = send results back and sum each token's top-k (vllm-poc reports its prepare under dispatch); no-plan = max/mean rows per rank without redundancy (all rows of its home experts); plan = max/mean rows per rank under the MoonEP plan, padding included (real rows are exactly S*K everywhere); slots = slots used per step (all ranks, last layer); ref err = max relative error ||out - ref|| / ||ref|| over the checked steps against a dense float32 MoE on the full weights (a configuration above {max_ref_err:g} fails the run).",
+)
+
+
+def legend(max_ref_err: float = MAX_REF_ERR) -> str:
+    """The tables' column legend, wrapped for a terminal."""
+    return "\n".join(textwrap.fill(p.format(max_ref_err=max_ref_err), 118, subsequent_indent="  ") for p in LEGEND)
+
+
 def format_table(results: dict) -> str:
     s = results["shape"]
     an = results.get("anchor", {})
@@ -505,20 +613,19 @@ def format_table(results: dict) -> str:
             f"{c:<17} {a['resident'] / mib:12.1f} {a['home_rows'] / mib:8.1f} {a['replicated_rows'] / mib:8.1f} "
             f"{a['slots'] / mib:8.1f} {a['transient'] / mib:14.1f} {e['memory'][0]['measured_resident'] / mib:12.1f}"
         )
-    lines += ["", f"{'config':<17} {'tokens':>6} {'maxvio':>6} {'median ms':>9} {'p90 ms':>8} "
+    lines += ["", f"{'config':<17} {'tokens':>6} {'maxvio':>6} {'got':>5} {'median ms':>9} {'p90 ms':>8} "
               + " ".join(f"{p[:8]:>8}" for p in PHASES) + f" {'no-plan':>7} {'plan':>5} {'slots':>5} {'ref err':>8}"]
     for c, e in results["configs"].items():
         for p in e["points"]:
             lines.append(
-                f"{c:<17} {p['tokens']:>6} {p['maxvio']:>6.1f} {p['median_s'] * 1e3:9.2f} {p['p90_s'] * 1e3:8.2f} "
+                f"{c:<17} {p['tokens']:>6} {p['maxvio']:>6.1f} {p.get('maxvio_achieved', float('nan')):5.2f} "
+                f"{p['median_s'] * 1e3:9.2f} {p['p90_s'] * 1e3:8.2f} "
                 + " ".join(f"{p['phases_median_s'][ph] * 1e3:8.2f}" for ph in PHASES)
                 + f" {p['imbalance_without_plan']:7.2f} {p['imbalance_with_plan']:5.2f} {p['slots_used_per_step']:5.1f} "
                 f"{p['ref_rel_err']:8.1e}"
             )
     lines.append("")
-    lines.append("phases: median ms per step summed over layers, slowest rank; no-plan: max/mean rows per rank without "
-                 "redundancy; plan: max/mean rows per rank with the MoonEP plan, padding included (real rows are "
-                 "exactly S*K everywhere); slots: slots used per step (all ranks, last layer)")
+    lines += legend(results.get("max_ref_err", MAX_REF_ERR)).splitlines()
     if results.get("skipped"):
         for c, why in results["skipped"].items():
             lines.append(f"skipped {c}: {why}")
@@ -528,34 +635,72 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="moonep-ab", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="\n\n".join(textwrap.fill(par, 100) for par in (
+            "Replicated versus symmetric expert layouts: memory and latency of the same MoE workload (layers x "
+            "tokens per rank x routing skew) on R rank processes, for each configuration: replicated (vLLM's PoC "
+            "memory model, [E+B] per layer), symmetric (E/R home experts on a symmetric heap, B slots per layer), "
+            "symmetric-shared (one slot pool for all layers), vllm-poc (vLLM 0.33's own in-tree MoonEP classes on "
+            "our engine). Every configuration is checked against a dense float32 MoE; a wrong one fails the run. "
+            "Writes a table, OUT/moonep-ab.json and plots.",
+            "Subcommand: moonep-ab project [...] prints the per-rank expert memory of full-size models at several "
+            "EP sizes, or of your own model (--config config.json, or --hidden --intermediate --experts "
+            "--layers); see moonep-ab project --help.")),
+        epilog="Columns of the tables:\n" + legend())
+    ap.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                    help="model shape: 'tiny' (H=I=256, E=32, top-4, 4 layers) or a full-size model scaled to "
+                         "--budget-gb (default: %(default)s)")
+    ap.add_argument("--ranks", type=int, default=4,
+                    help="rank processes (EP size); must divide the preset's expert count (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="MoE layers to run, at most the preset's (default: as many as fit --budget-gb)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 128],
+                    help="tokens per rank per step; several values make a sweep (default: %(default)s)")
+    ap.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 1.0, 2.0],
+                    help="routing skew to request, max/mean tokens per expert - 1 (0 = even); a sweep "
+                         "(default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per point (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them (default: %(default)s)")
+    ap.add_argument("--check-steps", type=int, default=1,
+                    help="timed steps per point checked against the dense reference, 1..--steps (default: %(default)s)")
+    ap.add_argument("--device", default="cpu", choices=list(DEVICES),
+                    help="where the ranks run: cpu (gloo) or cuda (one GPU per rank, shared round-robin) "
+                         "(default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and routing (default: %(default)s)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), type=config_choice, metavar="CONFIG",
+                    help=f"configurations to compare: any of {', '.join(CONFIGS)}, or module:function "
+                         "(default: all; vllm-poc is skipped where vLLM does not import)")
+    ap.add_argument("--impl", default="auto", choices=list(IMPLS),
+                    help="grouped GEMM of the experts; 'auto' takes the best that runs on --device (default: %(default)s)")
+    ap.add_argument("--slots", type=int, default=None, help="B, prefetch slots per rank (default: E/R)")
+    ap.add_argument("--budget-gb", type=float, default=None,
+                    help="per-rank expert memory the scaled model may use, GiB (default: " + ", ".join(f"{v:g} on {k}" for k, v in DEFAULT_BUDGET_GB.items()) + ")")
+    ap.add_argument("--out", default="moonep-ab-out",
+                    help="folder for moonep-ab.json and the plots (default: %(default)s)")
+    ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    return ap
+
+
 def main(argv=None) -> int:
+    t0 = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "project":  # the memory projection (tools/memory_projection.py)
         from vllm_moonep.tools.memory_projection import main as projection_main
 
-        return projection_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="moonep-ab", description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=None, help="MoE layers to run (default: as many as fit)")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 128], help="tokens per rank (a sweep)")
-    ap.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 1.0, 2.0], help="routing skew (a sweep)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--check-steps", type=int, default=1, help="steps per point checked against the dense reference")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), help=f"any of {CONFIGS} (or module:function)")
-    ap.add_argument("--impl", default="auto", help="grouped GEMM: auto|reference|grouped_mm|triton")
-    ap.add_argument("--slots", type=int, default=None, help="prefetch slots per rank (default E/R)")
-    ap.add_argument("--budget-gb", type=float, default=None, help="per-rank expert memory the scaled model may use")
-    ap.add_argument("--out", default="moonep-ab-out")
-    ap.add_argument("--no-plots", action="store_true")
+        return projection_main(argv[1:], prog="moonep-ab project")
+    ap = build_parser()
     a = ap.parse_args(argv)
+    kw = dict(preset=a.preset, ranks=a.ranks, layers=a.layers, tokens=a.tokens, maxvios=a.maxvio, steps=a.steps,
+              warmup=a.warmup, check_steps=a.check_steps, device=a.device, configs=a.configs, impl=a.impl,
+              slots=a.slots, budget_gb=a.budget_gb)
     try:
-        res = run_ab(preset=a.preset, ranks=a.ranks, layers=a.layers, tokens=a.tokens, maxvios=a.maxvio, steps=a.steps,
-                     warmup=a.warmup, check_steps=a.check_steps, device=a.device, seed=a.seed, configs=a.configs,
-                     impl=a.impl, slots=a.slots, budget_gb=a.budget_gb, out_dir=a.out, plots=not a.no_plots)
+        check_run(**kw)  # before anything is spawned
+    except ValueError as exc:
+        ap.error(str(exc))
+    try:
+        res = run_ab(seed=a.seed, out_dir=a.out, plots=not a.no_plots, **kw)
     finally:
         shutdown_pools()
     print(format_table(res))
@@ -563,7 +708,7 @@ def main(argv=None) -> int:
     print("Projected per-rank expert memory of the full-size models (moonep-ab project for options):")
     print(render(res["projection"], 141.0, markdown=False))
     print(f"\nwrote {res['json_path']}" + (f" and {', '.join(res.get('plots', []))}" if res.get("plots") else "")
-          + f" in {res['elapsed_s']:.0f}s")
+          + f"; the whole run took {time.perf_counter() - t0:.0f}s")
     return 1 if res["failures"] else 0
 
 

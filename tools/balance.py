@@ -1,14 +1,21 @@
 """``moonep-balance``: how much MoonEP's plan evens out skewed routing, on real CPU ranks.
 
-For several maxvio values, every rank routes its tokens with the skewed-routing generator and
+For several routing skews, every rank routes its tokens with the skewed-routing generator and
 dispatches through the built-in engine. The report compares the rows each rank would compute
 without redundancy (all rows of its home experts) with the rows it computes under the plan
 (always exactly S*K), and counts the prefetch slots the plan used.
+
+maxvio (the skew) = max over experts of the tokens routed to the expert / the mean over experts - 1,
+counted over every rank's tokens of the step: 0 is perfectly even routing, 1 means the busiest
+expert gets twice the mean. A requested value sets the routing generator's spread; the achieved
+value is what the sampled routing had (random routing is never perfectly even, so a requested 0
+comes out above 0, and top-k without replacement caps it at E/k - 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 import torch
 import torch.distributed as dist
@@ -58,25 +65,73 @@ def report(ranks: int, tokens: int, experts: int, topk: int, hidden: int, maxvio
     return rows
 
 
+LEGEND = """\
+requested / achieved maxvio: the routing skew asked for and the one the sampled routing had (max/mean tokens per
+  expert - 1 over all ranks; 0 = even). max/mean rows: rows of the busiest rank over the mean rank, without the plan
+  (each rank computes all rows of its own experts) and under MoonEP's plan (every rank computes exactly S*K rows, so
+  1.00). slots used: prefetch slots the plan filled, all ranks together / the slots there are (B = E/R per rank)."""
+
+
+def format_report(rows: list[dict], ranks: int, tokens: int, experts: int, topk: int) -> str:
+    lines = [f"MoonEP balance: {ranks} CPU ranks, {tokens} tokens/rank, E={experts}, top-{topk}",
+             f"{'maxvio requested':>16} {'achieved':>8} {'max/mean rows, no plan':>23} {'max/mean rows, MoonEP':>22} "
+             f"{'slots used':>11}"]
+    for r in rows:
+        lines.append(f"{r['target_maxvio']:16.2f} {r['maxvio']:8.2f} {r['imbalance_without_plan']:23.2f} "
+                     f"{r['imbalance_with_plan']:22.2f} {r['slots_used']:>5}/{r['slots_total']:<5}")
+    return "\n".join(lines + ["", LEGEND])
+
+
+def _positive(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {v!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _skew(v: str) -> float:
+    try:
+        x = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {v!r}") from None
+    if not x >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is even routing), got {v}")
+    return x
+
+
+def build_parser() -> argparse.ArgumentParser:
+    doc = __doc__.split("\n\n")
+    ap = argparse.ArgumentParser(
+        prog="moonep-balance", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="\n\n".join(textwrap.fill(p.replace("``", "").replace("\n", " "), 100) for p in doc[:3]),
+        epilog="Columns:\n" + LEGEND)
+    ap.add_argument("--ranks", type=_positive, default=4, help="rank processes (EP size); must divide --experts "
+                                                               "(default: %(default)s)")
+    ap.add_argument("--tokens", type=_positive, default=256, help="tokens per rank (default: %(default)s)")
+    ap.add_argument("--experts", type=_positive, default=64, help="routed experts E (default: %(default)s)")
+    ap.add_argument("--topk", type=_positive, default=8, help="experts per token, at most --experts (default: %(default)s)")
+    ap.add_argument("--hidden", type=_positive, default=128, help="hidden size of the dispatched rows (default: %(default)s)")
+    ap.add_argument("--maxvio", type=_skew, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 3.0],
+                    help="routing skews to request (see above); one row each (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the routing and the tokens (default: %(default)s)")
+    return ap
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="moonep-balance", description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=256, help="tokens per rank")
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 3.0])
-    ap.add_argument("--seed", type=int, default=0)
+    ap = build_parser()
     a = ap.parse_args(argv)
+    if a.experts % a.ranks:
+        ap.error(f"--ranks {a.ranks} does not divide --experts {a.experts} (MoonEP gives every rank E/R experts)")
+    if a.topk > a.experts:
+        ap.error(f"--topk {a.topk} exceeds --experts {a.experts}")
     try:
         rows = report(a.ranks, a.tokens, a.experts, a.topk, a.hidden, a.maxvio, a.seed)
     finally:
         shutdown_pools()
-    print(f"MoonEP balance: {a.ranks} CPU ranks, {a.tokens} tokens/rank, E={a.experts}, top-{a.topk}")
-    print(f"{'maxvio':>7} {'max/mean rows, no plan':>23} {'max/mean rows, MoonEP':>22} {'slots used':>11}")
-    for r in rows:
-        print(f"{r['maxvio']:7.2f} {r['imbalance_without_plan']:23.2f} {r['imbalance_with_plan']:22.2f} "
-              f"{r['slots_used']:>5}/{r['slots_total']:<5}")
+    print(format_report(rows, a.ranks, a.tokens, a.experts, a.topk))
     return 0
 
 

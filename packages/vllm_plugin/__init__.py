@@ -1,23 +1,27 @@
 """The vLLM plugin: ``--all2all-backend moonep`` builds vllm-moonep's classes.
 
 vLLM loads ``register`` (entry point ``vllm.general_plugins: moonep``) in every process, workers
-included. It verifies and rebinds vLLM 0.33's MoonEP seams (``patches.py``); the options
+included. It registers our ``VLLM_MOONEP_*`` variables with vLLM's environment validation
+(``envs.py``), then verifies and rebinds vLLM 0.33's seams (``patches.py``; a mismatch is a
+warning, and an error only for a run that asks for moonep). The options
 (``--additional-config '{"moonep": {...}}'`` or ``VLLM_MOONEP_*`` env vars, ``options.py``) are
-read when the EP group, the layers' kernels and their weight layouts are built. Set
-``VLLM_MOONEP_PLUGIN=0`` to leave vLLM untouched.
+checked in the front end when the engine config is made and on each worker when its EP group is
+built (``checks.py``), and used when the layers' kernels and weight layouts are built
+(``runtime.py``). Set ``VLLM_MOONEP_PLUGIN=0`` to leave vLLM untouched.
 """
 
 from __future__ import annotations
-
-import os
 
 __all__ = ["register"]
 
 
 def register() -> None:
-    """vLLM general-plugin entry point (idempotent). Raises ``MoonEPSeamError`` when vLLM's
-    internals are not the 0.33 seams this plugin knows, naming the version and the seam."""
-    if os.environ.get("VLLM_MOONEP_PLUGIN", "1").strip().lower() in ("0", "false", "no", "off"):
+    """vLLM general-plugin entry point (idempotent; never raises for a vLLM that differs)."""
+    from vllm_moonep.vllm_plugin.envs import register_env_vars
+    from vllm_moonep.vllm_plugin.options import plugin_enabled
+
+    register_env_vars()  # first: VLLM_MOONEP_PLUGIN=0 itself must not trip vLLM's validation
+    if not plugin_enabled():
         return
     from vllm_moonep.vllm_plugin.patches import apply_patches
 

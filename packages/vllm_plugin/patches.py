@@ -1,4 +1,4 @@
-"""Every rebinding of vLLM 0.33's MoonEP seams, in one place, each checked before anything changes.
+"""Every rebinding of vLLM 0.33's names, in one place, each checked before anything changes.
 
 vLLM 0.33 has no registry for all2all backends; ``--all2all-backend moonep`` is wired by name to
 in-tree classes. We keep the flag value and rebind the names vLLM looks up *at call time*:
@@ -7,6 +7,9 @@ in-tree classes. We keep the flag value and rebind the names vLLM looks up *at c
 seam (module.attribute)                                                                 what vLLM does with it
 =====================================================================================  ==============================================
 vllm.distributed.device_communicators.all2all.MoonEPAll2AllManager                     CudaCommunicator builds it for the EP group
+vllm.distributed.parallel_state.init_model_parallel_group                              initialize_model_parallel makes the EP group
+                                                                                        with it (ours attaches our manager where the
+                                                                                        platform's communicator has none: CPU)
 vllm.model_executor.layers.fused_moe.all2all_utils.get_ep_all2all_manager              maybe_make_prepare_finalize gets the manager
 vllm.model_executor.layers.fused_moe.all2all_utils.MoonEPPrepareAndFinalize            maybe_make_prepare_finalize builds the P/F
 vllm.model_executor.layers.fused_moe.all2all_utils.MOONEP_DEFAULT_{NUM_PREFETCH_SLOTS,
@@ -15,33 +18,45 @@ vllm.model_executor.layers.fused_moe.all2all_utils.MOONEP_DEFAULT_{NUM_PREFETCH_
 vllm.model_executor.layers.fused_moe.experts.moonep_experts.MoonEPExperts              oracle.unquantized.backend_to_kernel_cls
 vllm.model_executor.layers.fused_moe.prepare_finalize.moonep.gather_moonep_weight_layout  convert_to_unquantized_kernel_format: the
                                                                                         weight layout after loading
+vllm.engine.arg_utils.EngineArgs.create_engine_config                                  the front end builds the VllmConfig (ours
+                                                                                        checks the moonep options right after)
 =====================================================================================  ==============================================
 
-``get_ep_all2all_manager`` is wrapped (not replaced): on platforms whose EP communicator has no
-MoonEP manager (CPU, or an unknown platform) it attaches ours, then defers to vLLM's function.
+``apply_patches()`` never raises (vLLM calls it in every process, ``vllm serve --help`` included):
 
-``apply_patches()`` first verifies every seam (the attribute exists, and the vLLM function that
-uses it still reads it by that name); on any mismatch it raises ``MoonEPSeamError`` naming the
-vLLM version and the seam, and patches nothing. It is idempotent.
+- it verifies the MoonEP seams (the attribute exists, and the vLLM function that uses it still
+  reads it by that name). On a mismatch it patches none of them and logs a WARNING naming the vLLM
+  version and the seam; vLLM runs unchanged, and a run that asks for ``--all2all-backend moonep``
+  fails in the front end with that same error (``MoonEPSeamError``) when its config is made.
+- the config seam is verified and hooked on its own; without it the options are checked on the
+  workers only (a WARNING says so).
+- it logs one INFO line: our version, vLLM's version and the seams hooked; and a WARNING when
+  vLLM is not the tested 0.33.x. In the front end vLLM configures logging only when it builds
+  the engine config, so the INFO line is logged then.
+
+It is idempotent; ``undo_patches()`` restores vLLM's originals (tests).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
 import threading
 from typing import Any
 
-import torch
-
 from vllm_moonep.engine import MoonEPError
-from vllm_moonep.vllm_plugin.options import MoonEPOptions, options_from_vllm_config
+from vllm_moonep.vllm_plugin.checks import check_engine_config
+from vllm_moonep.vllm_plugin.runtime import STATE, summary_line  # noqa: F401  (re-exported)
 
-# under the "vllm" logger so the line shows in vLLM's own log format and level
 log = logging.getLogger("vllm.vllm_moonep")
 
-__all__ = ["MoonEPSeamError", "SEAMS", "apply_patches", "patched", "vllm_version"]
+__all__ = ["MoonEPSeamError", "SEAMS", "CONFIG_SEAM", "TESTED_VLLM", "apply_patches", "patched", "seam_error",
+           "undo_patches", "verify_config_seam", "verify_seams", "vllm_version"]
+
+#: the vLLM minor series this plugin is tested with
+TESTED_VLLM = "0.33"
 
 A2A = "vllm.distributed.device_communicators.all2all"
 CUDA_COMM = "vllm.distributed.device_communicators.cuda_communicator"
@@ -49,10 +64,13 @@ A2A_UTILS = "vllm.model_executor.layers.fused_moe.all2all_utils"
 EXPERTS = "vllm.model_executor.layers.fused_moe.experts.moonep_experts"
 PF_MOONEP = "vllm.model_executor.layers.fused_moe.prepare_finalize.moonep"
 ORACLE = "vllm.model_executor.layers.fused_moe.oracle.unquantized"
+PARALLEL_STATE = "vllm.distributed.parallel_state"
+ARG_UTILS = "vllm.engine.arg_utils"
 
-#: (module, attribute) pairs this plugin rebinds
+#: (module, attribute) pairs this plugin rebinds for the MoonEP path (all or none)
 SEAMS = [
     (A2A, "MoonEPAll2AllManager"),
+    (PARALLEL_STATE, "init_model_parallel_group"),
     (A2A_UTILS, "get_ep_all2all_manager"),
     (A2A_UTILS, "MoonEPPrepareAndFinalize"),
     (A2A_UTILS, "MOONEP_DEFAULT_NUM_PREFETCH_SLOTS"),
@@ -61,9 +79,12 @@ SEAMS = [
     (EXPERTS, "MoonEPExperts"),
     (PF_MOONEP, "gather_moonep_weight_layout"),
 ]
+#: the front-end check's seam (a method of vLLM's EngineArgs)
+CONFIG_SEAM = (ARG_UTILS, "EngineArgs.create_engine_config")
 
 _lock = threading.Lock()
-_applied = False
+_state: dict[str, Any] = {"applied": False, "config_hooked": False, "seam_error": None, "config_seam_error": None,
+                          "load_line": None}
 _originals: dict[tuple[str, str], Any] = {}
 
 
@@ -80,11 +101,22 @@ def vllm_version() -> str:
         return f"unimportable ({exc})"
 
 
+def our_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-moonep")
+    except Exception:  # pragma: no cover - running from a source tree
+        import vllm_moonep
+
+        return vllm_moonep.__version__
+
+
 def _fail(seam: str, why: str) -> MoonEPSeamError:
     return MoonEPSeamError(
-        f"vllm-moonep cannot hook vLLM {vllm_version()}: seam {seam} {why}. This plugin supports vLLM 0.33 "
-        "(pip install 'vllm>=0.33,<0.34'); set VLLM_MOONEP_PLUGIN=0 (or leave 'moonep' out of VLLM_PLUGINS) "
-        "to run vLLM without it."
+        f"vllm-moonep cannot hook vLLM {vllm_version()}: seam {seam} {why}. This plugin supports vLLM {TESTED_VLLM} "
+        f"(pip install 'vllm>={TESTED_VLLM},<0.{int(TESTED_VLLM.split('.')[1]) + 1}'); set VLLM_MOONEP_PLUGIN=0 (or "
+        "leave 'moonep' out of VLLM_PLUGINS) to run vLLM without it."
     )
 
 
@@ -111,8 +143,8 @@ def _need_names(fn, names: list[str], seam: str) -> None:
 
 
 def verify_seams() -> dict:
-    """Check every seam; returns the modules. Raises ``MoonEPSeamError`` naming the first mismatch."""
-    mods = {n: _module(n) for n in (A2A, CUDA_COMM, A2A_UTILS, EXPERTS, PF_MOONEP, ORACLE)}
+    """Check every MoonEP seam; returns the modules. Raises ``MoonEPSeamError`` naming the first mismatch."""
+    mods = {n: _module(n) for n in (A2A, CUDA_COMM, A2A_UTILS, EXPERTS, PF_MOONEP, ORACLE, PARALLEL_STATE)}
     base = importlib.import_module("vllm.distributed.device_communicators.base_device_communicator")
     mk = importlib.import_module("vllm.model_executor.layers.fused_moe.modular_kernel")
     if not hasattr(base, "All2AllManagerBase"):
@@ -120,10 +152,17 @@ def verify_seams() -> dict:
     for cls in ("FusedMoEPrepareAndFinalizeModular", "FusedMoEExpertsModular"):
         if not hasattr(mk, cls):
             raise _fail(f"{mk.__name__}.{cls}", "is missing")
-    if not inspect.isclass(getattr(mods[A2A], "MoonEPAll2AllManager", None)) and not _applied:
+    if not inspect.isclass(getattr(mods[A2A], "MoonEPAll2AllManager", None)) and not _state["applied"]:
         raise _fail(f"{A2A}.MoonEPAll2AllManager", "is missing")
     _need_names(mods[CUDA_COMM].CudaCommunicator.__init__, ["MoonEPAll2AllManager", '"moonep"'],
                 f"{A2A}.MoonEPAll2AllManager")
+    ps = mods[PARALLEL_STATE]
+    if not callable(getattr(ps, "init_model_parallel_group", None)):
+        raise _fail(f"{PARALLEL_STATE}.init_model_parallel_group", "is missing")
+    if not callable(getattr(ps, "initialize_model_parallel", None)):
+        raise _fail(f"{PARALLEL_STATE}.initialize_model_parallel", "is missing")
+    _need_names(ps.initialize_model_parallel, ["init_model_parallel_group(", '"ep"', "use_all2all"],
+                f"{PARALLEL_STATE}.init_model_parallel_group")
     mmpf = getattr(mods[A2A_UTILS], "maybe_make_prepare_finalize", None)
     if mmpf is None:
         raise _fail(f"{A2A_UTILS}.maybe_make_prepare_finalize", "is missing")
@@ -145,279 +184,161 @@ def verify_seams() -> dict:
     return mods
 
 
-# ------------------------------------------------------------------------------------ state
-class _PluginState:
-    """Per-process objects shared by every MoE layer: heaps, the shared slot pool, the layouts."""
-
-    def __init__(self):
-        self.heaps: dict[tuple, Any] = {}
-        self.slot_pools: dict[tuple, Any] = {}
-        self.layouts: list = []
-        self.summary_logged = False
-        self.last_summary = ""
-
-    def reset(self) -> None:
-        from vllm_moonep.symmetric import destroy_in_order
-
-        objs = [lay for lay in self.layouts] + list(self.slot_pools.values())
-        syms = [o for o in objs if hasattr(o, "first_index")]
-        others = [o for o in objs if not hasattr(o, "first_index")]
-        if syms:
-            destroy_in_order(*syms)
-        for o in others:
-            o.destroy()
-        for h in self.heaps.values():
-            h.close()
-        self.__init__()
+def verify_config_seam():
+    """vLLM's ``EngineArgs`` class, whose ``create_engine_config`` builds the ``VllmConfig`` with
+    ``additional_config`` and ``parallel_config``; raises ``MoonEPSeamError`` otherwise."""
+    seam = f"{ARG_UTILS}.EngineArgs.create_engine_config"
+    cls = getattr(_module(ARG_UTILS), "EngineArgs", None)
+    fn = getattr(cls, "create_engine_config", None)
+    if not callable(fn):
+        raise _fail(seam, "is missing")
+    orig = getattr(fn, "__wrapped__", fn) if getattr(fn, "__vllm_moonep__", False) else fn
+    _need_names(orig, ["VllmConfig(", "additional_config=", "parallel_config="], seam)
+    return cls
 
 
-STATE = _PluginState()
+# ------------------------------------------------------------------------------------ logging
+def _logging_ready() -> bool:
+    return logging.getLogger("vllm").hasHandlers()
 
 
-def _ep_group():
-    from vllm.distributed import get_ep_group
-
-    return get_ep_group()
-
-
-def summary_line(opts: MoonEPOptions | None = None) -> str:
-    """The start-up line: layout, engine, slots and per-rank expert memory of the layers built so far."""
-    from vllm_moonep.common.memory import MemoryReport
-    from vllm_moonep.engine import resolve_engine
-
-    opts = opts or options_from_vllm_config()
-    engine, why = resolve_engine(opts.engine)
-    rep = MemoryReport()
-    for lay in STATE.layouts:
-        rep = rep + lay.memory_report()
-    for pool in STATE.slot_pools.values():
-        rep = rep + pool.memory_report()
-    gib = 1024.0**3
-    slots = f"{opts.num_prefetch_slots} " + ("(one pool shared by all layers)" if opts.shared_slot_pool else "per layer")
-    heap = f", heap={opts.heap}" if opts.weight_layout == "symmetric" else ""
-    return (
-        f"vllm-moonep: weight_layout={opts.weight_layout}, engine={engine} ({why}), slots={slots}{heap}, "
-        f"impl={opts.impl}, token_padding={opts.token_padding}; per-rank expert memory {rep.resident / gib:.3f} GiB "
-        f"resident over {len(STATE.layouts)} MoE layer(s) (home {rep.home_rows / gib:.3f}, replicated "
-        f"{rep.replicated_rows / gib:.3f}, slots {rep.slots / gib:.3f}; load-time transient {rep.transient / gib:.3f})"
-    )
+def _emit_load_line() -> None:
+    msg = _state["load_line"]
+    if msg and _logging_ready():
+        _state["load_line"] = None
+        log.info(msg)
 
 
-def _log_summary_once() -> None:
-    if STATE.summary_logged:
-        return
-    STATE.summary_logged = True
-    STATE.last_summary = summary_line()
-    log.info(STATE.last_summary)
+def _hook_create_engine_config(orig):
+    @functools.wraps(orig)
+    def create_engine_config(self, *args, **kwargs):
+        config = orig(self, *args, **kwargs)
+        _emit_load_line()  # vLLM has configured its logging by now
+        check_engine_config(config, seam_error=_state["seam_error"])
+        return config
+
+    create_engine_config.__vllm_moonep__ = True
+    return create_engine_config
 
 
-# ------------------------------------------------------------------------------------ our objects
-def _make_pool_class():
-    from vllm_moonep.common.pool import MoonEPBufferPool
+# ------------------------------------------------------------------------------------ apply / undo
+def _apply_moonep_seams() -> list[str]:
+    mods = verify_seams()
+    from vllm_moonep.common.vllm_modular import MoonEPExperts, MoonEPPrepareAndFinalize
+    from vllm_moonep.vllm_plugin import runtime
 
-    class PluginBufferPool(MoonEPBufferPool):
-        """The all2all handle: a ``MoonEPBufferPool`` that logs the start-up line at its first step
-        (vLLM's profiling run), when every layer's layout exists."""
-
-        def get(self, num_tokens: int):
-            _log_summary_once()
-            return super().get(num_tokens)
-
-    return PluginBufferPool
-
-
-def _make_manager_class():
-    from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
-
-    from vllm_moonep.engine import resolve_engine
-
-    pool_cls = _make_pool_class()
-
-    class MoonEPAll2AllManager(All2AllManagerBase):
-        """vllm-moonep's all2all manager: its handle is our ``MoonEPBufferPool`` on the engine the
-        options select (built-in, or the real ``moonep`` where usable). No NVLink multicast."""
-
-        is_vllm_moonep = True
-
-        def __init__(self, cpu_group, tcp_store_group=None, device_group=None, **_extra):
-            super().__init__(cpu_group, tcp_store_group)
-            self._device_group = device_group
-            self.options = options_from_vllm_config()
-            # fail at start-up (not at the first step) if the requested engine cannot run here
-            self.engine, self.engine_reason = resolve_engine(self.options.engine)
-            self.handle_cache = Cache()
-            self._pools: list = []
-
-        def get_handle(self, kwargs):
-            opts = options_from_vllm_config()  # the config of the model being built
-            S = int(kwargs["max_num_tokens_per_dp_rank"])
-            buffer_kwargs = dict(
-                H=int(kwargs["token_hidden_size"]),
-                K=int(kwargs["num_topk"]),
-                E=int(kwargs["num_global_experts"]),
-                num_ep_ranks=self.world_size,
-                num_sms=kwargs.get("num_sms"),
-                token_padding=opts.token_padding,
-                B=opts.num_prefetch_slots,
-                group=self._device_group if self._device_group is not None else self.cpu_group,
-                explicitly_destroy=True,
-            )
-
-            def make_pool(**kw):
-                pool = pool_cls(dict(kw), max_tokens_per_rank=S, engine=opts.engine)
-                self._pools.append(pool)
-                return pool
-
-            return self.handle_cache.get_or_create(dict(buffer_kwargs, S=S), make_pool)
-
-        def destroy(self):
-            with self.handle_cache._lock:
-                for pool in self._pools:
-                    pool.destroy()
-                self._pools.clear()
-                self.handle_cache._cache.clear()
-            # vLLM destroys the all2all manager before the process group: the layouts, slot pools
-            # and heaps (collective, LIFO) go with it
-            STATE.reset()
-
-    return MoonEPAll2AllManager
+    manager_cls = runtime.make_manager_class()
+    pf = mods[PF_MOONEP]
+    new = {
+        (A2A, "MoonEPAll2AllManager"): manager_cls,
+        (PARALLEL_STATE, "init_model_parallel_group"):
+            runtime.wrap_init_model_parallel_group(mods[PARALLEL_STATE].init_model_parallel_group, manager_cls),
+        (A2A_UTILS, "get_ep_all2all_manager"):
+            runtime.wrap_get_ep_all2all_manager(mods[A2A_UTILS].get_ep_all2all_manager, manager_cls),
+        (A2A_UTILS, "MoonEPPrepareAndFinalize"): runtime.plugin_pf_class(MoonEPPrepareAndFinalize),
+        (A2A_UTILS, "MOONEP_DEFAULT_NUM_PREFETCH_SLOTS"): getattr(pf, "MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", 4),
+        (A2A_UTILS, "MOONEP_DEFAULT_TOKEN_PADDING"): getattr(pf, "MOONEP_DEFAULT_TOKEN_PADDING", 128),
+        (A2A_UTILS, "MOONEP_DEFAULT_NUM_SMS"): getattr(pf, "MOONEP_DEFAULT_NUM_SMS", 32),
+        (EXPERTS, "MoonEPExperts"): runtime.plugin_experts_class(MoonEPExperts),
+        (PF_MOONEP, "gather_moonep_weight_layout"): runtime.build_weight_layout,
+    }
+    assert set(new) == set(SEAMS)
+    for (m, a), value in new.items():
+        mod = mods[m]
+        _originals[(m, a)] = getattr(mod, a, None)
+        setattr(mod, a, value)
+    return [f"{m}.{a}" for m, a in SEAMS]
 
 
-def _group_for_heap(kind: str, device: torch.device):
-    from vllm_moonep.engine.heaps import resolve_heap_kind
-
-    ep = _ep_group()
-    which = resolve_heap_kind(kind, device)
-    return which, (ep.cpu_group if which == "host" else ep.device_group)
-
-
-def build_weight_layout(w13_local: torch.Tensor, w2_local: torch.Tensor, num_global_experts: int,
-                        num_prefetch_slots: int | None = None, **_extra):
-    """Our ``gather_moonep_weight_layout``: the layer's layout from its local ``[E/R]`` parameters.
-
-    vLLM passes the layer's ``w13_weight`` / ``w2_weight`` parameters and then rebinds them to
-    the returned object's ``full_gate_weight`` / ``full_down_weight``:
-
-    - replicated: all-gather into ``[E+B]`` gate/up/down (vLLM's PoC memory model); the layer's
-      parameters become the ``[E+B]`` gate and down tensors (its ``[E/R]`` storage is released).
-    - symmetric: the layer's parameters are adopted onto the symmetric heap (no all-gather, no
-      copy kept); ``full_gate_weight`` / ``full_down_weight`` are those same heap views, so vLLM's
-      rebinding is a no-op and the parameters keep their ``[E/R]`` shapes.
-
-    ``num_prefetch_slots`` from vLLM is ignored: the plugin's option is the one source of ``B``.
-    """
-    opts = options_from_vllm_config()
-    B = opts.num_prefetch_slots
-    ep = _ep_group()
-    if opts.weight_layout == "replicated":
-        from vllm_moonep.replicated import ReplicatedWeightLayout
-
-        layout = ReplicatedWeightLayout(w13_local.data, w2_local.data, num_global_experts, B, ep.device_group,
-                                        keeps_local_params=False)
-    else:
-        from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout, make_heap
-
-        kind, group = _group_for_heap(opts.heap, w13_local.device)
-        hkey = (kind, str(w13_local.device))
-        heap = STATE.heaps.get(hkey)
-        if heap is None:
-            heap = STATE.heaps[hkey] = make_heap(kind, group, device=w13_local.device)
-        slot_pool = None
-        if opts.shared_slot_pool:
-            I, H = w2_local.shape[2], w2_local.shape[1]
-            pkey = hkey + (H, I)
-            slot_pool = STATE.slot_pools.get(pkey)
-            if slot_pool is None:
-                slot_pool = STATE.slot_pools[pkey] = SharedSlotPool(B, H, I, group, heap=heap)
-        layout = SymmetricWeightLayout(w13_local.data, w2_local.data, num_global_experts,
-                                       num_slots=None if slot_pool is not None else B, group=group, heap=heap,
-                                       slot_pool=slot_pool)
-        layout.adopt_parameters(w13_local, w2_local, copy=False)
-        layout.full_gate_weight = w13_local.data  # vLLM rebinds the parameters to these: a no-op
-        layout.full_down_weight = w2_local.data
-    STATE.layouts.append(layout)
-    log.debug("vllm-moonep: built %r", layout)
-    return layout
-
-
-def _wrap_get_ep_all2all_manager(orig, manager_cls):
-    def get_ep_all2all_manager(ep_group=None):
-        if ep_group is None:
-            ep_group = _ep_group()
-        comm = ep_group.device_communicator
-        if (comm is not None and getattr(comm, "all2all_backend", None) == "moonep"
-                and not getattr(comm.all2all_manager, "is_vllm_moonep", False)):
-            # CPU (and unknown) platforms build no MoonEP manager (CpuCommunicator falls back to
-            # allgather/reducescatter): attach ours the way CudaCommunicator would.
-            comm.all2all_manager = manager_cls(comm.cpu_group, device_group=comm.device_group)
-        return orig(ep_group)
-
-    get_ep_all2all_manager.__wrapped__ = orig
-    get_ep_all2all_manager.__vllm_moonep__ = True
-    return get_ep_all2all_manager
+def _apply_config_seam() -> str:
+    cls = verify_config_seam()
+    fn = cls.__dict__.get("create_engine_config")
+    if getattr(fn, "__vllm_moonep__", False):
+        return f"{ARG_UTILS}.{CONFIG_SEAM[1]}"
+    _originals[CONFIG_SEAM] = fn
+    cls.create_engine_config = _hook_create_engine_config(fn)
+    return f"{ARG_UTILS}.{CONFIG_SEAM[1]}"
 
 
 def apply_patches() -> list[str]:
-    """Verify then rebind every seam (idempotent). Returns the ``module.attribute`` names patched."""
-    global _applied
+    """Verify then rebind every seam (idempotent, never raises: see the module doc). Returns the
+    ``module.attribute`` names hooked."""
     with _lock:
-        if _applied:
-            return [f"{m}.{a}" for m, a in SEAMS]
-        mods = verify_seams()
-        from vllm_moonep.common.vllm_modular import MoonEPExperts, MoonEPPrepareAndFinalize
+        if _state["applied"] or _state["seam_error"] is not None:
+            return _hooked_names()
+        version = vllm_version()
+        if not version.startswith(TESTED_VLLM + "."):
+            log.warning(
+                "vllm-moonep %s is tested with vLLM %s.x; this is vLLM %s. Its seams are verified before anything "
+                "is hooked, but behaviour may differ; for the tested pair: pip install 'vllm>=%s,<0.%d'",
+                our_version(), TESTED_VLLM, version, TESTED_VLLM, int(TESTED_VLLM.split(".")[1]) + 1,
+            )
+        try:
+            _apply_config_seam()
+            _state["config_hooked"] = True
+        except Exception as exc:
+            err = exc if isinstance(exc, MoonEPSeamError) else _fail(CONFIG_SEAM[1], f"could not be hooked ({exc!r})")
+            _state["config_seam_error"] = err
+            log.warning("%s The moonep options are then checked on the workers only, not when the config is made.",
+                        err)
+        try:
+            _apply_moonep_seams()
+            _state["applied"] = True
+        except Exception as exc:
+            err = exc if isinstance(exc, MoonEPSeamError) else _fail("(applying)", f"failed ({exc!r})")
+            _undo_moonep_seams()
+            _state["seam_error"] = err
+            log.warning(
+                "%s vLLM runs unchanged; a run with --all2all-backend moonep fails with this error when its config "
+                "is made.", err)
+            return _hooked_names()
+        names = [a.split(".")[-1] for _, a in SEAMS if not a.startswith("MOONEP_DEFAULT_")]
+        names.insert(names.index("MoonEPExperts"), "MOONEP_DEFAULT_*")
+        if _state["config_hooked"]:
+            names.append(CONFIG_SEAM[1])
+        _state["load_line"] = (
+            f"vllm-moonep {our_version()} hooked vLLM {version} ({len(_hooked_names())} seams: {', '.join(names)}); "
+            "--all2all-backend moonep builds vllm-moonep's classes"
+        )
+        _emit_load_line()
+        return _hooked_names()
 
-        manager_cls = _make_manager_class()
-        a2a_utils = mods[A2A_UTILS]
-        orig_get = a2a_utils.get_ep_all2all_manager
-        new = {
-            (A2A, "MoonEPAll2AllManager"): manager_cls,
-            (A2A_UTILS, "get_ep_all2all_manager"): _wrap_get_ep_all2all_manager(orig_get, manager_cls),
-            (A2A_UTILS, "MoonEPPrepareAndFinalize"): MoonEPPrepareAndFinalize,
-            (A2A_UTILS, "MOONEP_DEFAULT_NUM_PREFETCH_SLOTS"): getattr(mods[PF_MOONEP], "MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", 4),
-            (A2A_UTILS, "MOONEP_DEFAULT_TOKEN_PADDING"): getattr(mods[PF_MOONEP], "MOONEP_DEFAULT_TOKEN_PADDING", 128),
-            (A2A_UTILS, "MOONEP_DEFAULT_NUM_SMS"): getattr(mods[PF_MOONEP], "MOONEP_DEFAULT_NUM_SMS", 32),
-            (EXPERTS, "MoonEPExperts"): _plugin_experts_class(MoonEPExperts),
-            (PF_MOONEP, "gather_moonep_weight_layout"): build_weight_layout,
-        }
-        assert set(new) == set(SEAMS)
-        for (m, a), value in new.items():
-            mod = mods[m]
-            _originals[(m, a)] = getattr(mod, a, None)
-            setattr(mod, a, value)
-        _applied = True
-        log.debug("vllm-moonep: patched %s", ", ".join(f"{m}.{a}" for m, a in SEAMS))
-        return [f"{m}.{a}" for m, a in SEAMS]
 
-
-def _plugin_experts_class(base):
-    class MoonEPExperts(base):
-        """vllm-moonep's experts as vLLM's oracle builds them: ``impl`` from the plugin options."""
-
-        def __init__(self, moe_config, quant_config, max_num_tokens=None, num_dispatchers=None, **kw):
-            kw.setdefault("impl", options_from_vllm_config().impl)
-            super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers, **kw)
-
-    MoonEPExperts.__module__ = base.__module__
-    MoonEPExperts.__qualname__ = base.__qualname__
-    return MoonEPExperts
+def _hooked_names() -> list[str]:
+    out = [f"{m}.{a}" for m, a in SEAMS] if _state["applied"] else []
+    if _state["config_hooked"]:
+        out.append(f"{ARG_UTILS}.{CONFIG_SEAM[1]}")
+    return out
 
 
 def patched() -> bool:
-    return _applied
+    """Whether the MoonEP seams are hooked."""
+    return _state["applied"]
+
+
+def seam_error() -> MoonEPSeamError | None:
+    """The seam mismatch found at load (``None``: every MoonEP seam is hooked or none was tried)."""
+    return _state["seam_error"]
+
+
+def _undo_moonep_seams() -> None:
+    for (m, a), value in list(_originals.items()):
+        if (m, a) == CONFIG_SEAM:
+            continue
+        mod = importlib.import_module(m)
+        if value is None:
+            if hasattr(mod, a):
+                delattr(mod, a)
+        else:
+            setattr(mod, a, value)
+        del _originals[(m, a)]
 
 
 def undo_patches() -> None:
-    """Restore vLLM's originals (tests only)."""
-    global _applied
+    """Restore vLLM's originals and forget what was found at load (tests only)."""
     with _lock:
-        if not _applied:
-            return
-        for (m, a), value in _originals.items():
-            mod = importlib.import_module(m)
-            if value is None:
-                if hasattr(mod, a):
-                    delattr(mod, a)
-            else:
-                setattr(mod, a, value)
-        _originals.clear()
-        _applied = False
+        _undo_moonep_seams()
+        if CONFIG_SEAM in _originals:
+            cls = importlib.import_module(ARG_UTILS).EngineArgs
+            cls.create_engine_config = _originals.pop(CONFIG_SEAM)
+        _state.update(applied=False, config_hooked=False, seam_error=None, config_seam_error=None, load_line=None)

@@ -9,7 +9,8 @@
   ``RoutedExperts``), weights loaded through its ``weight_loader``, ``process_weights_after_loading``
   (the unquantized oracle, ``maybe_make_prepare_finalize``, the weight conversion), forward under a
   DP forward context, with each layout, against the dense reference;
-- seam verification fails loudly on an unexpected vLLM.
+- seam verification names the vLLM version and the seam on an unexpected vLLM (what happens then:
+  ``test_plugin_options.py``).
 
 Not exercised here (no GPU): ``CudaCommunicator`` constructing our manager (on CPU the wrapped
 ``get_ep_all2all_manager`` attaches it instead), NCCL groups, the torch/NVSHMEM heaps, CUDA graphs
@@ -58,7 +59,7 @@ def _ensure_vllm_dist(cfg) -> None:
     _DIST["ready"] = True
 
 
-def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, I: int = 256):
+def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, I: int = 256, steps: int = 1):
     import torch.distributed as dist
     from vllm.config import set_current_vllm_config
     from vllm.distributed import get_ep_group
@@ -126,9 +127,10 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
 
         pf.prepare = spy
         try:
-            with set_forward_context(None, cfg, num_tokens=n,
-                                     num_tokens_across_dp=torch.tensor(counts, dtype=torch.int32)):
-                y = runner.forward(x, logits)
+            for _ in range(steps):
+                with set_forward_context(None, cfg, num_tokens=n,
+                                         num_tokens_across_dp=torch.tensor(counts, dtype=torch.int32)):
+                    y = runner.forward(x, logits)
         finally:
             del pf.prepare
         probs = torch.softmax(logits.float(), -1)
@@ -139,6 +141,8 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
         res["cap"] = pf.last.capacity
         res["slots"] = int((pf.last.experts_to_copy >= 0).sum())
         res["summary"] = patches.STATE.last_summary
+        res["buffer_kwargs"] = {k: v for k, v in pf.buffer_pool.buffer_kwargs.items() if k != "group"}
+        res["step_stats"] = patches.STATE.stats.last
     # tear down this layer's MoonEP objects (collective), keep vLLM's groups for the next call
     get_ep_group().device_communicator.all2all_manager.destroy()
     patches.STATE.reset()
@@ -205,8 +209,9 @@ def rk_cli_options(extra: dict, bad_cases: list):
 
 
 def test_options_from_vllm_cli_parser():
-    extra = {"moonep": {"weight_layout": "symmetric", "engine": "builtin", "num_prefetch_slots": 8,
-                        "shared_slot_pool": True, "heap": "host", "token_padding": 64, "impl": "reference"}}
+    extra = {"moonep": {"weight_layout": "symmetric", "engine": "builtin", "transport": "collective",
+                        "num_prefetch_slots": 8, "shared_slot_pool": True, "heap": "host", "token_padding": 64,
+                        "impl": "reference", "step_log_interval": 10}}
     cases = [
         ({"moonep": {"weight_layot": "symmetric"}}, ["weight_layot", "weight_layout", "num_prefetch_slots"]),
         ({"moonep": {"weight_layout": "sharded"}}, ["replicated", "symmetric"]),
@@ -231,10 +236,12 @@ def test_options_env_fallbacks_and_precedence():
     assert parse_options(None, env={}) == MoonEPOptions()
     env = {"VLLM_MOONEP_WEIGHT_LAYOUT": "symmetric", "VLLM_MOONEP_ENGINE": "builtin",
            "VLLM_MOONEP_NUM_PREFETCH_SLOTS": "16", "VLLM_MOONEP_SHARED_SLOT_POOL": "1", "VLLM_MOONEP_HEAP": "host",
-           "VLLM_MOONEP_TOKEN_PADDING": "32", "VLLM_MOONEP_IMPL": "reference"}
+           "VLLM_MOONEP_TOKEN_PADDING": "32", "VLLM_MOONEP_IMPL": "reference", "VLLM_MOONEP_TRANSPORT": "symmetric",
+           "VLLM_MOONEP_STEP_LOG_INTERVAL": "5"}
     o = parse_options({}, env=env)
-    assert (o.weight_layout, o.engine, o.num_prefetch_slots, o.shared_slot_pool, o.heap, o.token_padding, o.impl) == (
-        "symmetric", "builtin", 16, True, "host", 32, "reference")
+    assert (o.weight_layout, o.engine, o.num_prefetch_slots, o.shared_slot_pool, o.heap, o.token_padding, o.impl,
+            o.transport, o.step_log_interval) == ("symmetric", "builtin", 16, True, "host", 32, "reference",
+                                                  "symmetric", 5)
     # --additional-config wins over the environment
     o = parse_options({"moonep": {"num_prefetch_slots": 2}}, env=env)
     assert o.num_prefetch_slots == 2 and o.weight_layout == "symmetric"
@@ -255,12 +262,19 @@ def test_seam_verification():
                          ids=["replicated", "symmetric", "symmetric-shared-slots"])
 def test_vllm_layer_forward(layout, shared):
     extra = {"moonep": {"weight_layout": layout, "engine": "builtin", "num_prefetch_slots": 4,
-                        "heap": "host", "impl": "reference", "shared_slot_pool": shared}}
+                        "impl": "reference", "shared_slot_pool": shared}}
+    if layout == "symmetric":
+        extra["moonep"]["heap"] = "host"
     counts = [37, 150]
     res = ranks(2, rk_vllm_layer, extra, counts, {"replicated": 1, "symmetric": 2}[layout] + 2 * shared, env=CPU_ENV)
     if shared:
         assert all("one pool shared by all layers" in r["summary"] for r in res), res[0]["summary"]
     for r in res:
+        # the start-up line says what was resolved, not the requested 'auto'
+        assert "transport=collective (auto: CPU ranks" in r["summary"], r["summary"]
+        assert "kernel=reference (requested)" in r["summary"], r["summary"]
+        assert ("heap=host (requested)" in r["summary"]) == (layout == "symmetric"), r["summary"]
+        assert r["buffer_kwargs"]["transport"] == "auto" and r["step_stats"] is None  # the step log is off by default
         assert r["classes"][0] == "vllm_moonep.common.vllm_modular.MoonEPPrepareAndFinalize", r["classes"]
         assert r["classes"][1] == "vllm_moonep.common.vllm_modular.MoonEPExperts", r["classes"]
         assert r["manager"] == "MoonEPAll2AllManager" and r["backend"] == "MOONEP"
@@ -277,3 +291,22 @@ def test_vllm_layer_forward(layout, shared):
         assert all(r["classes"][2].endswith("SymmetricWeightLayout") for r in res)
         assert all(r["w13_shape"] == (16, 512, 256) and r["same_param"] and r["adopted"] for r in res)
         assert all(r["report"]["replicated_rows"] == 0 for r in res)
+
+
+def test_vllm_layer_step_log_transport_and_resolved_kernel():
+    """No per-step view of slot use and row balance; no transport option; the line printed impl=auto, not the kernel."""
+    extra = {"moonep": {"weight_layout": "symmetric", "engine": "builtin", "transport": "symmetric",
+                        "num_prefetch_slots": 4, "step_log_interval": 2}}
+    res = ranks(2, rk_vllm_layer, extra, [37, 150], 5, steps=5, env=CPU_ENV)
+    for r in res:
+        assert r["buffer_kwargs"]["transport"] == "symmetric"
+        assert "transport=symmetric (requested)" in r["summary"], r["summary"]  # the engine's own choice
+        assert "heap=host (auto: host memory on cpu)" in r["summary"], r["summary"]
+        # B=4 < E/R=16: overflow rows come from the peers, no dense tensor: auto resolves to reference on CPU
+        assert "kernel=reference (impl=auto)" in r["summary"], r["summary"]
+        st = r["step_stats"]
+        assert st is not None and st["steps"] == (3, 4) and st["layer_calls"] == 2, st  # steps 1-2, then 3-4 logged
+        assert st["slots_used_mean"] > 0 and st["slots_per_call"] == 2 * 4
+        mean_without, _ = st["without plan"]
+        mean_with, worst_with = st["with plan"]
+        assert mean_without > 1.2 and worst_with == pytest.approx(1.0), st  # hot experts on rank 0, evened out

@@ -1,0 +1,259 @@
+"""Checks of the ``moonep`` options, as early as each fact is known.
+
+- ``check_engine_config(vllm_config)``: in the front-end process, right after vLLM's
+  ``EngineArgs.create_engine_config`` built the config (before any engine core or worker starts).
+  With ``--all2all-backend moonep`` it parses the options (unknown keys, bad values, bounds), checks
+  them against the model (``E`` divisible by the EP size, ``num_prefetch_slots <= E``, the
+  dispatch shard's row bound, ``impl='grouped_mm'`` with overflow reads) and logs every option
+  with where its value came from. It warns when moonep is requested but will not run (no EP, DP
+  size 1, a dense model), when options are set but moonep is not requested, when a setting has no
+  effect with the others, and when a top-level ``--additional-config`` key looks like ours.
+- ``check_worker(opts, device)``: on each worker when its EP group is built (before weights
+  load): the engine, the heap and the expert kernel must be able to run on this device.
+
+vLLM objects are only read (attributes of the config); nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Mapping
+
+import torch
+
+from vllm_moonep.engine import MoonEPInputError, MoonEPUnavailableError, resolve_engine, resolve_transport
+from vllm_moonep.vllm_plugin.options import (
+    CONFIG_KEY,
+    ENV_VARS,
+    OPTION_NAMES,
+    MoonEPOptions,
+    MoonEPOptionsError,
+    option_sources,
+    parse_options,
+)
+
+log = logging.getLogger("vllm.vllm_moonep")
+
+__all__ = ["available_kernels", "check_engine_config", "check_worker", "lookalike_keys", "moonep_inactive_reason",
+           "resolve_heap", "resolve_kernel"]
+
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+
+
+def lookalike_keys(additional_config: Mapping[str, Any] | None) -> list[str]:
+    """Top-level ``--additional-config`` keys that look like ours but are not the ``moonep`` block."""
+    if not isinstance(additional_config, Mapping):
+        return []
+    out = []
+    for key in additional_config:
+        if not isinstance(key, str) or key == CONFIG_KEY:
+            continue
+        norm = re.sub(r"[^a-z0-9]", "", key.lower())
+        if norm.startswith("moonep") or key.lower() in OPTION_NAMES:
+            out.append(key)
+    return out
+
+
+def _ep_size(pc) -> int:
+    return int(pc.data_parallel_size) * int(pc.tensor_parallel_size) * int(getattr(pc, "prefill_context_parallel_size", 1))
+
+
+def moonep_inactive_reason(vllm_config) -> str | None:
+    """Why ``--all2all-backend moonep`` will not run MoonEP with this config (``None``: it will).
+
+    vLLM 0.33 uses the all2all kernels when expert parallelism is on and the DP (or prefill
+    context-parallel) size is above 1 (``FusedMoEParallelConfig.use_all2all_kernels``), for MoE
+    models only."""
+    pc = vllm_config.parallel_config
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is not None:
+        try:
+            if not mc.is_moe:
+                return "the model is not a mixture of experts"
+        except Exception:  # a model config without an architecture table: leave it to vLLM
+            pass
+    if not pc.enable_expert_parallel:
+        return "--enable-expert-parallel is not set"
+    if pc.data_parallel_size <= 1 and getattr(pc, "prefill_context_parallel_size", 1) <= 1:
+        return "--data-parallel-size is 1 (MoonEP runs with data parallelism: --data-parallel-size > 1)"
+    return None
+
+
+def _model_shape(vllm_config) -> dict | None:
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None:
+        return None
+    try:
+        return {"E": int(mc.get_num_experts()), "K": int(mc.get_num_experts_per_tok()), "H": int(mc.get_hidden_size())}
+    except Exception:
+        return None
+
+
+def _check_against_model(opts: MoonEPOptions, vllm_config) -> str:
+    """Errors that need the model's shape; returns a short description of what was checked."""
+    from vllm_moonep.engine import validate_config
+
+    shape = _model_shape(vllm_config)
+    pc = vllm_config.parallel_config
+    R = _ep_size(pc)
+    if shape is None or shape["E"] <= 0:
+        return f"EP size {R}"
+    E, K, H = shape["E"], shape["K"], shape["H"]
+    sizes = f"--data-parallel-size {pc.data_parallel_size} x --tensor-parallel-size {pc.tensor_parallel_size}"
+    if getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        sizes += f" x --prefill-context-parallel-size {pc.prefill_context_parallel_size}"
+    if E % R:
+        raise MoonEPOptionsError(
+            f"moonep needs the model's {E} routed experts divisible by the EP size {R} ({sizes}); "
+            f"choose sizes whose product divides {E}"
+        )
+    B = opts.num_prefetch_slots
+    if B > E:
+        raise MoonEPOptionsError(
+            f"moonep option num_prefetch_slots={B} exceeds the model's {E} experts: a rank never needs more "
+            f"redundant-expert slots than there are experts (E/R = {E // R} per rank is a common choice)"
+        )
+    epn = E // R
+    if opts.impl == "grouped_mm" and opts.weight_layout == "symmetric" and R > 1 and B < epn:
+        raise MoonEPOptionsError(
+            f"moonep option impl='grouped_mm' needs one dense weight tensor, but with weight_layout='symmetric' and "
+            f"num_prefetch_slots={B} < E/R={epn} a rank also reads overflow rows from its peers; use impl='auto', "
+            f"'triton' or 'reference', or num_prefetch_slots >= {epn}"
+        )
+    S = int(getattr(vllm_config.scheduler_config, "max_num_batched_tokens", 0) or 0)
+    if S > 0:
+        try:
+            validate_config(S, H, K, E, R, B, opts.token_padding)
+        except MoonEPInputError as exc:
+            raise MoonEPOptionsError(
+                f"moonep options do not fit this model and batch size (max_num_batched_tokens={S}): {exc}"
+            ) from None
+    return f"E={E} experts, top-{K}, H={H}, EP size {R} ({E // R} experts per rank)"
+
+
+def check_engine_config(vllm_config, seam_error: Exception | None = None) -> MoonEPOptions | None:
+    """The front-end check (see the module doc). Returns the options when moonep is requested."""
+    extra = vllm_config.additional_config if isinstance(vllm_config.additional_config, Mapping) else {}
+    for key in lookalike_keys(extra):
+        if key.lower() in OPTION_NAMES:
+            why = (f"moonep options go inside the '{CONFIG_KEY}' block, e.g. --additional-config "
+                   f"'{{\"{CONFIG_KEY}\": {{\"{key.lower()}\": ...}}}}'")
+        else:
+            why = f"vllm-moonep reads only the key '{CONFIG_KEY}' (lower case)"
+        _warn_once(f"vllm-moonep: --additional-config key '{key}' has no effect: {why}")
+    backend = vllm_config.parallel_config.all2all_backend
+    env_set = [name for name in ENV_VARS.values() if os.environ.get(name, "").strip()]
+    if backend != "moonep":
+        if CONFIG_KEY in extra or env_set:
+            given = ([f"--additional-config '{CONFIG_KEY}'"] if CONFIG_KEY in extra else []) + env_set
+            _warn_once(
+                f"vllm-moonep: moonep options are set ({', '.join(given)}) but --all2all-backend is {backend!r}: "
+                "they have no effect (use --all2all-backend moonep with --enable-expert-parallel and "
+                "--data-parallel-size > 1)"
+            )
+        return None
+    if seam_error is not None:
+        raise seam_error
+    opts = parse_options(extra)
+    sources = option_sources(extra)
+    why_not = moonep_inactive_reason(vllm_config)
+    if why_not is not None:
+        _warn_once(
+            f"vllm-moonep: --all2all-backend moonep is set but MoonEP will not run: {why_not}. vLLM runs its "
+            "default MoE path and the moonep options are not used"
+        )
+        return opts
+    checked = _check_against_model(opts, vllm_config)
+    explicit = {k for k, s in sources.items() if s != "default"}
+    if opts.weight_layout == "replicated" and "heap" in explicit:
+        _warn_once(
+            f"vllm-moonep: moonep option heap={opts.heap!r} has no effect with weight_layout='replicated' (the heap "
+            "holds the symmetric layout's experts)"
+        )
+    if opts.engine == "moonep" and "transport" in explicit:
+        _warn_once(
+            f"vllm-moonep: moonep option transport={opts.transport!r} has no effect with engine='moonep' "
+            "(the transport is the built-in engine's; the real moonep uses its own kernels)"
+        )
+    log.info(
+        "vllm-moonep: --all2all-backend moonep for %s; options: %s. Each worker checks the engine, heap and "
+        "kernel when its EP group is built and logs what it resolved at its first MoE step",
+        checked, ", ".join(f"{k}={v!r} ({sources[k]})" for k, v in opts.as_dict().items()),
+    )
+    return opts
+
+
+# ------------------------------------------------------------------------------------ worker side
+def resolve_heap(opts: MoonEPOptions, device: torch.device) -> tuple[str, str]:
+    """``(kind, reason)`` of the symmetric heap ``opts.heap`` selects on ``device``; raises
+    ``MoonEPUnavailableError`` when it cannot run there."""
+    from vllm_moonep.engine.heaps import resolve_heap_kind
+
+    kind = resolve_heap_kind(opts.heap, device)
+    why = "requested" if opts.heap != "auto" else (
+        "auto: PyTorch symmetric memory on CUDA" if kind == "torch" else f"auto: host memory on {device.type}")
+    if kind in ("torch", "nvshmem") and device.type != "cuda":
+        raise MoonEPUnavailableError(
+            f"moonep option heap={opts.heap!r} selects the {kind!r} heap, which needs CUDA devices; this worker runs "
+            f"on {device.type}: use heap='auto' or 'host'"
+        )
+    if kind == "nvshmem":
+        from vllm_moonep.engine.heaps.nvshmem_heap import nvshmem_status
+
+        mod, reason = nvshmem_status()
+        if mod is None:
+            raise MoonEPUnavailableError(f"moonep option heap='nvshmem' cannot run on this worker: {reason}")
+    return kind, why
+
+
+def available_kernels(device: torch.device, dense: bool = True) -> list[str]:
+    """The grouped-GEMM implementations that run on ``device``."""
+    from vllm_moonep.common.grouped_gemm import available_impls
+
+    return available_impls(*_dummy_weights(device, dense))
+
+
+def check_worker(opts: MoonEPOptions, device: torch.device) -> dict:
+    """What only a worker can know: raises ``MoonEPUnavailableError`` (engine, heap, kernel) naming
+    the option and what to use instead. Returns ``{"engine": (name, why), "heap": (kind, why) | None}``."""
+    engine = resolve_engine(opts.engine)
+    resolve_transport(opts.transport, device.type)  # validates the name
+    heap = resolve_heap(opts, device) if opts.weight_layout == "symmetric" else None
+    if opts.impl != "auto":
+        avail = available_kernels(device)
+        if opts.impl not in avail:
+            why = " (the Triton kernels need a CUDA device and an importable triton)" if opts.impl == "triton" else (
+                " (torch._grouped_mm needs bf16 on an sm90+ GPU, or a torch build that runs it on CPU)")
+            raise MoonEPUnavailableError(
+                f"moonep option impl={opts.impl!r} cannot run on this worker ({device}){why}; available here: "
+                f"{', '.join(avail)}; use impl='auto' to take the best of them"
+            )
+    return {"engine": engine, "heap": heap}
+
+
+def _dummy_weights(device: torch.device, dense: bool):
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+
+    H = I = 128
+    x = torch.zeros(1, H, dtype=torch.bfloat16, device=device)
+    gate = torch.zeros(1, I, H, dtype=torch.bfloat16, device=device)
+    down = torch.zeros(1, H, I, dtype=torch.bfloat16, device=device)
+    gw = GroupedWeights.contiguous(gate, gate, down)
+    if not dense:  # a row source of several pools (peers' rows, a shared slot pool): no dense tensor
+        gw = GroupedWeights(gw.gate, gw.up, gw.down, gw.group_pool, gw.group_row, None)
+    return x, gw
+
+
+def resolve_kernel(impl: str, device: torch.device, dense: bool = True) -> str:
+    """The grouped GEMM ``impl`` runs as on ``device`` (``dense``: the layer's weights are one tensor)."""
+    from vllm_moonep.common.grouped_gemm import resolve_impl
+
+    return resolve_impl(impl, *_dummy_weights(device, dense))

@@ -1,0 +1,445 @@
+"""What the plugin puts in vLLM's place (``patches.py`` rebinds vLLM's names to these).
+
+- ``MoonEPAll2AllManager``: the EP group's all2all manager; checks what only a worker can know
+  (engine, heap, kernel: ``checks.check_worker``) when it is built, that is when the EP group is
+  built, before weights load. On CUDA vLLM's ``CudaCommunicator`` builds it; on platforms whose
+  communicator has none (CPU) it is attached right after the EP group is made.
+- ``PluginBufferPool``: its handle; logs the start-up line at the first MoE step.
+- ``build_weight_layout``: the layer's replicated or symmetric layout after loading.
+- ``MoonEPExperts`` / ``MoonEPPrepareAndFinalize``: ``vllm_moonep.common.vllm_modular``'s classes
+  with the plugin's ``impl`` and the optional per-step log (``step_log_interval``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+
+from vllm_moonep.vllm_plugin.checks import check_worker, resolve_heap, resolve_kernel
+from vllm_moonep.vllm_plugin.options import MoonEPOptions, options_from_vllm_config
+
+# under the "vllm" logger so the lines show in vLLM's own log format and level
+log = logging.getLogger("vllm.vllm_moonep")
+
+__all__ = ["STATE", "StepStats", "build_weight_layout", "summary_line", "worker_device"]
+
+
+# ------------------------------------------------------------------------------------ state
+class StepStats:
+    """Slot use and row balance of the MoE steps, logged every ``interval`` steps (EP rank 0).
+
+    A step is counted when the first MoE layer's prepare runs; every layer's prepare adds its
+    plan: slots used (all ranks), and max/mean rows per rank without the plan (all rows of each
+    rank's home experts), with it (real rows) and padded. Reading the plan costs one host
+    synchronization per layer on GPU, which is why this is off by default."""
+
+    def __init__(self):
+        self.steps = 0
+        self.first_step = 1
+        self.last: dict | None = None  # the last logged window, for tests and scrapers
+        self._reset()
+
+    def _reset(self):
+        self.calls = 0
+        self.used = 0
+        self.total = 0
+        self.ratios = {"without plan": [], "with plan": [], "padded": []}
+
+    @staticmethod
+    def _ratio(x: torch.Tensor) -> float:
+        x = x.double()
+        m = x.mean()
+        return float(x.max() / m) if m > 0 else 1.0
+
+    def record(self, layer_index: int, plan, interval: int, rank: int) -> None:
+        if layer_index == 0:
+            if self.steps and self.steps % interval == 0:
+                self.emit(rank)
+            self.steps += 1
+        etc = plan.experts_to_copy
+        R = int(etc.shape[0])
+        self.calls += 1
+        self.used += int((etc >= 0).sum())
+        self.total += int(etc.numel())
+        gp = getattr(plan, "global_plan", None)
+        if gp is not None:
+            self.ratios["without plan"].append(self._ratio(gp.tpe.sum(0).view(R, -1).sum(1)))
+            self.ratios["with plan"].append(self._ratio(gp.seg_len.sum(1)))
+            self.ratios["padded"].append(self._ratio(gp.cu_seqlens[:, -1]))
+
+    def emit(self, rank: int) -> None:
+        if self.calls == 0:
+            return
+        per_call = self.total / self.calls
+        summary = {
+            "steps": (self.first_step, self.steps), "layer_calls": self.calls,
+            "slots_used_mean": self.used / self.calls, "slots_per_call": per_call,
+            **{k: (sum(v) / len(v), max(v)) for k, v in self.ratios.items() if v},
+        }
+        self.last = summary
+        if rank == 0:
+            rows = ", ".join(f"{k} {m:.2f} (worst {w:.2f})" for k, (m, w) in
+                             ((k, summary[k]) for k in self.ratios if k in summary))
+            log.info(
+                "vllm-moonep steps %d-%d (%d MoE layer calls): slots used %.1f of %d per layer and step (all EP ranks); "
+                "rows per rank, max/mean: %s", self.first_step, self.steps, self.calls, summary["slots_used_mean"],
+                int(per_call), rows or "n/a (the engine exposes no plan tables)",
+            )
+        self.first_step = self.steps + 1
+        self._reset()
+
+
+class _PluginState:
+    """Per-process objects shared by every MoE layer: heaps, the shared slot pool, the layouts."""
+
+    def __init__(self):
+        self.heaps: dict[tuple, Any] = {}
+        self.slot_pools: dict[tuple, Any] = {}
+        self.layouts: list = []
+        self.summary_logged = False
+        self.last_summary = ""
+        self.worker: dict | None = None  # what check_worker resolved on this worker
+        self.num_pf = 0
+        self.stats = StepStats()
+
+    def reset(self) -> None:
+        from vllm_moonep.symmetric import destroy_in_order
+
+        objs = [lay for lay in self.layouts] + list(self.slot_pools.values())
+        syms = [o for o in objs if hasattr(o, "first_index")]
+        others = [o for o in objs if not hasattr(o, "first_index")]
+        if syms:
+            destroy_in_order(*syms)
+        for o in others:
+            o.destroy()
+        for h in self.heaps.values():
+            h.close()
+        self.__init__()
+
+
+STATE = _PluginState()
+
+
+def _ep_group():
+    from vllm.distributed import get_ep_group
+
+    return get_ep_group()
+
+
+def worker_device() -> torch.device:
+    """This worker's device: the current CUDA device on a CUDA platform, else the CPU."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------ start-up line
+def _transport_text(opts: MoonEPOptions, engine: str, device: torch.device, buffer=None) -> str:
+    from vllm_moonep.engine import resolve_transport
+
+    if engine != "builtin":
+        return f"transport=the {engine} engine's own"
+    chosen = getattr(buffer, "transport_name", None)
+    if chosen is not None:  # what the built-in engine picked (it knows whether every peer is on this host)
+        why = resolve_transport(opts.transport, device.type, peers_addressable=chosen == "symmetric")[1]
+        return f"transport={chosen} ({'auto: ' if opts.transport == 'auto' else ''}{why})"
+    if opts.transport == "auto" and device.type == "cuda":
+        heaps = list(STATE.heaps.values())
+        if not heaps:  # addressability is known only to a heap
+            return "transport=symmetric if every EP peer is a GPU of this node, else collective (auto)"
+        name, why = resolve_transport("auto", "cuda", all(h.peers_addressable for h in heaps))
+    else:
+        name, why = resolve_transport(opts.transport, device.type)
+    return f"transport={name} ({'auto: ' if opts.transport == 'auto' else ''}{why})"
+
+
+def _kernel_text(opts: MoonEPOptions, device: torch.device) -> str:
+    kernels = Counter(resolve_kernel(opts.impl, device, getattr(lay, "dense_weights", True)) for lay in STATE.layouts)
+    if not kernels:
+        kernels[resolve_kernel(opts.impl, device)] = 0
+    src = "requested" if opts.impl != "auto" else "impl=auto"
+    if len(kernels) == 1:
+        return f"kernel={next(iter(kernels))} ({src})"
+    return "kernel=" + ", ".join(f"{k} on {n} layer(s)" for k, n in kernels.most_common()) + f" ({src})"
+
+
+def summary_line(opts: MoonEPOptions | None = None, buffer=None) -> str:
+    """The start-up line: what was resolved (layout, engine, transport, heap, kernel, slots) and
+    the per-rank expert memory of the layers built so far. ``buffer``: the first engine buffer
+    (its transport is the one chosen)."""
+    from vllm_moonep.common.memory import MemoryReport
+    from vllm_moonep.engine import resolve_engine
+
+    opts = opts or options_from_vllm_config()
+    engine, why = STATE.worker["engine"] if STATE.worker else resolve_engine(opts.engine)
+    device = _layout_device() or worker_device()
+    rep = MemoryReport()
+    for lay in STATE.layouts:
+        rep = rep + lay.memory_report()
+    for pool in STATE.slot_pools.values():
+        rep = rep + pool.memory_report()
+    gib = 1024.0**3
+    slots = f"{opts.num_prefetch_slots} " + ("(one pool shared by all layers)" if opts.shared_slot_pool else "per layer")
+    heap = ""
+    if opts.weight_layout == "symmetric":
+        kind, hwhy = resolve_heap(opts, device)
+        heap = f", heap={kind} ({hwhy})"
+    return (
+        f"vllm-moonep: weight_layout={opts.weight_layout}, engine={engine} ({why}), "
+        f"{_transport_text(opts, engine, device, buffer)}{heap}, {_kernel_text(opts, device)}, slots={slots}, "
+        f"token_padding={opts.token_padding}; per-rank expert memory {rep.resident / gib:.3f} GiB "
+        f"resident over {len(STATE.layouts)} MoE layer(s) (home {rep.home_rows / gib:.3f}, replicated "
+        f"{rep.replicated_rows / gib:.3f}, slots {rep.slots / gib:.3f}; load-time transient {rep.transient / gib:.3f})"
+    )
+
+
+def _layout_device() -> torch.device | None:
+    for lay in STATE.layouts:
+        for name in ("device", "full_gate_weight", "home_w13"):
+            v = getattr(lay, name, None)
+            if isinstance(v, torch.device):
+                return v
+            if isinstance(v, torch.Tensor):
+                return v.device
+    return None
+
+
+def _log_summary_once(buffer=None) -> None:
+    if STATE.summary_logged:
+        return
+    STATE.summary_logged = True
+    STATE.last_summary = summary_line(buffer=buffer)
+    log.info(STATE.last_summary)
+
+
+# ------------------------------------------------------------------------------------ our objects
+def make_pool_class():
+    from vllm_moonep.common.pool import MoonEPBufferPool
+
+    class PluginBufferPool(MoonEPBufferPool):
+        """The all2all handle: a ``MoonEPBufferPool`` that logs the start-up line at its first step
+        (vLLM's profiling run), when every layer's layout and the first engine buffer exist."""
+
+        def get(self, num_tokens: int):
+            cap, buf = super().get(num_tokens)
+            _log_summary_once(buf)
+            return cap, buf
+
+    return PluginBufferPool
+
+
+def make_manager_class():
+    from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
+
+    pool_cls = make_pool_class()
+
+    class MoonEPAll2AllManager(All2AllManagerBase):
+        """vllm-moonep's all2all manager: its handle is our ``MoonEPBufferPool`` on the engine the
+        options select (built-in, or the real ``moonep`` where usable). No NVLink multicast.
+
+        Built with the EP group: it checks there (before weights load) that the engine, the heap
+        and the expert kernel the options ask for can run on this worker."""
+
+        is_vllm_moonep = True
+
+        def __init__(self, cpu_group, tcp_store_group=None, device_group=None, **_extra):
+            super().__init__(cpu_group, tcp_store_group)
+            self._device_group = device_group
+            self.options = options_from_vllm_config()
+            self.device = worker_device()
+            resolved = check_worker(self.options, self.device)
+            self.engine, self.engine_reason = resolved["engine"]
+            STATE.worker = resolved
+            self.handle_cache = Cache()
+            self._pools: list = []
+
+        def get_handle(self, kwargs):
+            opts = options_from_vllm_config()  # the config of the model being built
+            S = int(kwargs["max_num_tokens_per_dp_rank"])
+            buffer_kwargs = dict(
+                H=int(kwargs["token_hidden_size"]),
+                K=int(kwargs["num_topk"]),
+                E=int(kwargs["num_global_experts"]),
+                num_ep_ranks=self.world_size,
+                num_sms=kwargs.get("num_sms"),
+                token_padding=opts.token_padding,
+                B=opts.num_prefetch_slots,
+                group=self._device_group if self._device_group is not None else self.cpu_group,
+                explicitly_destroy=True,
+            )
+            if self.engine == "builtin":  # the real moonep's Buffer has no transport choice
+                buffer_kwargs["transport"] = opts.transport
+
+            def make_pool(**kw):
+                pool = pool_cls(dict(kw), max_tokens_per_rank=S, engine=opts.engine)
+                self._pools.append(pool)
+                return pool
+
+            return self.handle_cache.get_or_create(dict(buffer_kwargs, S=S), make_pool)
+
+        def destroy(self):
+            with self.handle_cache._lock:
+                for pool in self._pools:
+                    pool.destroy()
+                self._pools.clear()
+                self.handle_cache._cache.clear()
+            # vLLM destroys the all2all manager before the process group: the layouts, slot pools
+            # and heaps (collective, LIFO) go with it
+            STATE.reset()
+
+    return MoonEPAll2AllManager
+
+
+def attach_manager(comm, manager_cls) -> bool:
+    """Give a moonep EP communicator that has no MoonEP manager (CPU and other platforms) ours."""
+    if comm is None or getattr(comm, "all2all_backend", None) != "moonep":
+        return False
+    old = getattr(comm, "all2all_manager", None)
+    if getattr(old, "is_vllm_moonep", False):
+        return False
+    comm.all2all_manager = manager_cls(comm.cpu_group, device_group=comm.device_group)
+    log.info(
+        "vllm-moonep: vLLM's %s has no MoonEP all2all manager%s; vllm-moonep attached its MoonEPAll2AllManager "
+        "to the EP group, so MoE dispatch and combine run on MoonEP (engine=%s)", type(comm).__name__,
+        f" and built {type(old).__name__} (the 'Falling back to allgather_reducescatter' line above); that fallback "
+        "is replaced" if old is not None else "", comm.all2all_manager.engine,
+    )
+    if old is not None and hasattr(old, "destroy"):
+        try:
+            old.destroy()
+        except Exception:  # pragma: no cover - the fallback manager holds nothing of ours
+            log.debug("vllm-moonep: destroying %s failed", type(old).__name__, exc_info=True)
+    return True
+
+
+def wrap_init_model_parallel_group(orig, manager_cls):
+    """vLLM's ``init_model_parallel_group``; for the moonep EP group, our manager is attached (and
+    checks the worker) as soon as the group exists, before any weight is loaded."""
+
+    def init_model_parallel_group(*args, **kwargs):
+        group = orig(*args, **kwargs)
+        comm = getattr(group, "device_communicator", None)
+        if comm is not None and getattr(comm, "is_ep_communicator", False) and getattr(comm, "use_all2all", False):
+            try:
+                attach_manager(comm, manager_cls)
+            except BaseException:
+                try:
+                    group.destroy()
+                except Exception:  # pragma: no cover
+                    pass
+                raise
+        return group
+
+    init_model_parallel_group.__wrapped__ = orig
+    init_model_parallel_group.__vllm_moonep__ = True
+    return init_model_parallel_group
+
+
+def wrap_get_ep_all2all_manager(orig, manager_cls):
+    def get_ep_all2all_manager(ep_group=None):
+        if ep_group is None:
+            ep_group = _ep_group()
+        # normally attached when the EP group was made; this covers groups made another way
+        attach_manager(ep_group.device_communicator, manager_cls)
+        return orig(ep_group)
+
+    get_ep_all2all_manager.__wrapped__ = orig
+    get_ep_all2all_manager.__vllm_moonep__ = True
+    return get_ep_all2all_manager
+
+
+def _group_for_heap(kind: str, device: torch.device):
+    from vllm_moonep.engine.heaps import resolve_heap_kind
+
+    ep = _ep_group()
+    which = resolve_heap_kind(kind, device)
+    return which, (ep.cpu_group if which == "host" else ep.device_group)
+
+
+def build_weight_layout(w13_local: torch.Tensor, w2_local: torch.Tensor, num_global_experts: int,
+                        num_prefetch_slots: int | None = None, **_extra):
+    """Our ``gather_moonep_weight_layout``: the layer's layout from its local ``[E/R]`` parameters.
+
+    vLLM passes the layer's ``w13_weight`` / ``w2_weight`` parameters and then rebinds them to
+    the returned object's ``full_gate_weight`` / ``full_down_weight``:
+
+    - replicated: all-gather into ``[E+B]`` gate/up/down (vLLM's PoC memory model); the layer's
+      parameters become the ``[E+B]`` gate and down tensors (its ``[E/R]`` storage is released).
+    - symmetric: the layer's parameters are adopted onto the symmetric heap (no all-gather, no
+      copy kept); ``full_gate_weight`` / ``full_down_weight`` are those same heap views, so vLLM's
+      rebinding is a no-op and the parameters keep their ``[E/R]`` shapes.
+
+    ``num_prefetch_slots`` from vLLM is ignored: the plugin's option is the one source of ``B``.
+    """
+    opts = options_from_vllm_config()
+    B = opts.num_prefetch_slots
+    ep = _ep_group()
+    if opts.weight_layout == "replicated":
+        from vllm_moonep.replicated import ReplicatedWeightLayout
+
+        layout = ReplicatedWeightLayout(w13_local.data, w2_local.data, num_global_experts, B, ep.device_group,
+                                        keeps_local_params=False)
+    else:
+        from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout, make_heap
+
+        kind, group = _group_for_heap(opts.heap, w13_local.device)
+        hkey = (kind, str(w13_local.device))
+        heap = STATE.heaps.get(hkey)
+        if heap is None:
+            heap = STATE.heaps[hkey] = make_heap(kind, group, device=w13_local.device)
+        slot_pool = None
+        if opts.shared_slot_pool:
+            I, H = w2_local.shape[2], w2_local.shape[1]
+            pkey = hkey + (H, I)
+            slot_pool = STATE.slot_pools.get(pkey)
+            if slot_pool is None:
+                slot_pool = STATE.slot_pools[pkey] = SharedSlotPool(B, H, I, group, heap=heap)
+        layout = SymmetricWeightLayout(w13_local.data, w2_local.data, num_global_experts,
+                                       num_slots=None if slot_pool is not None else B, group=group, heap=heap,
+                                       slot_pool=slot_pool)
+        layout.adopt_parameters(w13_local, w2_local, copy=False)
+        layout.full_gate_weight = w13_local.data  # vLLM rebinds the parameters to these: a no-op
+        layout.full_down_weight = w2_local.data
+    STATE.layouts.append(layout)
+    log.debug("vllm-moonep: built %r", layout)
+    return layout
+
+
+def plugin_experts_class(base):
+    class MoonEPExperts(base):
+        """vllm-moonep's experts as vLLM's oracle builds them: ``impl`` from the plugin options."""
+
+        def __init__(self, moe_config, quant_config, max_num_tokens=None, num_dispatchers=None, **kw):
+            kw.setdefault("impl", options_from_vllm_config().impl)
+            super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers, **kw)
+
+    MoonEPExperts.__module__ = base.__module__
+    MoonEPExperts.__qualname__ = base.__qualname__
+    return MoonEPExperts
+
+
+def plugin_pf_class(base):
+    class MoonEPPrepareAndFinalize(base):
+        """vllm-moonep's prepare/finalize as vLLM builds it, with the optional per-step log."""
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self._log_interval = options_from_vllm_config().step_log_interval
+            self._layer_index = STATE.num_pf
+            STATE.num_pf += 1
+
+        def prepare(self, *args, **kw):
+            out = super().prepare(*args, **kw)
+            if self._log_interval:
+                st = self._state
+                STATE.stats.record(self._layer_index, st.plan, self._log_interval, getattr(st.buffer, "rank", 0))
+            return out
+
+    MoonEPPrepareAndFinalize.__module__ = base.__module__
+    MoonEPPrepareAndFinalize.__qualname__ = base.__qualname__
+    return MoonEPPrepareAndFinalize

@@ -1,0 +1,382 @@
+"""The first hour of a vLLM user, through vLLM 0.33's own code (CLI parser, ``create_engine_config``,
+``load_general_plugins``, ``init_model_parallel_group``), on its CPU platform.
+
+- our ``VLLM_MOONEP_*`` variables pass vLLM's environment validation (``--fail-on-environ-validation``);
+- the ``moonep`` block is checked in the front end when the engine config is made: bad values,
+  bounds, model-dependent limits are errors; settings that cannot take effect and look-alike
+  top-level keys are warnings;
+- what only a worker knows (heap, kernel) is checked when its EP group is built, before weights;
+- the plugin says at INFO what it hooked, warns for an untested vLLM, and a seam mismatch is a
+  warning at load and an error only when moonep is asked for.
+
+The front-end cases run on rank 0 of the 2-rank vLLM CPU pool the other vLLM tests use (building
+vLLM's parser needs a platform: ``VLLM_TARGET_DEVICE=cpu`` there); rank 1 returns ``None``. The
+model is a local ``config.json`` (no weights are needed to make an engine config).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+
+from tests.conftest import ranks
+
+pytestmark = pytest.mark.vllm
+
+CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+
+#: a tiny Qwen3-MoE: E=32 experts, top-4, H=256
+TINY_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 256, "num_experts": 32, "num_experts_per_tok": 4,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+    "max_position_embeddings": 2048, "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+}
+
+MOONEP_ARGS = ["--enable-expert-parallel", "--data-parallel-size", "2", "--all2all-backend", "moonep"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-moe")
+    (d / "config.json").write_text(json.dumps(TINY_MOE))
+    return str(d)
+
+
+# ---------------------------------------------------------------------------- rank side
+class _Capture(logging.Handler):
+    """Records of the plugin's logger ('vllm.vllm_moonep', which vLLM's logging config leaves alone)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[str, str]] = []
+
+    def emit(self, record):
+        self.records.append((record.levelname, record.getMessage()))
+
+    def __enter__(self):
+        lg = logging.getLogger("vllm.vllm_moonep")
+        self._level = lg.level
+        lg.addHandler(self)
+        lg.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc):
+        lg = logging.getLogger("vllm.vllm_moonep")
+        lg.removeHandler(self)
+        lg.setLevel(self._level)
+
+    def ours(self, level: str) -> list[str]:
+        return [m for lv, m in self.records if lv == level and "vllm-moonep" in m]
+
+
+def _configure_vllm_logging() -> None:
+    """vLLM's default logging, as create_engine_config applies it (its dictConfig resets the handlers
+    of the 'vllm' tree; applied once here, later calls leave _Capture attached)."""
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    configure_logging_if_needed(LoggingConfig())
+
+
+def _engine_config(model_dir: str, argv: list[str], env: dict[str, str]):
+    """``vllm serve``'s path to a VllmConfig: vLLM's parser, EngineArgs.from_cli_args, create_engine_config."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_moonep.vllm_plugin import checks
+
+    checks._warned.clear()  # each case sees its own warnings
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+        args = parser.parse_args(["--model", model_dir, "--skip-tokenizer-init", "--dtype", "bfloat16", *argv])
+        return EngineArgs.from_cli_args(args).create_engine_config()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def rk_frontend(model_dir: str, cases: list[tuple[list[str], dict]]):
+    """Each case: (argv, env) -> ("ok", warnings, infos, options) or ("error", type, message, warnings)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    from vllm.plugins import load_general_plugins
+
+    _configure_vllm_logging()
+    load_general_plugins()
+    out = []
+    for argv, env in cases:
+        with _Capture() as cap:
+            try:
+                cfg = _engine_config(model_dir, argv, env)
+                out.append(("ok", cap.ours("WARNING"), cap.ours("INFO"), cfg.additional_config))
+            except Exception as exc:
+                out.append(("error", type(exc).__name__, str(exc), cap.ours("WARNING")))
+    return out
+
+
+def rk_env_registration():
+    """Our names in vllm.envs before the VLLM_MOONEP_PLUGIN=0 early return; typos still caught."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    from vllm_moonep.vllm_plugin import envs as our_envs
+    from vllm_moonep.vllm_plugin import patches, register
+
+    res = {}
+    ours = {"VLLM_MOONEP_WEIGHT_LAYOUT": "symmetric", "VLLM_MOONEP_TRANSPORT": "collective",
+            "VLLM_MOONEP_PLUGIN": "0", "VLLM_MOONEP_HEAP": "host", "VLLM_MOONEP_COLLECTIVE_TIMEOUT_S": "60"}
+    saved_env = dict(os.environ)
+    saved_table = {k: envs.environment_variables.pop(k) for k in our_envs.KNOWN_ENV_VARS
+                   if k in envs.environment_variables}
+    patches.undo_patches()
+    try:
+        os.environ.update(ours)
+        register()  # VLLM_MOONEP_PLUGIN=0: registers the names, hooks nothing
+        res["registered"] = sorted(k for k in ours if k in envs.environment_variables)
+        res["patched_when_disabled"] = patches.patched()
+        res["getter"] = envs.environment_variables["VLLM_MOONEP_WEIGHT_LAYOUT"]()
+        current_platform.validate_environ(True)  # what --fail-on-environ-validation runs
+        res["strict_validation"] = "passed"
+        os.environ["VLLM_MOONEP_WEIGHT_LAYOT"] = "symmetric"
+        with _Capture() as cap:
+            our_envs.register_env_vars()
+        res["typo_warning"] = cap.ours("WARNING")
+        try:
+            current_platform.validate_environ(True)
+            res["typo_validation"] = "passed"
+        except ValueError as exc:
+            res["typo_validation"] = str(exc)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        envs.environment_variables.update(saved_table)
+        patches.undo_patches()
+        patches.apply_patches()
+    return res
+
+
+def rk_load_lines(model_dir: str):
+    """The INFO line at load, the untested-version warning, and a seam mismatch end to end."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    import vllm
+    import vllm.model_executor.layers.fused_moe.prepare_finalize.moonep as pfm
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_moonep.vllm_plugin import patches
+
+    _configure_vllm_logging()  # so the INFO line is logged at load, not deferred to the first config
+    res = {}
+    try:
+        patches.undo_patches()
+        with _Capture() as cap:
+            res["hooked"] = patches.apply_patches()
+        res["load_info"] = cap.ours("INFO")
+        res["load_warnings"] = cap.ours("WARNING")
+
+        patches.undo_patches()
+        real_version = vllm.__version__
+        vllm.__version__ = "0.34.0"  # an untested vLLM whose seams still verify
+        try:
+            with _Capture() as cap:
+                patches.apply_patches()
+        finally:
+            vllm.__version__ = real_version
+        res["version_warnings"] = cap.ours("WARNING")
+        res["patched_on_untested"] = patches.patched()
+
+        patches.undo_patches()
+        saved = pfm.gather_moonep_weight_layout
+        del pfm.gather_moonep_weight_layout  # a vLLM that differs in one seam
+        try:
+            with _Capture() as cap:
+                patches.apply_patches()  # must not raise: every vLLM command goes through here
+            res["seam_warnings"] = cap.ours("WARNING")
+            res["patched_with_bad_seam"] = patches.patched()
+            EngineArgs.add_cli_args(FlexibleArgumentParser())  # what `vllm serve --help` builds
+            res["help_parser"] = "built"
+            _engine_config(model_dir, [], {})
+            res["without_moonep"] = "ok"
+            try:
+                _engine_config(model_dir, MOONEP_ARGS, {})
+                res["with_moonep"] = "no error"
+            except Exception as exc:
+                res["with_moonep"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            pfm.gather_moonep_weight_layout = saved
+    finally:
+        patches.undo_patches()
+        patches.apply_patches()
+    return res
+
+
+def rk_worker_checks(additional: dict):
+    """vLLM's init_model_parallel_group for the moonep EP group (both ranks): our manager is attached
+    and checks the worker right there, before any layer or weight exists."""
+    import torch.distributed as dist
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.plugins import load_general_plugins
+
+    from tests.vllm.test_plugin import _ensure_vllm_dist
+
+    load_general_plugins()
+    R = dist.get_world_size()
+
+    def config(extra):
+        pc = ParallelConfig(data_parallel_size=R, data_parallel_rank=dist.get_rank(), enable_expert_parallel=True,
+                            all2all_backend="moonep")
+        return VllmConfig(parallel_config=pc, device_config=DeviceConfig(device="cpu"), additional_config=extra)
+
+    with set_current_vllm_config(config({})):
+        _ensure_vllm_dist(None)  # vLLM's world, DP and EP groups, as a worker has before it builds anything
+    cfg = config(additional)
+    with set_current_vllm_config(cfg), _Capture() as cap:
+        try:
+            group = parallel_state.init_model_parallel_group([list(range(R))], dist.get_rank(), "gloo",
+                                                             group_name="ep", use_all2all=True)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        mgr = group.device_communicator.all2all_manager
+        out = {"manager": type(mgr).__name__, "ours": getattr(mgr, "is_vllm_moonep", False),
+               "engine": getattr(mgr, "engine", None), "infos": cap.ours("INFO")}
+        group.destroy()
+    return out
+
+
+# ---------------------------------------------------------------------------- tests
+def test_env_vars_registered_with_vllm_validation():
+    """VLLM_MOONEP_* made vLLM warn 'Unknown vLLM environment variable' and fail --fail-on-environ-validation."""
+    res = ranks(2, rk_env_registration, env=CPU_ENV)[0]
+    assert res["registered"] == sorted(["VLLM_MOONEP_WEIGHT_LAYOUT", "VLLM_MOONEP_TRANSPORT", "VLLM_MOONEP_PLUGIN",
+                                        "VLLM_MOONEP_HEAP", "VLLM_MOONEP_COLLECTIVE_TIMEOUT_S"]), res
+    assert res["patched_when_disabled"] is False and res["getter"] == "symmetric"
+    assert res["strict_validation"] == "passed"
+    assert "Unknown vLLM environment variable detected: VLLM_MOONEP_WEIGHT_LAYOT" in res["typo_validation"]
+    assert any("VLLM_MOONEP_WEIGHT_LAYOT" in w and "did you mean VLLM_MOONEP_WEIGHT_LAYOUT" in w
+               for w in res["typo_warning"]), res["typo_warning"]
+
+
+def test_frontend_accepts_env_options_under_strict_validation(model_dir):
+    """SERVING.md's VLLM_MOONEP_WEIGHT_LAYOUT=symmetric stopped `--fail-on-environ-validation` runs."""
+    env = {"VLLM_MOONEP_WEIGHT_LAYOUT": "symmetric", "VLLM_MOONEP_TRANSPORT": "collective", "VLLM_MOONEP_PLUGIN": "1"}
+    (status, warnings, infos, _), = ranks(2, rk_frontend, model_dir, [(MOONEP_ARGS + ["--fail-on-environ-validation"],
+                                                                       env)], env=CPU_ENV)[0]
+    assert status == "ok" and warnings == [], warnings
+    line = [m for m in infos if "--all2all-backend moonep for" in m]
+    assert line, infos
+    assert "weight_layout='symmetric' (VLLM_MOONEP_WEIGHT_LAYOUT)" in line[0]
+    assert "transport='collective' (VLLM_MOONEP_TRANSPORT)" in line[0] and "E=32 experts" in line[0]
+
+
+BAD = [
+    ({"moonep": {"weight_layot": "symmetric"}}, [], "MoonEPOptionsError", ["weight_layot", "did you mean 'weight_layout'"]),
+    ({"moonep": {"transport": "nvlink"}}, [], "MoonEPOptionsError", ["transport", "auto, symmetric, collective"]),
+    ({"moonep": {"num_prefetch_slots": 1000000000}}, [], "MoonEPOptionsError", ["num_prefetch_slots", "at most 4096"]),
+    ({"moonep": {"num_prefetch_slots": 64}}, [], "MoonEPOptionsError", ["exceeds the model's 32 experts"]),
+    ({"moonep": {"step_log_interval": -1}}, [], "MoonEPOptionsError", ["step_log_interval", ">= 0"]),
+    ({"moonep": {"weight_layout": "symmetric", "impl": "grouped_mm"}}, [], "MoonEPOptionsError",
+     ["grouped_mm", "num_prefetch_slots=4 < E/R=16"]),
+    ({"moonep": {}}, ["--data-parallel-size", "3"], "MoonEPOptionsError", ["32 routed experts", "EP size 3"]),
+    ({"moonep": {}}, ["--max-num-batched-tokens", "4194304"], "MoonEPOptionsError", ["max_num_batched_tokens=4194304",
+                                                                                     "2**24"]),
+]
+
+
+def test_frontend_rejects_bad_options_when_config_is_made(model_dir):
+    """Bad moonep values (or ones the model cannot take) surfaced only on each worker, after weight loading."""
+    cases = []
+    for extra, argv, _, _ in BAD:
+        a = list(MOONEP_ARGS)
+        if "--data-parallel-size" in argv:
+            a[a.index("--data-parallel-size") + 1] = argv[1]
+            argv = []
+        cases.append((a + argv + ["--additional-config", json.dumps(extra)], {}))
+    res = ranks(2, rk_frontend, model_dir, cases, env=CPU_ENV)[0]
+    for (extra, _, etype, needles), r in zip(BAD, res):
+        assert r[0] == "error" and r[1] == etype, (extra, r)
+        for n in needles:
+            assert n in r[2], (extra, r[2])
+
+
+def test_frontend_warns_for_settings_without_effect(model_dir):
+    """Look-alike keys, a moonep block with DP=1 or another backend, and ineffective settings were silent."""
+    cases = [
+        (MOONEP_ARGS + ["--additional-config", json.dumps({"weight_layout": "symmetric"})], {}),
+        (MOONEP_ARGS + ["--additional-config", json.dumps({"MoonEP": {"weight_layout": "symmetric"}})], {}),
+        (["--enable-expert-parallel", "--all2all-backend", "moonep", "--additional-config",
+          json.dumps({"moonep": {"weight_layout": "symmetric"}})], {}),
+        (["--additional-config", json.dumps({"moonep": {"weight_layout": "symmetric"}})], {}),
+        (MOONEP_ARGS + ["--additional-config", json.dumps({"moonep": {"heap": "nvshmem"}})], {}),
+        (MOONEP_ARGS + ["--additional-config", json.dumps({"moonep": {"weight_layout": "symmetric"}})], {}),
+    ]
+    res = ranks(2, rk_frontend, model_dir, cases, env=CPU_ENV)[0]
+    assert all(r[0] == "ok" for r in res), res
+    w = [r[1] for r in res]
+    assert any("key 'weight_layout' has no effect" in m and '{"moonep": {"weight_layout"' in m for m in w[0]), w[0]
+    assert any("key 'MoonEP' has no effect" in m and "'moonep' (lower case)" in m for m in w[1]), w[1]
+    assert any("MoonEP will not run: --data-parallel-size is 1" in m for m in w[2]), w[2]
+    assert any("--all2all-backend is 'allgather_reducescatter'" in m and "no effect" in m for m in w[3]), w[3]
+    assert any("heap='nvshmem' has no effect with weight_layout='replicated'" in m for m in w[4]), w[4]
+    assert w[5] == [], w[5]
+
+
+@pytest.mark.parametrize("extra,needles", [
+    ({"weight_layout": "symmetric", "heap": "nvshmem"}, ["heap='nvshmem'", "needs CUDA devices", "this worker runs on cpu"]),
+    ({"weight_layout": "symmetric", "heap": "torch"}, ["heap='torch'", "needs CUDA devices"]),
+    ({"impl": "triton"}, ["impl='triton' cannot run on this worker (cpu)", "available here: reference",
+                          "use impl='auto'"]),
+], ids=["nvshmem-heap", "torch-heap", "triton"])
+def test_worker_checks_when_ep_group_is_built(extra, needles):
+    """heap=nvshmem / impl=triton where they cannot run failed only at the first layer or forward."""
+    res = ranks(2, rk_worker_checks, {"moonep": dict(extra, engine="builtin")}, env=CPU_ENV)
+    for r in res:
+        assert "error" in r and "MoonEPUnavailableError" in r["error"], r
+        for n in needles:
+            assert n in r["error"], r["error"]
+
+
+def test_manager_attached_with_ep_group_and_fallback_explained():
+    """vLLM logs 'moonep not supported on CPU, falling back' and our manager was used anyway, unexplained."""
+    res = ranks(2, rk_worker_checks, {"moonep": {"engine": "builtin"}}, env=CPU_ENV)
+    for r in res:
+        assert r.get("ours") is True and r["manager"] == "MoonEPAll2AllManager" and r["engine"] == "builtin", r
+        assert any("CpuCommunicator has no MoonEP all2all manager" in m and "fallback is replaced" in m
+                   for m in r["infos"]), r["infos"]
+
+
+def test_plugin_load_lines_and_seam_mismatch(model_dir):
+    """Silent load, no untested-version warning, and one differing seam broke every vLLM command."""
+    import vllm
+
+    res = ranks(2, rk_load_lines, model_dir, env=CPU_ENV)[0]
+    assert len(res["hooked"]) == 10, res["hooked"]
+    assert any(m.startswith(f"vllm-moonep 0.1.0 hooked vLLM {vllm.__version__} (10 seams:") for m in res["load_info"]), res
+    assert res["load_warnings"] == []
+    assert any("tested with vLLM 0.33.x; this is vLLM 0.34.0" in m for m in res["version_warnings"]), res
+    assert res["patched_on_untested"] is True
+    assert any("seam vllm.model_executor.layers.fused_moe.prepare_finalize.moonep.gather_moonep_weight_layout" in m
+               and "vLLM runs unchanged" in m for m in res["seam_warnings"]), res["seam_warnings"]
+    assert res["patched_with_bad_seam"] is False
+    assert res["help_parser"] == "built" and res["without_moonep"] == "ok"
+    assert res["with_moonep"].startswith("MoonEPSeamError: vllm-moonep cannot hook vLLM"), res["with_moonep"]
+    assert "gather_moonep_weight_layout" in res["with_moonep"]
