@@ -106,7 +106,7 @@ class Plan:
 class Buffer:
     """The built-in MoonEP engine for one MoE layer shape (collective, not thread-safe).
 
-    The contract (``docs/CONTRACT.md``), in short. Construction, ``destroy()`` and every call
+    The contract (``docs/CONTRACT.md`` in the repository), in short. Construction, ``destroy()`` and every call
     below are collective: every rank of the EP group makes the same calls in the same order.
 
     Per step, in this order (one step in flight per buffer):

@@ -30,8 +30,8 @@ from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
 
 __all__ = ["ErrorBoard", "WAIT_OPS", "CODE_BAD_ID"]
 
-#: record layout (int64 words)
-FLAG, CODE, PEER, EPOCH, ELAPSED_NS, SEEN, TARGET = range(7)
+#: record layout (int64 words); CLAIM makes the first failure win (later ones leave it alone)
+FLAG, CODE, PEER, EPOCH, ELAPSED_NS, SEEN, TARGET, CLAIM = range(8)
 WORDS = 8
 
 #: codes of the bounded waits (the operation named in the error)
@@ -57,8 +57,9 @@ class ErrorBoard:
 
     # -- written by the host transport (CPU ranks) ------------------------------------------------
     def record(self, code: int, peer: int, epoch: int, elapsed_ns: int, seen: int = 0, target: int = 0) -> None:
-        if int(self.words[FLAG]):
+        if int(self.words[CLAIM]):
             return
+        self.words[CLAIM] = 1
         self.words[CODE], self.words[PEER], self.words[EPOCH] = code, peer, epoch
         self.words[ELAPSED_NS], self.words[SEEN], self.words[TARGET] = elapsed_ns, seen, target
         self.words[FLAG] = 1
@@ -81,7 +82,7 @@ class ErrorBoard:
         code, peer, epoch = w[CODE], w[PEER], w[EPOCH]
         if code == CODE_BAD_ID:
             return MoonEPInputError(
-                f"{self.what}: an expert id outside [0, E) reached dispatch #{epoch} on rank {self.rank} (the "
+                f"{self.what}: an expert id outside [0, E) reached dispatch on rank {self.rank} (the "
                 "device-side check skipped its row, so this step's output is wrong); sanitize invalid ids first. "
                 "Rebuild the buffer: the ranks' step counts may no longer agree."
             )

@@ -21,11 +21,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# rows of the address table
-T_COUNTS, T_X, T_W, T_SRC, T_CX, T_CW, T_SIG = range(7)
+# rows of the address table (constexpr: kernels read them)
+T_COUNTS, T_X, T_W, T_SRC, T_CX, T_CW, T_SIG = (tl.constexpr(i) for i in range(7))
 TABLE_ROWS = 7
 # phases (rows of sig)
-PH_COUNTS, PH_DISPATCH, PH_COMBINE = range(3)
+PH_COUNTS, PH_DISPATCH, PH_COMBINE = (tl.constexpr(i) for i in range(3))
 PHASES = 3
 
 
@@ -46,34 +46,49 @@ def _signal(table, R, me, phase, peer_mask, R_PAD: tl.constexpr):
 
 
 @triton.jit
-def _wait(sig, epoch, phase, R, per_src, board, code, timeout_ns, R_PAD: tl.constexpr):
-    """Spin until every ``sig[phase, src] >= (epoch[phase] + 1) * per_src``, bounded; then count the epoch."""
+def _report(board, code, peer, epoch, elapsed, seen, target):
+    """First failure wins: claim the record (word 7), fill it, then raise the flag (word 0)."""
+    bp = board.to(tl.pointer_type(tl.int64))
+    zero = tl.cast(0, tl.int64)
+    if tl.atomic_cas(bp + 7, zero, zero + 1, sem="relaxed", scope="sys") == 0:
+        tl.store(bp + 1, code)
+        tl.store(bp + 2, peer)
+        tl.store(bp + 3, epoch)
+        tl.store(bp + 4, elapsed)
+        tl.store(bp + 5, seen)
+        tl.store(bp + 6, target)
+        tl.atomic_xchg(bp, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, R_PAD: tl.constexpr):
+    """Spin until every ``sig[phase, src] >= target``, bounded; gives up at once once the board is set."""
     d = tl.arange(0, R_PAD)
     m = d < R
-    ep = tl.load(epoch + phase)
-    target = (ep + 1) * per_src
+    bp = board.to(tl.pointer_type(tl.int64))
     ptr = sig + phase * R + d
     seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
     pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
+    failed = tl.load(bp, volatile=True)
     t0 = _now_ns()
     elapsed = t0 - t0
-    while (pending > 0) & (elapsed < timeout_ns):
+    while (pending > 0) & (elapsed < timeout_ns) & (failed == 0):
         seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
         pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
+        failed = tl.load(bp, volatile=True)
         elapsed = _now_ns() - t0
-    if pending > 0:
+    if (pending > 0) & (failed == 0):
         late = (seen < target) & m
         first = tl.min(tl.where(late, d, R_PAD), axis=0)
         got = tl.min(tl.where(d == first, seen, target), axis=0)
-        bp = board.to(tl.pointer_type(tl.int64))
-        tl.store(bp + 1, code)
-        tl.store(bp + 2, first.to(tl.int64))
-        tl.store(bp + 3, ep + 1)
-        tl.store(bp + 4, elapsed)
-        tl.store(bp + 5, got)
-        tl.store(bp + 6, target)
-        tl.atomic_xchg(bp, 1, sem="release", scope="sys")
-    tl.store(epoch + phase, ep + 1)
+        _report(board, code, first.to(tl.int64), epoch_no, elapsed, got, target)
+
+
+@triton.jit
+def _count_epoch(epoch, phase):
+    """Program 0 of a sending kernel: this phase happens once more (read by a later kernel)."""
+    if tl.program_id(0) == 0:
+        tl.store(epoch + phase, tl.load(epoch + phase) + 1)
 
 
 @triton.jit
@@ -88,44 +103,50 @@ def put_counts_kernel(tpe, table, R, me, E, E_PAD: tl.constexpr, R_PAD: tl.const
 
 
 @triton.jit
-def wait_kernel(sig, epoch, phase, R, per_src, board, code, timeout_ns, R_PAD: tl.constexpr):
-    """One program: the bounded wait of ``phase`` (see the module doc)."""
-    _wait(sig, epoch, phase, R, per_src, board, code, timeout_ns, R_PAD)
+def wait_counts_kernel(sig, epoch, R, board, timeout_ns, R_PAD: tl.constexpr):
+    """One program: wait (bounded) for every peer's counts of this step, then count the step."""
+    ep = tl.load(epoch + PH_COUNTS) + 1
+    _wait(sig, PH_COUNTS, R, ep, ep, board, 1, timeout_ns, R_PAD)
+    tl.store(epoch + PH_COUNTS, ep)
 
 
 @triton.jit
-def dispatch_rows_kernel(x, w, dest, row, table, board, n_entries, K, H, R, me, n_prog,
-                         BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
+def dispatch_rows_kernel(x, w, dest, row, table, board, epoch, n_entries, K, H, R, me, n_prog,
+                         ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
     """Entry ``i`` (token ``i // K``): its hidden row, route weight and source id to row ``row[i]`` of
     rank ``dest[i]``'s receive buffers; ids that placement rejected (``dest < 0``) go to the board."""
     pid = tl.program_id(0)
+    _count_epoch(epoch, PH_DISPATCH)
     h = tl.arange(0, BLOCK_H)
-    for i in range(pid, n_entries, n_prog):
-        d = tl.load(dest + i)
-        r = tl.load(row + i)
-        if d >= 0:
-            tok = i // K
-            xb = tl.load(table + T_X * R + d).to(x.dtype)
-            wb = tl.load(table + T_W * R + d).to(tl.pointer_type(tl.float32))
-            sb = tl.load(table + T_SRC * R + d).to(tl.pointer_type(tl.int32))
-            for h0 in range(0, H, BLOCK_H):
-                hm = h0 + h < H
-                v = tl.load(x + tok * H + h0 + h, mask=hm)
-                tl.store(xb + r * H + h0 + h, v, mask=hm)
-            tl.store(wb + r, tl.load(w + i))
-            tl.store(sb + r, (me * n_entries + i).to(tl.int32))
-        else:
-            bp = board.to(tl.pointer_type(tl.int64))
-            tl.store(bp + 1, 16)
-            tl.atomic_xchg(bp, 1, sem="release", scope="sys")
+    j = tl.arange(0, ROWS)
+    for t0 in range(pid * ROWS, n_entries, n_prog * ROWS):
+        i = t0 + j
+        im = i < n_entries
+        d = tl.load(dest + i, mask=im, other=0)
+        r = tl.load(row + i, mask=im, other=0)
+        ok = im & (d >= 0)
+        if tl.sum((im & (d < 0)).to(tl.int32), axis=0) > 0:
+            _report(board, 16, -1, 0, 0, t0, 0)
+        dd = tl.where(ok, d, 0)
+        tok = (i // K).to(tl.int64)
+        xb = tl.load(table + T_X * R + dd, mask=ok, other=0).to(x.dtype)
+        wb = tl.load(table + T_W * R + dd, mask=ok, other=0).to(tl.pointer_type(tl.float32))
+        sb = tl.load(table + T_SRC * R + dd, mask=ok, other=0).to(tl.pointer_type(tl.int32))
+        for h0 in range(0, H, BLOCK_H):
+            m2 = ok[:, None] & (h0 + h < H)[None, :]
+            v = tl.load(x + tok[:, None] * H + h0 + h[None, :], mask=m2)
+            tl.store(xb[:, None] + r[:, None] * H + h0 + h[None, :], v, mask=m2)
+        tl.store(wb + r, tl.load(w + i, mask=ok), mask=ok)
+        tl.store(sb + r, (me * n_entries + i).to(tl.int32), mask=ok)
     _signal(table, R, me, PH_DISPATCH, tl.arange(0, R_PAD) >= 0, R_PAD)
 
 
 @triton.jit
-def finish_dispatch_kernel(cu, seg_len, recv_x, recv_w, recv_src, G, H, sig, epoch, R, per_src, board, timeout_ns,
-                           n_prog, TP_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
-    """Padding rows of this rank's segments become hidden 0, weight 0, source -1; program 0 then
-    waits (bounded) until every peer signalled that its rows landed."""
+def finish_dispatch_kernel(cu, seg_len, cu32, recv_x, recv_w, recv_src, G, H, sig, epoch, R, per_src, board,
+                           timeout_ns, n_prog, TP_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr,
+                           G_BLOCK: tl.constexpr):
+    """Padding rows of this rank's segments become hidden 0, weight 0, source -1; program 0 writes
+    the int32 ``cu_seqlens`` and waits (bounded) until every peer signalled that its rows landed."""
     pid = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, TP_ROWS)
@@ -143,46 +164,62 @@ def finish_dispatch_kernel(cu, seg_len, recv_x, recv_w, recv_src, G, H, sig, epo
                 z = tl.zeros([TP_ROWS, BLOCK_H], recv_x.dtype.element_ty)
                 tl.store(recv_x + rows[:, None] * H + h0 + h[None, :], z, mask=rm[:, None] & hm[None, :])
     if pid == 0:
-        _wait(sig, epoch, PH_DISPATCH, R, per_src, board, 2, timeout_ns, R_PAD)
+        for g0 in range(0, G, G_BLOCK):
+            gg = g0 + tl.arange(0, G_BLOCK)
+            tl.store(cu32 + gg, tl.load(cu + gg, mask=gg < G).to(tl.int32), mask=gg < G)
+        ep = tl.load(epoch + PH_DISPATCH)
+        _wait(sig, PH_DISPATCH, R, ep * per_src, ep, board, 2, timeout_ns, R_PAD)
 
 
 @triton.jit
-def combine_rows_kernel(y, yw, recv_src, cu_last, table, SK, H, R, me, n_prog, HAS_W: tl.constexpr,
-                        BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
-    """Every real row of this rank's shard (``recv_src >= 0``) back to its source's combine
-    buffer at the source's flat entry index (and its route weight, when asked)."""
+def combine_rows_kernel(y, yw, recv_src, cu_last, table, epoch, SK, H, R, me, n_prog, HAS_W: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
+    """Every real row of this rank's shard (``recv_src >= 0``, below ``cu_seqlens[-1]``) back to its
+    source's combine buffer at the source's flat entry index (and its route weight, when asked)."""
     pid = tl.program_id(0)
+    _count_epoch(epoch, PH_COMBINE)
     h = tl.arange(0, BLOCK_H)
+    j = tl.arange(0, ROWS)
     n = tl.load(cu_last)
-    for r in range(pid, n, n_prog):
-        s = tl.load(recv_src + r)
-        if s >= 0:
-            src = s // SK
-            i = (s % SK).to(tl.int64)
-            cb = tl.load(table + T_CX * R + src).to(y.dtype)
-            for h0 in range(0, H, BLOCK_H):
-                hm = h0 + h < H
-                tl.store(cb + i * H + h0 + h, tl.load(y + r.to(tl.int64) * H + h0 + h, mask=hm), mask=hm)
-            if HAS_W:
-                wb = tl.load(table + T_CW * R + src).to(tl.pointer_type(tl.float32))
-                tl.store(wb + i, tl.load(yw + r))
+    for t0 in range(pid * ROWS, n, n_prog * ROWS):
+        r = t0 + j
+        rm = r < n
+        s = tl.load(recv_src + r, mask=rm, other=-1)
+        ok = rm & (s >= 0)
+        src = tl.where(ok, s // SK, 0)
+        i = (s % SK).to(tl.int64)
+        cb = tl.load(table + T_CX * R + src, mask=ok, other=0).to(y.dtype)
+        r64 = r.to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            m2 = ok[:, None] & (h0 + h < H)[None, :]
+            v = tl.load(y + r64[:, None] * H + h0 + h[None, :], mask=m2)
+            tl.store(cb[:, None] + i[:, None] * H + h0 + h[None, :], v, mask=m2)
+        if HAS_W:
+            wb = tl.load(table + T_CW * R + src, mask=ok, other=0).to(tl.pointer_type(tl.float32))
+            tl.store(wb + i, tl.load(yw + r, mask=ok), mask=ok)
     _signal(table, R, me, PH_COMBINE, tl.arange(0, R_PAD) >= 0, R_PAD)
 
 
 @triton.jit
-def reduce_kernel(comb_x, comb_w, out, out_w, K, H, HAS_W: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Token ``t``: ``out[t] = bf16(sum_k fp32(comb_x[t*K + k]))`` (k ascending), route weights back to ``[S, K]``."""
-    t = tl.program_id(0)
-    hb = tl.program_id(1)
+def reduce_kernel(comb_x, comb_w, out, out_w, sig, epoch, S, K, H, R, per_src, board, timeout_ns, n_prog,
+                  HAS_W: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
+    """After every peer's outputs landed (bounded wait in each program): token ``t``'s
+    ``out[t] = bf16(sum_k fp32(comb_x[t*K + k]))`` (k ascending), route weights back to ``[S, K]``."""
+    pid = tl.program_id(0)
+    ep = tl.load(epoch + PH_COMBINE)
+    _wait(sig, PH_COMBINE, R, ep * per_src, ep, board, 3, timeout_ns, R_PAD)
     k = tl.arange(0, K_PAD)
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     km = k < K
-    hm = h < H
-    base = t.to(tl.int64) * K
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for kk in range(0, K):
-        acc += tl.load(comb_x + (base + kk) * H + h, mask=hm, other=0.0).to(tl.float32)
-    tl.store(out + t.to(tl.int64) * H + h, acc.to(out.dtype.element_ty), mask=hm)
-    if HAS_W:
-        if hb == 0:
-            tl.store(out_w + base + k, tl.load(comb_w + base + k, mask=km), mask=km)
+    nh = tl.cdiv(H, BLOCK_H)
+    for item in range(pid, S * nh, n_prog):
+        t = item // nh
+        hcol = (item % nh) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = hcol < H
+        base = t.to(tl.int64) * K
+        acc = tl.zeros([BLOCK_H], tl.float32)
+        for kk in range(0, K):
+            acc += tl.load(comb_x + (base + kk) * H + hcol, mask=hm, other=0.0).to(tl.float32)
+        tl.store(out + t.to(tl.int64) * H + hcol, acc.to(out.dtype.element_ty), mask=hm)
+        if HAS_W:
+            if item % nh == 0:
+                tl.store(out_w + base + k, tl.load(comb_w + base + k, mask=km), mask=km)

@@ -50,6 +50,8 @@ __all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS"]
 
 #: programs of the row-moving kernels (persistent); a Buffer's ``num_sms`` overrides it
 DEFAULT_PROGRAMS = 128
+#: rows per tile in the row-moving kernels
+_ROWS = 4
 _PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
 _WAIT_CODE = {"counts": 1, "dispatch": 2, "combine": 3}
 
@@ -111,7 +113,8 @@ class SymmetricTransport:
         self._host_epoch = [0, 0, 0]
         self.board = ErrorBoard(self.device, rank=rank, world_size=R, timeout_s=self.timeout_s,
                                 what=f"MoonEP buffer S={S} (symmetric transport)")
-        self.programs = max(1, min(int(num_programs or DEFAULT_PROGRAMS), SK))
+        # the same on every rank (each program signals once per step: the waits count programs)
+        self.programs = max(1, int(num_programs or DEFAULT_PROGRAMS))
         if self.on_gpu:
             table = [[self.peer[name][d].data_ptr() for d in range(R)] for name, _, _ in specs]
             self.table = torch.tensor(table, dtype=torch.int64, device=self.device)
@@ -119,7 +122,7 @@ class SymmetricTransport:
 
             self.planner = DevicePlanner(R, E, S, K, B, token_padding, self.device)
             self.cu32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
-            self._block_h = min(_pow2(H), 8192)
+            self._block_h = min(_pow2(H), 4096)
         self._closed = False
 
     # ------------------------------------------------------------------ dispatch
@@ -144,45 +147,41 @@ class SymmetricTransport:
     def _dispatch_gpu(self, hidden, route_w, ids, tpe):
         from vllm_moonep.engine import symmetric_kernels as k
 
-        R, E, rank, H = self.R, self.E, self.rank, self.H
+        R, E, rank, H, P = self.R, self.E, self.rank, self.H, self.programs
         RP = _pow2(R)
         b = self.buf
         k.put_counts_kernel[(R,)](tpe, self.table, R, rank, E, E_PAD=_pow2(E), R_PAD=RP)
-        k.wait_kernel[(1,)](b["sig"], self.epoch, k.PH_COUNTS, R, 1, self.board.address, _WAIT_CODE["counts"],
-                            self._timeout_ns(), R_PAD=RP)
+        k.wait_counts_kernel[(1,)](b["sig"], self.epoch, R, self.board.address, self._timeout_ns(), R_PAD=RP)
         gp = self.planner.plan(b["counts"])
         dest, row = self.planner.place(gp, rank, ids)
-        n = self.S * self.K
-        k.dispatch_rows_kernel[(self.programs,)](hidden, route_w, dest, row, self.table, self.board.address, n, self.K, H,
-                                                 R, rank, self.programs, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
-        cu = gp.cu_seqlens[rank]
-        k.finish_dispatch_kernel[(self.programs,)](
-            cu, gp.seg_len[rank], b["recv_x"], b["recv_w"], b["recv_src"], E + self.B, H, b["sig"], self.epoch, R,
-            self.programs, self.board.address, self._timeout_ns(), self.programs,
-            TP_ROWS=4, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
-        self.cu32.copy_(cu)
+        k.dispatch_rows_kernel[(P,)](hidden, route_w, dest, row, self.table, self.board.address, self.epoch,
+                                     self.S * self.K, self.K, H, R, rank, P, ROWS=_ROWS, BLOCK_H=self._block_h,
+                                     R_PAD=RP, num_warps=8)
+        G = E + self.B
+        k.finish_dispatch_kernel[(P,)](
+            gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, b["recv_x"], b["recv_w"], b["recv_src"], G, H, b["sig"],
+            self.epoch, R, P, self.board.address, self._timeout_ns(), P,
+            TP_ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP, G_BLOCK=min(_pow2(G), 1024), num_warps=8)
         return b["recv_x"], b["recv_w"], self.cu32, gp
 
     def _combine_gpu(self, y, y_w):
         from vllm_moonep.engine import symmetric_kernels as k
 
-        R, rank, H, K = self.R, self.rank, self.H, self.K
+        R, rank, H, K, P = self.R, self.rank, self.H, self.K, self.programs
         RP = _pow2(R)
         b = self.buf
         has_w = y_w is not None
         cu_last = self.cu32[self.E + self.B - 1:]
-        k.combine_rows_kernel[(self.programs,)](y, y_w if has_w else b["recv_w"], b["recv_src"], cu_last, self.table,
-                                                self.S * K, H, R, rank, self.programs, HAS_W=has_w,
-                                                BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
-        k.wait_kernel[(1,)](b["sig"], self.epoch, k.PH_COMBINE, R, self.programs, self.board.address,
-                            _WAIT_CODE["combine"], self._timeout_ns(), R_PAD=RP)
+        k.combine_rows_kernel[(P,)](y, y_w if has_w else b["recv_w"], b["recv_src"], cu_last, self.table, self.epoch,
+                                    self.S * K, H, R, rank, P, HAS_W=has_w, ROWS=_ROWS, BLOCK_H=self._block_h,
+                                    R_PAD=RP, num_warps=8)
         # the result is the caller's (a layer's output must survive the next layer's combine on
         # this buffer): fresh tensors from the caching allocator, no synchronization
         out = torch.empty(self.S, H, dtype=self.dtype, device=self.device)
         out_w = torch.empty(self.S, K, dtype=torch.float32, device=self.device) if has_w else out
-        bh = min(_pow2(H), 1024)
-        k.reduce_kernel[(self.S, triton_cdiv(H, bh))](b["comb_x"], b["comb_w"], out, out_w, K, H, HAS_W=has_w,
-                                                     K_PAD=_pow2(K), BLOCK_H=bh, num_warps=4)
+        k.reduce_kernel[(P,)](b["comb_x"], b["comb_w"], out, out_w, b["sig"], self.epoch, self.S, K, H, R, P,
+                              self.board.address, self._timeout_ns(), P, HAS_W=has_w, K_PAD=_pow2(K),
+                              BLOCK_H=min(_pow2(H), 2048), R_PAD=RP, num_warps=4)
         return out, (out_w if has_w else None)
 
     # ------------------------------------------------------------------ CPU executor
@@ -275,6 +274,3 @@ class SymmetricTransport:
             self.heap.free(h)
         self._handles.clear()
 
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
