@@ -127,8 +127,7 @@ class Buffer:
        route_weights_sk or None, None)``: each token's K rows summed in fp32, rounded once.
 
     Args: ``S`` tokens per rank, ``H`` hidden, ``K`` top-k, ``E`` experts, ``num_ep_ranks`` R,
-    ``num_sms`` (programs of the symmetric transport's row-moving kernels; ``None``: its
-    default), ``token_padding``, ``B`` slots per rank (``None``: ``E // R``), ``group`` (the EP
+    ``num_sms`` (SMs the symmetric transport's row-moving kernels use; ``None``: its default), ``token_padding``, ``B`` slots per rank (``None``: ``E // R``), ``group`` (the EP
     process group; ``None``: the default group), ``explicitly_destroy`` (accepted for upstream
     compatibility: this buffer is always destroyed explicitly). Keywords of this engine:
 
@@ -251,7 +250,7 @@ class Buffer:
         try:
             sym = SymmetricTransport(heap, R=self.R, rank=self.rank, S=self.S, K=self.K, H=self.H, E=self.E, B=self.B,
                                      NvS=self.NvS, token_padding=self.token_padding, dtype=self.dtype,
-                                     timeout_s=self.transport.timeout_s, num_programs=num_sms)
+                                     timeout_s=self.transport.timeout_s, num_sms=num_sms)
         except BaseException:
             if owns:
                 heap.close(force=True)

@@ -142,57 +142,72 @@ def dispatch_rows_kernel(x, w, dest, row, table, board, epoch, n_entries, K, H, 
 
 
 @triton.jit
-def finish_dispatch_kernel(cu, seg_len, cu32, recv_x, recv_w, recv_src, G, H, sig, epoch, R, per_src, board,
-                           timeout_ns, n_prog, TP_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr,
-                           G_BLOCK: tl.constexpr):
-    """Padding rows of this rank's segments become hidden 0, weight 0, source -1; program 0 writes
-    the int32 ``cu_seqlens`` and waits (bounded) until every peer signalled that its rows landed."""
+def clear_rows_kernel(real_rows, recv_x, recv_w, recv_src, SK, H, n_prog, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Before a step's counts go out (so no peer writes yet): the rows that were real in the last
+    step become hidden 0, weight 0, source -1. Every other row already is (zeroed at allocation,
+    and each step clears what it wrote), so padding rows read 0 at the cost of S*K rows, not NvS."""
     pid = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
-    j = tl.arange(0, TP_ROWS)
-    for g in range(pid, G, n_prog):
-        end = tl.load(cu + g)
-        start = tl.load(cu + g - 1, mask=g > 0, other=0)
-        first = start + tl.load(seg_len + g)
-        for r0 in range(first, end, TP_ROWS):
-            rm = r0 + j < end
-            rows = (r0 + j).to(tl.int64)
-            tl.store(recv_w + rows, tl.zeros([TP_ROWS], tl.float32), mask=rm)
-            tl.store(recv_src + rows, tl.full([TP_ROWS], -1, tl.int32), mask=rm)
-            for h0 in range(0, H, BLOCK_H):
-                hm = h0 + h < H
-                z = tl.zeros([TP_ROWS, BLOCK_H], recv_x.dtype.element_ty)
-                tl.store(recv_x + rows[:, None] * H + h0 + h[None, :], z, mask=rm[:, None] & hm[None, :])
+    j = tl.arange(0, ROWS)
+    for t0 in range(pid * ROWS, SK, n_prog * ROWS):
+        jm = t0 + j < SK
+        r = tl.load(real_rows + t0 + j, mask=jm, other=0).to(tl.int64)
+        tl.store(recv_w + r, tl.zeros([ROWS], tl.float32), mask=jm)
+        tl.store(recv_src + r, tl.full([ROWS], -1, tl.int32), mask=jm)
+        for h0 in range(0, H, BLOCK_H):
+            m2 = jm[:, None] & (h0 + h < H)[None, :]
+            tl.store(recv_x + r[:, None] * H + h0 + h[None, :], tl.zeros([ROWS, BLOCK_H], recv_x.dtype.element_ty),
+                     mask=m2)
+
+
+@triton.jit
+def finish_dispatch_kernel(cu, seg_len, cu32, real_rows, G, TP, sig, epoch, R, per_src, board, timeout_ns, n_prog,
+                           G_PAD: tl.constexpr, CHUNK: tl.constexpr, R_PAD: tl.constexpr):
+    """The list of this step's real rows (``real_rows[j]``: shard row of the ``j``-th real row, in
+    segment order) for combine and the next step's clear; program 0 writes the int32
+    ``cu_seqlens`` and waits (bounded) until every peer signalled that its rows landed."""
+    pid = tl.program_id(0)
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    ln = tl.load(seg_len + g, mask=gm, other=0)
+    real_start = tl.cumsum(ln, axis=0) - ln  # unpadded start of each segment
+    end = tl.load(cu + g, mask=gm, other=0)
+    pad_start = end - tl.where(ln > 0, (ln + TP - 1) // TP * TP, 0)
+    c = tl.arange(0, CHUNK)
+    for q in range(pid, G, n_prog):
+        sel = g == q
+        n = tl.sum(tl.where(sel, ln, 0), axis=0)
+        rs = tl.sum(tl.where(sel, real_start, 0), axis=0)
+        ps = tl.sum(tl.where(sel, pad_start, 0), axis=0)
+        for t0 in range(0, n, CHUNK):
+            tm = t0 + c < n
+            tl.store(real_rows + rs + t0 + c, (ps + t0 + c).to(tl.int32), mask=tm)
     if pid == 0:
-        for g0 in range(0, G, G_BLOCK):
-            gg = g0 + tl.arange(0, G_BLOCK)
-            tl.store(cu32 + gg, tl.load(cu + gg, mask=gg < G).to(tl.int32), mask=gg < G)
+        tl.store(cu32 + g, end.to(tl.int32), mask=gm)
         ep = tl.load(epoch + PH_DISPATCH)
         _wait(sig, PH_DISPATCH, R, ep * per_src, ep, board, 2, timeout_ns, R_PAD)
 
 
 @triton.jit
-def combine_rows_kernel(y, yw, recv_src, cu_last, table, epoch, SK, H, R, me, n_prog, HAS_W: tl.constexpr,
+def combine_rows_kernel(y, yw, recv_src, real_rows, table, epoch, SK, H, R, me, n_prog, HAS_W: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
-    """Every real row of this rank's shard (``recv_src >= 0``, below ``cu_seqlens[-1]``) back to its
-    source's combine buffer at the source's flat entry index (and its route weight, when asked)."""
+    """Every real row of this rank's shard back to its source's combine buffer at the source's flat
+    entry index (and its route weight, when asked); ``S*K`` rows in tiles, padding never touched."""
     pid = tl.program_id(0)
     _count_epoch(epoch, PH_COMBINE)
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, ROWS)
-    n = tl.load(cu_last)
-    for t0 in range(pid * ROWS, n, n_prog * ROWS):
-        r = t0 + j
-        rm = r < n
-        s = tl.load(recv_src + r, mask=rm, other=-1)
-        ok = rm & (s >= 0)
+    for t0 in range(pid * ROWS, SK, n_prog * ROWS):
+        jm = t0 + j < SK
+        r = tl.load(real_rows + t0 + j, mask=jm, other=0).to(tl.int64)
+        s = tl.load(recv_src + r, mask=jm, other=-1)
+        ok = jm & (s >= 0)
         src = tl.where(ok, s // SK, 0)
         i = (s % SK).to(tl.int64)
         cb = tl.load(table + T_CX * R + src, mask=ok, other=0).to(y.dtype)
-        r64 = r.to(tl.int64)
         for h0 in range(0, H, BLOCK_H):
             m2 = ok[:, None] & (h0 + h < H)[None, :]
-            v = tl.load(y + r64[:, None] * H + h0 + h[None, :], mask=m2)
+            v = tl.load(y + r[:, None] * H + h0 + h[None, :], mask=m2)
             tl.store(cb[:, None] + i[:, None] * H + h0 + h[None, :], v, mask=m2)
         if HAS_W:
             wb = tl.load(table + T_CW * R + src, mask=ok, other=0).to(tl.pointer_type(tl.float32))
@@ -201,13 +216,19 @@ def combine_rows_kernel(y, yw, recv_src, cu_last, table, epoch, SK, H, R, me, n_
 
 
 @triton.jit
-def reduce_kernel(comb_x, comb_w, out, out_w, sig, epoch, S, K, H, R, per_src, board, timeout_ns, n_prog,
-                  HAS_W: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
-    """After every peer's outputs landed (bounded wait in each program): token ``t``'s
-    ``out[t] = bf16(sum_k fp32(comb_x[t*K + k]))`` (k ascending), route weights back to ``[S, K]``."""
-    pid = tl.program_id(0)
+def wait_combine_kernel(sig, epoch, R, per_src, board, timeout_ns, R_PAD: tl.constexpr):
+    """One program (thousands of spinning programs would contend with the peers' signal atomics):
+    wait (bounded) until every peer's expert outputs landed."""
     ep = tl.load(epoch + PH_COMBINE)
     _wait(sig, PH_COMBINE, R, ep * per_src, ep, board, 3, timeout_ns, R_PAD)
+
+
+@triton.jit
+def reduce_kernel(comb_x, comb_w, out, out_w, S, K, H, n_prog, HAS_W: tl.constexpr, K_PAD: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """After every peer's outputs landed (``wait_combine_kernel``): token ``t``'s
+    ``out[t] = bf16(sum_k fp32(comb_x[t*K + k]))`` (k ascending), route weights back to ``[S, K]``."""
+    pid = tl.program_id(0)
     k = tl.arange(0, K_PAD)
     km = k < K
     nh = tl.cdiv(H, BLOCK_H)

@@ -42,16 +42,24 @@ import time
 
 import torch
 
+try:
+    import triton
+except ImportError:  # CPU-only installs: the host executor needs no Triton
+    triton = None
+
 from vllm_moonep.engine.error_board import ErrorBoard
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 
 __all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS"]
 
-#: programs of the row-moving kernels (persistent); a Buffer's ``num_sms`` overrides it
+#: programs of the row-moving kernels (persistent), and per SM when a Buffer gives ``num_sms``
 DEFAULT_PROGRAMS = 128
+PROGRAMS_PER_SM = 4
 #: rows per tile in the row-moving kernels
 _ROWS = 4
+#: programs of the (local) reduce; it only waits on the signals, so any count works
+_REDUCE_PROGRAMS = 1056
 _PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
 _WAIT_CODE = {"counts": 1, "dispatch": 2, "combine": 3}
 
@@ -65,12 +73,12 @@ class SymmetricTransport:
 
     Args: ``heap`` (a ``SymmetricHeap`` spanning the EP group; the transport allocates on it and
     frees in ``close()``), the buffer's shape (``R, rank, S, K, H, E, B, NvS, token_padding``),
-    ``dtype`` of the rows, ``timeout_s`` (bound on every wait), ``num_programs`` (row-moving
-    kernels' grid; ``None``: ``DEFAULT_PROGRAMS``).
+    ``dtype`` of the rows, ``timeout_s`` (bound on every wait), ``num_sms`` (SMs for the row-moving
+    kernels, ``PROGRAMS_PER_SM`` programs each; ``None``: ``DEFAULT_PROGRAMS`` programs).
     """
 
     def __init__(self, heap, *, R: int, rank: int, S: int, K: int, H: int, E: int, B: int, NvS: int,
-                 token_padding: int, dtype: torch.dtype, timeout_s: float, num_programs: int | None = None):
+                 token_padding: int, dtype: torch.dtype, timeout_s: float, num_sms: int | None = None):
         if not heap.peers_addressable:
             raise MoonEPUnavailableError(
                 f"the symmetric transport needs every peer's memory addressable, and this {type(heap).__name__} "
@@ -105,6 +113,9 @@ class SymmetricTransport:
         self.buf = {name: h.tensor for (name, _, _), h in zip(specs, self._handles)}
         self.buf["sig"].zero_()
         self.buf["counts"].zero_()
+        # padding rows must read 0: zeroed once here, and each step clears only the rows it wrote
+        self.buf["recv_x"].zero_()
+        self.buf["recv_w"].zero_()
         self.buf["recv_src"].fill_(-1)
         # peer views (and, on GPU, their addresses): what one-sided writes go through
         self.peer = {name: [heap.peer_view(h, d) for d in range(R)] for (name, _, _), h in zip(specs, self._handles)}
@@ -113,8 +124,9 @@ class SymmetricTransport:
         self._host_epoch = [0, 0, 0]
         self.board = ErrorBoard(self.device, rank=rank, world_size=R, timeout_s=self.timeout_s,
                                 what=f"MoonEP buffer S={S} (symmetric transport)")
-        # the same on every rank (each program signals once per step: the waits count programs)
-        self.programs = max(1, int(num_programs or DEFAULT_PROGRAMS))
+        # the same on every rank (each program signals once per step: the waits count programs);
+        # the contract's num_sms (SMs for communication) becomes PROGRAMS_PER_SM light programs each
+        self.programs = max(1, int(num_sms) * PROGRAMS_PER_SM) if num_sms else DEFAULT_PROGRAMS
         if self.on_gpu:
             table = [[self.peer[name][d].data_ptr() for d in range(R)] for name, _, _ in specs]
             self.table = torch.tensor(table, dtype=torch.int64, device=self.device)
@@ -123,6 +135,9 @@ class SymmetricTransport:
             self.planner = DevicePlanner(R, E, S, K, B, token_padding, self.device)
             self.cu32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
             self._block_h = min(_pow2(H), 4096)
+            # rows the last step wrote (cleared at the next dispatch); rows [0, S*K) at first,
+            # which the allocation zeroed
+            self.real_rows = torch.arange(SK, dtype=torch.int32, device=self.device)
         self._closed = False
 
     # ------------------------------------------------------------------ dispatch
@@ -147,21 +162,21 @@ class SymmetricTransport:
     def _dispatch_gpu(self, hidden, route_w, ids, tpe):
         from vllm_moonep.engine import symmetric_kernels as k
 
-        R, E, rank, H, P = self.R, self.E, self.rank, self.H, self.programs
+        R, E, rank, H, P, SK = self.R, self.E, self.rank, self.H, self.programs, self.S * self.K
         RP = _pow2(R)
         b = self.buf
+        k.clear_rows_kernel[(P,)](self.real_rows, b["recv_x"], b["recv_w"], b["recv_src"], SK, H, P, ROWS=_ROWS,
+                                  BLOCK_H=self._block_h, num_warps=8)
         k.put_counts_kernel[(R,)](tpe, self.table, R, rank, E, E_PAD=_pow2(E), R_PAD=RP)
         k.wait_counts_kernel[(1,)](b["sig"], self.epoch, R, self.board.address, self._timeout_ns(), R_PAD=RP)
         gp = self.planner.plan(b["counts"])
         dest, row = self.planner.place(gp, rank, ids)
-        k.dispatch_rows_kernel[(P,)](hidden, route_w, dest, row, self.table, self.board.address, self.epoch,
-                                     self.S * self.K, self.K, H, R, rank, P, ROWS=_ROWS, BLOCK_H=self._block_h,
-                                     R_PAD=RP, num_warps=8)
+        k.dispatch_rows_kernel[(P,)](hidden, route_w, dest, row, self.table, self.board.address, self.epoch, SK,
+                                     self.K, H, R, rank, P, ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
         G = E + self.B
-        k.finish_dispatch_kernel[(P,)](
-            gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, b["recv_x"], b["recv_w"], b["recv_src"], G, H, b["sig"],
-            self.epoch, R, P, self.board.address, self._timeout_ns(), P,
-            TP_ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP, G_BLOCK=min(_pow2(G), 1024), num_warps=8)
+        k.finish_dispatch_kernel[(P,)](gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, self.real_rows, G, self.tp,
+                                       b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), P,
+                                       G_PAD=_pow2(G), CHUNK=1024, R_PAD=RP, num_warps=4)
         return b["recv_x"], b["recv_w"], self.cu32, gp
 
     def _combine_gpu(self, y, y_w):
@@ -171,17 +186,18 @@ class SymmetricTransport:
         RP = _pow2(R)
         b = self.buf
         has_w = y_w is not None
-        cu_last = self.cu32[self.E + self.B - 1:]
-        k.combine_rows_kernel[(P,)](y, y_w if has_w else b["recv_w"], b["recv_src"], cu_last, self.table, self.epoch,
-                                    self.S * K, H, R, rank, P, HAS_W=has_w, ROWS=_ROWS, BLOCK_H=self._block_h,
-                                    R_PAD=RP, num_warps=8)
+        k.combine_rows_kernel[(P,)](y, y_w if has_w else b["recv_w"], b["recv_src"], self.real_rows, self.table,
+                                    self.epoch, self.S * K, H, R, rank, P, HAS_W=has_w, ROWS=_ROWS,
+                                    BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
         # the result is the caller's (a layer's output must survive the next layer's combine on
         # this buffer): fresh tensors from the caching allocator, no synchronization
         out = torch.empty(self.S, H, dtype=self.dtype, device=self.device)
         out_w = torch.empty(self.S, K, dtype=torch.float32, device=self.device) if has_w else out
-        k.reduce_kernel[(P,)](b["comb_x"], b["comb_w"], out, out_w, b["sig"], self.epoch, self.S, K, H, R, P,
-                              self.board.address, self._timeout_ns(), P, HAS_W=has_w, K_PAD=_pow2(K),
-                              BLOCK_H=min(_pow2(H), 2048), R_PAD=RP, num_warps=4)
+        bh = min(_pow2(H), 2048)
+        n_red = max(1, min(self.S * triton.cdiv(H, bh), _REDUCE_PROGRAMS))  # local work: fill the GPU
+        k.wait_combine_kernel[(1,)](b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), R_PAD=RP)
+        k.reduce_kernel[(n_red,)](b["comb_x"], b["comb_w"], out, out_w, self.S, K, H, n_red, HAS_W=has_w,
+                                  K_PAD=_pow2(K), BLOCK_H=bh, num_warps=4)
         return out, (out_w if has_w else None)
 
     # ------------------------------------------------------------------ CPU executor
