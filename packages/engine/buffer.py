@@ -294,9 +294,11 @@ class Buffer:
         need(tuple(hidden.shape) == (S, H), f"hidden_sh must be [S={S}, H={H}], got {list(hidden.shape)} (callers pad to S)")
         need(route_w.dtype == torch.float32, f"route_weights_sk must be float32, got {route_w.dtype}")
         need(tuple(route_w.shape) == (S, K), f"route_weights_sk must be [S={S}, K={K}], got {list(route_w.shape)}")
-        need(ids.dtype == torch.int32, f"topk_experts_sk must be int32, got {ids.dtype}")
+        need(ids.dtype == torch.int32, f"topk_experts_sk must be int32, got {ids.dtype}"
+             + (" (torch.topk returns int64: pass ids.to(torch.int32))" if ids.dtype == torch.int64 else ""))
         need(tuple(ids.shape) == (S, K), f"topk_experts_sk must be [S={S}, K={K}], got {list(ids.shape)}")
-        need(tpe.dtype == torch.int32, f"tokens_per_expert must be int32, got {tpe.dtype}")
+        need(tpe.dtype == torch.int32, f"tokens_per_expert must be int32, got {tpe.dtype}"
+             + (" (torch.bincount returns int64: pass counts.to(torch.int32))" if tpe.dtype == torch.int64 else ""))
         need(tuple(tpe.shape) == (E,), f"tokens_per_expert must be [E={E}], got {list(tpe.shape)}")
         if not self.check_inputs:
             return

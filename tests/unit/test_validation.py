@@ -46,6 +46,9 @@ BUFFER_CASES = {
     "buffer_dtype": (dict(dtype=torch.float16), "dtype must be torch.bfloat16"),
     "buffer_world_without_group": (dict(R=2), "needs a process group"),
     "buffer_timeout_nonpositive": (dict(timeout_s=0), "timeout_s"),
+    # a misspelt option must not be ignored silently (tokenpadding=64 used to leave the padding at 128)
+    "buffer_unknown_keyword": (dict(tokenpadding=64, timeout=5), "unknown keyword.*'timeout', 'tokenpadding'"),
+    "buffer_transport_unknown": (dict(transport="nvlink"), "transport must be one of"),
 }
 
 
@@ -72,7 +75,7 @@ def _dispatch_cases():
         "dispatch_weights_dtype": ((x, w.double(), ids, tpe), "route_weights_sk must be float32"),
         "dispatch_weights_shape": ((x, w[:, :1], ids, tpe), "route_weights_sk must be"),
         "dispatch_weights_nonfinite": ((x, torch.full_like(w, float("inf")), ids, tpe), "non-finite"),
-        "dispatch_ids_dtype": ((x, w, ids.long(), tpe), "topk_experts_sk must be int32"),
+        "dispatch_ids_dtype": ((x, w, ids.long(), tpe), "topk_experts_sk must be int32.*torch.topk returns int64"),
         "dispatch_ids_shape": ((x, w, ids[:-1], tpe), "topk_experts_sk must be"),
         "dispatch_ids_out_of_range": ((x, w, torch.where(ids == ids[0, 0], E, ids), tpe), f"must be in \\[0, {E}\\)"),
         "dispatch_ids_negative": ((x, w, torch.where(ids == ids[0, 0], -1, ids), tpe), "sanitize"),
