@@ -1,4 +1,4 @@
-"""An independent, loop-by-loop transcription of moonep-contract.md's planner in plain Python.
+"""An independent, loop-by-loop transcription of docs/CONTRACT.md's planner in plain Python.
 
 Written separately from ``vllm_moonep.engine.planner`` (which is vectorized torch) so tests can
 compare the two. Inputs are Python lists; outputs are Python lists.

@@ -1,7 +1,7 @@
 """The MoonEP planner: who computes which token slots, and where each row lands.
 
 Every rank runs the same function on the same all-gathered ``tokens_per_expert`` table and gets
-the same plan. The rules are those of ``moonep-contract.md`` ("The planner"); this module is
+the same plan. The rules are those of ``docs/CONTRACT.md`` ("The planner"); this module is
 their direct, vectorized transcription. All loops are bounded by the problem's dimensions, never
 by data, so on a GPU the whole plan is a fixed sequence of kernels with no host synchronization.
 

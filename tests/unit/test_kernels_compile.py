@@ -53,17 +53,21 @@ def _kernels():
          dict(ids="*i32", dst=bf16, src=bf16, table="*i32", rows_per_source=i32, row_elems=i64),
          dict(TABLE=False, CHUNK=65536, BLOCK=4096)),
     ]
-    # the device planner at Kimi-K2 shape (R=8, E=384: epn 48, S*K = 65536 entries)
+    # the device planner at Kimi-K2 shape (R=8, E=384, S*K = 65536 entries), with the constexprs
+    # the planner itself chooses
+    import torch
+
+    planner = dp.DevicePlanner(8, 384, 8192, 8, 48, 128, torch.device("cpu"))
     cases += [
         ("plan", dp._plan_kernel,
          dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32", seg_out="*i64",
-              cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32, EPN=i32, B=i32, CAP=i32, TP=i32),
-         dict(R_P=8, EPN_P=64, R_SH=3, J_SH=6, RB=8, JC=16, TAIL=64)),
+              cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32, EPN=i32, B=i32, CAP=i32),
+         dict(planner._plan_launch.consts)),
         ("hist", dp._hist_kernel, dict(ids_ptr="*i32", exs_ptr="*i32", tot_ptr="*i32", N=i32, E=i32),
-         dict(KS=8, SB=128, E_P=512)),
+         dict(planner._hist_launch.consts)),
         ("place", dp._place_kernel,
          dict(ids_ptr="*i32", exs_ptr="*i32", tot_ptr="*i32", ob_ptr="*i64", cum_ptr="*i64", rb_ptr="*i64",
-              dest_ptr="*i64", row_ptr="*i64", rank=i32, N=i32, E=i32, R=i32), dict(KS=8, SB=128, CB=64, R_P=8)),
+              dest_ptr="*i64", row_ptr="*i64", rank=i32, N=i32, E=i32, R=i32), dict(planner._place_launch.consts)),
     ]
     return cases
 
