@@ -10,16 +10,14 @@ syncs forbidden, and inside a captured CUDA graph.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
 from dataclasses import fields
 
 import pytest
 import torch
+
+from tests.interpreter_child import interpreter_report
 
 from vllm_moonep.common.routing import route
 from vllm_moonep.engine.planner import place_entries, plan_global
@@ -180,20 +178,7 @@ def _child_main() -> None:
 
 @pytest.fixture(scope="module")
 def report():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA GPU is present: the gpu tests below run the kernels natively")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, (
-        f"interpreter child failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
-    return json.loads(lines[-1][len("REPORT "):])
+    return interpreter_report(__file__)
 
 
 @pytest.mark.parametrize("case", SIGMA_CASES)

@@ -11,14 +11,12 @@ the bar here, 1e-2 on the GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 import zlib
 
 import pytest
+
+from tests.interpreter_child import interpreter_report
 
 TOL = 2e-2
 
@@ -133,22 +131,7 @@ def _child_main() -> None:
 
 @pytest.fixture(scope="module")
 def report():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not importable here")
-    import torch
-
-    if torch.cuda.is_available():
-        # The interpreter stands in for a GPU in CPU CI. Where a GPU exists, tests/gpu runs the
-        # same kernels natively (and Triton 3.6's interpreter breaks on that machine's numpy 2.5).
-        pytest.skip("a CUDA GPU is present: the kernels run natively in tests/gpu")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
-    env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert proc.returncode == 0 and lines, f"interpreter child failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    return interpreter_report(__file__)
 
 
 @pytest.mark.parametrize("case", CASES)
