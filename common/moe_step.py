@@ -1,6 +1,6 @@
 """One MoonEP MoE step over a ``WeightLayout``, without vLLM.
 
-``MoonEPMoE.forward`` is the whole pipeline of DESIGN.md's "One MoE step": sanitize and pad to
+``MoonEPMoE.forward`` is the whole pipeline of docs/DESIGN.md's "One MoE step": sanitize and pad to
 the pool's capacity, dispatch, prefetch the planned slots, the grouped expert compute, combine.
 The pieces are module-level functions (``check_hidden_states``, ``fold_router_weight_on_input``,
 ``dispatch_and_prefetch``, ``combine_rows``) so that the vLLM prepare/finalize and experts classes

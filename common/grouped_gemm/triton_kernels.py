@@ -31,7 +31,8 @@ with arbitrary stride along dim 0 (``w13[:, :I, :]``), or several tensors. The i
 projection must agree across pools (non-conforming pools are copied once, with a warning).
 
 Tile configurations come from ``tuning.json`` (keyed by ``H``, ``I`` and the row count ``NvS``,
-which the buffer derives from the token capacity); unknown shapes use a generic rule.
+which the buffer derives from the token capacity); unknown shapes use a generic rule, and so does
+every shape when the file cannot be read or parsed (reported once, WARNING, by ``load_tuning``).
 
 Interpreter (CPU): the same kernels run under ``TRITON_INTERPRET=1`` on CPU tensors. Triton's
 interpreter computes a bf16 ``tl.dot`` wrongly (seen with triton 3.8), so when interpreting the
@@ -43,7 +44,9 @@ tile list, trimming, masks, epilogues) is the code the GPU runs.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pathlib
 import warnings
 import weakref
 from importlib import resources
@@ -55,8 +58,11 @@ import triton.language as tl
 from vllm_moonep.common.grouped_gemm.api import GroupedWeights
 from vllm_moonep.engine.errors import MoonEPInputError
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "expert_ffn_triton",
+    "load_tuning",
     "prepare_weights",
     "select_config",
     "interpreting",
@@ -358,32 +364,59 @@ _INTERP_CONFIG = {
     "down": {"BM": 16, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1, "ZM": 32},
 }
 
-_TUNING: list | None = None
+#: keys every tuning.json entry has (``tools/bench_experts.py --tune`` writes them)
+_TUNING_KEYS = ("H", "I", "max_rows", "gate_up", "down")
+#: tile tables read so far, by path (each file is read, and any problem reported, once)
+_TUNING: dict[str, list] = {}
+
+
+def load_tuning(path=None) -> list:
+    """The entries of a tile table: ``path``, or (``None``) the ``tuning.json`` shipped in this
+    package. Read once per path. A file that cannot be read or parsed is reported once with a
+    WARNING naming it and the error, and gives no entries (every shape then uses the generic
+    tiles); entries without the keys ``select_config`` needs are dropped, with a WARNING."""
+    if path is None:
+        path = resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json")
+    elif isinstance(path, (str, os.PathLike)):
+        path = pathlib.Path(path)
+    key = str(path)
+    if key in _TUNING:
+        return _TUNING[key]
+    try:
+        table = json.loads(path.read_text())
+        entries = table.get("entries") if isinstance(table, dict) else None
+        if not isinstance(entries, list):
+            raise ValueError('expected a JSON object with an "entries" list')
+    except Exception as exc:
+        log.warning("expert kernel tile table %s could not be read (%s: %s); every shape uses the generic tiles",
+                    key, type(exc).__name__, exc)
+        entries = []
+    good = [e for e in entries if isinstance(e, dict) and all(k in e for k in _TUNING_KEYS)]
+    if len(good) != len(entries):
+        log.warning("expert kernel tile table %s: %d of %d entries lack one of %s and are ignored",
+                    key, len(entries) - len(good), len(entries), _TUNING_KEYS)
+    _TUNING[key] = good
+    return good
 
 
 def _tuning_table() -> list:
-    global _TUNING
-    if _TUNING is None:
-        try:
-            txt = resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json").read_text()
-            _TUNING = json.loads(txt).get("entries", [])
-        except Exception:
-            _TUNING = []
-    return _TUNING
+    return load_tuning()
 
 
-def select_config(H: int, I: int, nvs: int, n_groups: int) -> dict:
+def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None = None) -> dict:
     """Tile configs for ``(gate_up, down)``: tuning.json's entry for ``(H, I)`` with the smallest
-    ``max_rows >= NvS``, else a generic regime from the rows per group the buffer implies."""
+    ``max_rows >= NvS``, else a generic regime from the rows per group the buffer implies.
+    ``entries``: a tile table's entries (``load_tuning``); ``None``: the packaged one."""
     if interpreting():
         return _INTERP_CONFIG
+    table = _tuning_table() if entries is None else entries
     best = None
-    for e in _tuning_table():
+    for e in table:
         if e.get("H") == H and e.get("I") == I and nvs <= e.get("max_rows", 0):
             if best is None or e["max_rows"] < best["max_rows"]:
                 best = e
     if best is None:
-        cands = [e for e in _tuning_table() if e.get("H") == H and e.get("I") == I]
+        cands = [e for e in table if e.get("H") == H and e.get("I") == I]
         if cands:
             best = max(cands, key=lambda e: e.get("max_rows", 0))
     if best is not None:

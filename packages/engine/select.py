@@ -5,20 +5,21 @@ user opted into multicast (upstream's kernels need NVSwitch multicast, which thi
 off by default); otherwise the built-in engine. ``engine="moonep"`` where that is not the case
 raises ``MoonEPUnavailableError`` with the reason.
 The built-in engine's transport is chosen in ``transports.py``.
+
+``make_buffer`` says which engine it uses, and why, once per process at INFO (again only when
+the engine or the reason changes).
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 
 import torch
 
 from vllm_moonep.engine.buffer import Buffer as BuiltinBuffer
+from vllm_moonep.engine.buffer import _say_once
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
 from vllm_moonep.multicast import OPT_IN_VAR, multicast_opted_in
-
-log = logging.getLogger("vllm_moonep.engine")
 
 ENGINES = ("auto", "builtin", "moonep")
 
@@ -66,14 +67,17 @@ def resolve_engine(engine: str = "auto") -> tuple[str, str]:
 
 
 def make_buffer(*args, engine: str = "auto", **kwargs):
-    """Build a MoonEP buffer with the contract's arguments on the selected engine."""
+    """Build a MoonEP buffer with the contract's arguments on the selected engine.
+
+    The engine used and the reason (for ``engine="auto"``, why the real ``moonep`` was or was
+    not taken) are logged once per process at INFO.
+    """
     name, why = resolve_engine(engine)
+    _say_once(f"MoonEP engine: {name} (engine={engine!r}: {why})")
     if name == "moonep":
         mod, _ = real_moonep_status()
         for k in ("device", "dtype", "check_inputs", "timeout_s", "transport", "heap"):
             kwargs.pop(k, None)
-        log.info("MoonEP engine: moonep (%s)", why)
         return mod.Buffer(*args, **kwargs)
-    log.debug("MoonEP engine: builtin (%s)", why)
     return BuiltinBuffer(*args, **kwargs)
 

@@ -1,6 +1,6 @@
 """vllm-moonep: the MoonEP expert-parallel backend for vLLM.
 
-Layers (see DESIGN.md): ``engine`` (the MoonEP Buffer contract), ``common`` (pool, padding,
+Layers (see docs/DESIGN.md): ``engine`` (the MoonEP Buffer contract), ``common`` (pool, padding,
 grouped GEMM, the layout protocol, the MoE step and the vLLM modular-kernel classes),
 ``replicated`` and ``symmetric`` (weight layouts), ``vllm_plugin`` (the vLLM entry point) and
 ``tools`` (A/B comparison, benchmarks). Only ``vllm_plugin`` and

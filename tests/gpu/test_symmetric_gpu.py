@@ -1,7 +1,7 @@
 """The symmetric layout on PyTorch symmetric memory (``TorchSymmHeap``, CUDA backend).
 
 World size 1, and 2 processes sharing one GPU (gloo group, overlapping devices allowed; see
-``reference/gpu-facts.md``): real cross-process peer views, barrier visibility, bitwise
+``docs/TESTING.md``): real cross-process peer views, barrier visibility, bitwise
 prefetch, overflow reads of the owner's rows, full MoE steps against the dense reference and the
 replicated layout.
 """

@@ -1,0 +1,68 @@
+"""Public names where users look for them: the vLLM modular-kernel classes from
+``vllm_moonep.common``, exported lazily so that the core still imports without vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+VLLM_NAMES = ("MoonEPPrepareAndFinalize", "MoonEPExperts")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_importing_common_does_not_import_vllm():
+    """An eager re-export of the vLLM classes in common/__init__.py would pull vLLM into every core import."""
+    code = (
+        "import sys\n"
+        "import vllm_moonep.common as c\n"
+        "c.MoonEPMoE, c.MoonEPBufferPool, c.expert_ffn\n"
+        "from vllm_moonep.common import *\n"
+        "loaded = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.'))\n"
+        "print('vllm modules:', loaded)\n"
+        "assert not loaded, loaded\n"
+        f"assert set({VLLM_NAMES!r}) <= set(dir(c)), dir(c)\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_vllm_names_without_vllm_say_that_vllm_is_needed():
+    """Without vLLM, asking for MoonEPExperts gave a bare AttributeError that did not say vLLM is missing."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm' or name.startswith('vllm.'):\n"
+        "            raise ImportError('vllm hidden for this test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "try:\n"
+        "    from vllm_moonep.common import MoonEPExperts\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+        "else:\n"
+        "    raise SystemExit('imported without vLLM')\n"
+        "import vllm_moonep.common as c\n"
+        "try:\n"
+        "    c.NoSuchName\n"
+        "except AttributeError:\n"
+        "    print('AttributeError for unknown names')\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ImportError: vllm_moonep.common.MoonEPExperts needs vLLM" in out.stdout
+    assert "AttributeError for unknown names" in out.stdout
+
+
+@pytest.mark.vllm
+def test_vllm_classes_import_from_common():
+    """The user guide's `from vllm_moonep.common import MoonEPPrepareAndFinalize, MoonEPExperts` failed."""
+    from vllm_moonep.common import MoonEPExperts, MoonEPPrepareAndFinalize
+    from vllm_moonep.common import vllm_modular
+
+    assert MoonEPPrepareAndFinalize is vllm_modular.MoonEPPrepareAndFinalize
+    assert MoonEPExperts is vllm_modular.MoonEPExperts

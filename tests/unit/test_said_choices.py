@@ -1,0 +1,81 @@
+"""Choices made for the user are said: the engine ``auto`` picks (INFO, once per process) and a
+tile table that cannot be read (WARNING, once, then generic tiles)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+import vllm_moonep.engine.buffer as buffer_mod
+from vllm_moonep.engine import make_buffer, resolve_engine
+
+
+def test_auto_engine_choice_is_said_once_at_info(monkeypatch, caplog):
+    """engine='auto' falling back to the built-in engine was logged at DEBUG only, so nobody saw why."""
+    monkeypatch.setattr(buffer_mod, "_SAID", set())  # a fresh process's "already said" set
+    name, why = resolve_engine("auto")
+    assert why, "auto must give a reason for its choice"
+    with caplog.at_level(logging.INFO, logger="vllm_moonep.engine"):
+        for _ in range(3):
+            make_buffer(16, 128, 2, 8, 1, engine="auto", device="cpu").destroy()
+    lines = [r for r in caplog.records if r.getMessage().startswith("MoonEP engine:")]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert lines[0].levelno == logging.INFO
+    assert lines[0].getMessage() == f"MoonEP engine: {name} (engine='auto': {why})"
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """The Triton kernels module, as if no tile table had been read yet in this process."""
+    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
+    monkeypatch.setattr(tk, "_TUNING", {})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter has its own tiles
+    return tk
+
+
+@pytest.mark.parametrize(
+    "content, error",
+    [
+        ('{"entries": [', "JSONDecodeError"),
+        ("[1, 2]", "ValueError"),
+        (None, "FileNotFoundError"),
+    ],
+    ids=["truncated", "not-an-object", "missing"],
+)
+def test_unreadable_tile_table_warns_once_and_uses_generic_tiles(triton_kernels, tmp_path, caplog, content, error):
+    """A tuning.json that failed to read or parse silently gave every shape the generic tiles."""
+    path = tmp_path / "tuning.json"
+    if content is not None:
+        path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger=triton_kernels.__name__):
+        entries = triton_kernels.load_tuning(path)
+        assert triton_kernels.load_tuning(path) is entries  # read once
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    msg = warned[0].getMessage()
+    assert str(path) in msg and error in msg and "generic tiles" in msg
+    assert entries == []
+    # a shape the packaged table tunes gets the generic regime from a broken table
+    cfg = triton_kernels.select_config(2048, 768, 4000, 64, entries=entries)
+    assert cfg in triton_kernels.DEFAULT_CONFIGS.values()
+
+
+def test_tile_table_entries_without_tiles_are_dropped_with_a_warning(triton_kernels, tmp_path, caplog):
+    """An entry without 'gate_up'/'down' made select_config raise KeyError inside the first expert call."""
+    good = {"H": 256, "I": 256, "max_rows": 1024, "gate_up": {"BM": 16}, "down": {"BM": 32}}
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"entries": [good, {"H": 256, "I": 256, "max_rows": 4096}]}))
+    with caplog.at_level(logging.WARNING, logger=triton_kernels.__name__):
+        entries = triton_kernels.load_tuning(path)
+    assert entries == [good]
+    assert any("1 of 2 entries" in r.getMessage() for r in caplog.records)
+    assert triton_kernels.select_config(256, 256, 4000, 8, entries=entries) == {"gate_up": {"BM": 16}, "down": {"BM": 32}}
+
+
+def test_packaged_tile_table_reads_without_warning(triton_kernels, caplog):
+    """The shipped tuning.json must parse: a broken one would put every GPU on generic tiles."""
+    with caplog.at_level(logging.WARNING, logger=triton_kernels.__name__):
+        entries = triton_kernels.load_tuning()
+    assert entries and not [r for r in caplog.records if r.levelno >= logging.WARNING]
