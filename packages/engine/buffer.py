@@ -1,4 +1,4 @@
-"""The built-in MoonEP engine: ``Buffer`` with the ``[E+B]`` contract (moonep-contract.md).
+"""The built-in MoonEP engine: ``Buffer`` with the ``[E+B]`` contract (docs/CONTRACT.md).
 
 ``dispatch`` plans (identically on every rank), moves each token slot to the rank and row the
 plan gives it, and returns the expert-grouped shard; ``prefetch_weight`` fills slot rows
