@@ -9,7 +9,13 @@ The same MoE workload (layers x tokens per rank x routing skew) runs through eac
   ``FusedMoEKernel``, running on our built-in engine (needs vLLM; skipped where it is absent).
 
 Every configuration's output is checked against the dense float32 reference on a sample of
-steps; a configuration that is wrong fails the run. Results: a terminal table, a JSON file with
+steps; a configuration that is wrong fails the run. Each configuration runs in fresh rank
+processes, where its memory is measured (RSS on CPU, device memory in use on GPU) next to the
+accounting, with the difference explained where it exceeds 10%.
+
+Ranks: CPU processes over gloo, or one GPU per rank over NCCL (``--device cuda``; with fewer GPUs
+than ranks only ``--share-gpus`` runs, over gloo), or the processes of a torchrun launch
+(``torchrun --nproc-per-node 2 -m vllm_moonep.tools.ab --device cuda``). Results: a terminal table, a JSON file with
 every raw figure and the environment, and PNG plots. ``moonep-ab project`` prints per-rank expert
 memory of full-size models at EP 8/16/32/64 from the same accounting code the layouts report.
 """
@@ -33,11 +39,15 @@ import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.grouped_gemm import IMPLS, GroupedWeights, available_impls
-from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, replicated_accounting
+from vllm_moonep.common.memory import (EXPLAIN_ABOVE, MemoryReport, expert_bytes, explain_difference,
+                                       held_tensor_bytes, measured_bytes, peak_rss, release_freed_memory,
+                                       replicated_accounting, reset_peak, resident_bytes)
 from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
 from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.common.timing import PHASES, PhaseTimer
-from vllm_moonep.tools.launch import run_on_ranks, shutdown_pools
+from vllm_moonep.engine.heaps import HEAP_KINDS
+from vllm_moonep.tools.launch import (add_launch_arguments, comm_device, finish_launched_group, init_launched_group,
+                                      is_driver, launched_world_size, resolve_launch, run_on_ranks, shutdown_pools)
 from vllm_moonep.tools.memory_projection import MODELS, projection_rows, render
 
 GiB = 1024**3
@@ -101,7 +111,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_steps, device, configs, impl, slots,
-              budget_gb, max_ref_err=MAX_REF_ERR) -> None:
+              budget_gb, max_ref_err=MAX_REF_ERR, backend="auto", share_gpus=False, heap="auto") -> None:
     """Every choice of a run, checked before any rank is spawned; ``ValueError`` names the first problem."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -129,6 +139,8 @@ def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_st
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible here (use --device cpu)")
+    resolve_launch(device, ranks, backend, share_gpus)  # ValueError: how the ranks cannot run here
+    check_heap(heap, device)
     if impl not in IMPLS:
         raise ValueError(f"--impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl != "auto":
@@ -150,6 +162,22 @@ def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_st
         raise ValueError(f"--budget-gb must be > 0, got {budget_gb}")
     if not (max_ref_err > 0):
         raise ValueError(f"max_ref_err must be > 0, got {max_ref_err}")
+
+
+def check_heap(heap: str, device: str) -> None:
+    """``--heap``: a kind of ``make_heap`` that runs on ``device`` here (``ValueError`` otherwise)."""
+    if heap not in HEAP_KINDS:
+        raise ValueError(f"--heap must be one of {', '.join(HEAP_KINDS)}, got {heap!r}")
+    if heap == "host" and device != "cpu":
+        raise ValueError("--heap host holds host memory: it serves --device cpu only")
+    if heap in ("torch", "nvshmem") and device != "cuda":
+        raise ValueError(f"--heap {heap} allocates GPU memory: it needs --device cuda")
+    if heap == "nvshmem":
+        from vllm_moonep.engine.heaps.nvshmem_heap import nvshmem_status
+
+        core, why = nvshmem_status()
+        if core is None:
+            raise ValueError(f"--heap nvshmem: {why}")
 
 
 def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, slots: int | None) -> dict:
@@ -183,13 +211,13 @@ _STATE: dict = {}
 
 
 def _device(kind: str) -> torch.device:
+    """This rank's device: the GPU the launcher bound it to (one per rank, or shared), or the CPU."""
     if kind == "cuda":
-        n = torch.cuda.device_count()
-        return torch.device("cuda", dist.get_rank() % n if dist.is_initialized() else 0)
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _build_ours(cfg, shape, local, device, impl):
+def _build_ours(cfg, shape, local, device, impl, heap_kind="auto"):
     """Layer runners for our layouts; returns (moes, extra objects to destroy, accounted report)."""
     from vllm_moonep.replicated import ReplicatedWeightLayout
 
@@ -204,13 +232,17 @@ def _build_ours(cfg, shape, local, device, impl):
     else:
         from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout, make_heap
 
-        heap = make_heap("auto", device=device)
+        heap = make_heap(heap_kind, device=device)
         extra.append(heap)
         slot_pool = None
         if cfg == "symmetric-shared":
             slot_pool = SharedSlotPool(B, H, I, heap=heap, device=device)
         for lw13, lw2 in local:
-            layouts.append(SymmetricWeightLayout(lw13, lw2, E, B, heap=heap, slot_pool=slot_pool))
+            lay = SymmetricWeightLayout(lw13, lw2, E, B, heap=heap, slot_pool=slot_pool)
+            # as the vLLM plugin does: the framework's parameters become the heap's home rows (their
+            # own storage is released), so the home experts are held once
+            lay.adopt_parameters(lw13, lw2, copy=False)
+            layouts.append(lay)
         if slot_pool is not None:
             extra.insert(0, slot_pool)
     moes = [MoonEPMoE(pool, lay, impl=impl) for lay in layouts]
@@ -227,30 +259,66 @@ def _resolve_custom(cfg: str):
     return getattr(importlib.import_module(mod), fn)
 
 
-def rank_build(cfg, shape, seed, device_kind, impl):
-    """Build one configuration on this rank; returns memory figures."""
+def _warm_up_group(device: torch.device) -> None:
+    """Before the baseline: the first collectives make the group's own buffers (NCCL communicators,
+    gloo pairs), which belong to no configuration."""
+    R = dist.get_world_size()
+    t = torch.ones(4096, device=comm_device())
+    parts = [torch.empty_like(t) for _ in range(R)]
+    dist.all_gather(parts, t)
+    if device.type == "cuda" and comm_device().type == "cpu":  # gloo moving CUDA tensors (shared GPUs)
+        x = torch.ones(4096, device=device)
+        dist.all_gather([torch.empty_like(x) for _ in range(R)], x)
+    dist.barrier()
+
+
+def _ranks_on_my_device(device: torch.device) -> int:
+    """How many ranks share this rank's device (GPUs shared with --share-gpus; 1 on CPU)."""
+    if device.type != "cuda":
+        return 1
+    import socket
+
+    mine = (socket.gethostname(), torch.cuda.current_device())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sum(1 for o in every if o == mine)
+
+
+def rank_build(cfg, shape, seed, device_kind, impl, heap_kind="auto"):
+    """Build one configuration on this rank and measure what it holds; returns memory figures.
+
+    Measured: the growth of what the process holds (RSS on CPU; device memory in use on CUDA,
+    which counts the heaps outside torch's allocator) from a baseline taken after start-up, the
+    reference weights and the group's warm-up, to after the build, each after freed memory was
+    released. The framework's local parameters are made after the baseline (the replicated layouts
+    keep them, the symmetric ones adopt them). ``moonep-ab`` runs each configuration in fresh rank
+    processes, so no memory freed by an earlier configuration hides growth.
+    """
     r, R = dist.get_rank(), dist.get_world_size()
     device = _device(device_kind)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     E, H, I, L = shape["experts"], shape["hidden"], shape["intermediate"], shape["layers"]
     epn = E // R
-    full, local = [], []
-    for layer in range(L):
-        w13, w2 = random_expert_weights(E, H, I, seed * 1000 + layer, device)
-        full.append((w13, w2))
-        local.append((w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()))
+    full = [random_expert_weights(E, H, I, seed * 1000 + layer, device) for layer in range(L)]
     if cfg == "vllm-poc":  # import vLLM before measuring, so its import is not counted as expert memory
         from vllm_moonep.tools.ab_vllm_poc import import_poc
 
         import_poc()
+    import vllm_moonep.replicated  # noqa: F401  (the layouts' code is no configuration's memory)
+    import vllm_moonep.symmetric  # noqa: F401
+
+    sharing = _ranks_on_my_device(device)
+    _warm_up_group(device)
+    release_freed_memory(device)
+    before = measured_bytes(device)
+    base = resident_bytes(device)
+    reset_peak(device)
+    dist.barrier()  # every rank has its baseline before any rank builds (ranks may share a GPU)
+    local = [(w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()) for w13, w2 in full]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    before = measured_bytes(device)
     t0 = time.perf_counter()
     if cfg in ("replicated", "symmetric", "symmetric-shared"):
-        moes, pool, layouts, extra, report = _build_ours(cfg, shape, local, device, impl)
+        moes, pool, layouts, extra, report = _build_ours(cfg, shape, local, device, impl, heap_kind)
     elif cfg == "vllm-poc":
         from vllm_moonep.tools.ab_vllm_poc import build_poc
 
@@ -260,17 +328,67 @@ def rank_build(cfg, shape, seed, device_kind, impl):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - t0
+    dist.barrier()  # every rank built (ranks sharing a GPU see each other's allocations)
+    peak_cpu = peak_rss() if device.type == "cpu" else None
+    release_freed_memory(device)
     after = measured_bytes(device)
+    grown = (resident_bytes(device) - base) / sharing
+    # the layouts and slot pools hold their heap allocations; heaps' own buffers (scratch) are overhead
+    held = held_tensor_bytes(*layouts, *[x for x in extra if not hasattr(x, "local_bytes")], local)
+    heaps = {id(h): h for h in [getattr(o, "heap", None) for o in layouts + extra] + [x for x in extra]
+             if h is not None and hasattr(h, "local_bytes")}
+    staging = sum(h.local_bytes() for h in heaps.values() if getattr(h, "kind", "") == "host" and getattr(h, "staging", False))
+    detail = {
+        "fresh_process": launched_world_size() is None,
+        "pid": os.getpid(),
+        "ranks_sharing_device": sharing,
+        "baseline": base,
+        "tensors_torch": held["torch"],
+        "tensors_heap": held["heap"],
+        "heap_allocations": held["heap_allocations"],
+        "host_staging": staging,
+        "heap_kinds": sorted({getattr(h, "kind", "?") for h in heaps.values()}),
+    }
     if device.type == "cuda":
-        # device-wide use: symmetric-memory heaps allocate outside torch's caching allocator
-        measured = after["device_used"] - before["device_used"]
-        peak = max(after["max_allocated"] - before["allocated"], measured)
+        detail["torch_reserved_delta"] = after["reserved"] - before["reserved"]
+        detail["torch_allocated_delta"] = after["allocated"] - before["allocated"]
+        outside = grown - detail["torch_reserved_delta"]
+        peak = max(after["max_allocated"] - before["allocated"] + max(outside, 0), grown)
     else:
-        measured = after["rss"] - before["rss"]
-        peak = measured
-    # the framework's local parameters: symmetric layouts adopt them (no duplicate); others keep them
+        peak = max(peak_cpu - base, grown) if peak_cpu is not None else grown
     _STATE[cfg] = dict(moes=moes, pool=pool, layouts=layouts, extra=extra, full=full, device=device, K=shape["topk"])
-    return {"accounted": report.as_dict(), "measured_resident": measured, "measured_peak": peak, "load_s": load_s}
+    return {"accounted": report.as_dict(), "measured_resident": int(grown), "measured_peak": int(peak),
+            "load_s": load_s, "detail": detail}
+
+
+#: causes of a difference between measured and accounted memory, as the output names them
+WHY_TENSORS = "tensors held beyond the accounting"
+WHY_STAGING = ("the CPU host heap's private staging copy of every allocation (HostHeap(staging=True) makes "
+               "writes visible at barriers; GPU heaps hold one copy)")
+WHY_TORCH_CACHE = "torch's CUDA allocator beyond its tensors (block rounding)"
+WHY_OUTSIDE = ("device memory outside torch's allocator beyond the heaps' allocations (allocation granularity, "
+               "signal pads, NVSHMEM's reserved heap, communication buffers)")
+
+
+def memory_check(mem: dict, device_kind: str) -> dict:
+    """One rank's measured memory against its accounting, with the difference attributed to causes
+    (``explain_difference``): tensors the accounting leaves out, the host heap's staging copies,
+    and on GPUs the allocators' rounding and memory outside torch's allocator."""
+    acc = mem["accounted"]["resident"]
+    d = mem.get("detail", {})
+    measured = mem["measured_resident"]
+    parts = []
+    if "tensors_torch" in d:
+        parts.append((WHY_TENSORS, d["tensors_torch"] + d["tensors_heap"] - acc))
+    if d.get("host_staging"):
+        parts.append((WHY_STAGING, d["host_staging"]))
+    if device_kind == "cuda" and "torch_reserved_delta" in d:
+        reserved = d["torch_reserved_delta"]
+        parts.append((WHY_TORCH_CACHE, reserved - d["tensors_torch"]))
+        parts.append((WHY_OUTSIDE, measured - reserved - d["tensors_heap"]))
+    out = explain_difference(measured, acc, parts)
+    out["fresh_process"] = d.get("fresh_process", False)
+    return out
 
 
 def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
@@ -326,9 +444,12 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
         padded.append(int(info.cu_seqlens[-1]) if info is not None else 0)
     # rows each rank would compute without redundancy: all rows of its home experts
     per_step = torch.stack(rows_no_plan) if rows_no_plan else torch.zeros(1, E, dtype=torch.int64)  # [steps, E]
-    every = [torch.zeros_like(per_step) for _ in range(R)]
-    dist.all_gather(every, per_step)
-    tpe_steps = torch.stack(every).sum(0)  # [steps, E] over all ranks
+    # staged where the group moves data: an NCCL group has no CPU backend ("No backend type
+    # associated with device type cpu" was moonep-ab's crash under torchrun with NCCL)
+    staged = per_step.to(comm_device())
+    every = [torch.zeros_like(staged) for _ in range(R)]
+    dist.all_gather(every, staged)
+    tpe_steps = torch.stack(every).sum(0).cpu()  # [steps, E] over all ranks
     home = tpe_steps.sum(0).view(R, -1).sum(1).double()
     achieved = [maxvio(t) for t in tpe_steps]
     cap = moes[-1].last.capacity if moes[-1].last is not None else tokens
@@ -376,7 +497,7 @@ def _percentile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def environment(device_kind: str, ranks: int) -> dict:
+def environment(device_kind: str, ranks: int, launch=None, heap: str = "auto") -> dict:
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -385,7 +506,11 @@ def environment(device_kind: str, ranks: int) -> dict:
         "device": device_kind,
         "ranks": ranks,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "heap": heap,
     }
+    if launch is not None:
+        env.update(backend=launch.backend, launched_by_torchrun=launch.launched, ranks_per_gpu=launch.ranks_per_gpu,
+                   launch_note=launch.note)
     try:
         import vllm
 
@@ -400,6 +525,7 @@ def environment(device_kind: str, ranks: int) -> dict:
         env["triton"] = None
     if device_kind == "cuda" and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpus_visible"] = torch.cuda.device_count()
     return env
 
 
@@ -407,7 +533,7 @@ def measure_anchor(device_kind: str) -> dict:
     """A reference rate measured in the same run, so figures from different machines compare:
     matmul throughput (bf16 on GPU, 8192^3; float32 on one CPU thread, 1024^3) and copy bandwidth."""
     if device_kind == "cuda" and torch.cuda.is_available():
-        n, dev, dt = 8192, torch.device("cuda"), torch.bfloat16
+        n, dev, dt = 8192, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     else:
         n, dev, dt = 1024, torch.device("cpu"), torch.float32
     threads = torch.get_num_threads()
@@ -447,15 +573,26 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.0, 1.0, 2.0), steps=3, warmup=1,
+def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=(0.0, 1.0, 2.0), steps=3, warmup=1,
            check_steps=1, device="cpu", seed=0, configs=None, impl="auto", slots=None, budget_gb=None,
-           out_dir="moonep-ab-out", plots=True, progress=True, max_ref_err=MAX_REF_ERR) -> dict:
+           out_dir="moonep-ab-out", plots=True, progress=True, max_ref_err=MAX_REF_ERR, backend="auto",
+           share_gpus=False, heap="auto") -> dict:
     """Run the comparison; returns the result dict (also written to ``out_dir/moonep-ab.json``).
-    Every argument is checked (``check_run``, ``ValueError``) before any rank is spawned."""
+    Every argument is checked (``check_run``, ``ValueError``) before any rank is spawned.
+
+    ``ranks``: ``None`` is 4 spawned ranks, or the launched world size under torchrun.
+    ``backend``/``share_gpus``: how the ranks run (``launch.resolve_launch``). ``heap``: the
+    symmetric configurations' heap kind (``make_heap``). Each configuration runs in fresh rank
+    processes (under torchrun: in the launched ones, which every configuration reuses)."""
     t_start = time.perf_counter()
+    if ranks is None:
+        ranks = launched_world_size() or 4
     check_run(preset=preset, ranks=ranks, layers=layers, tokens=tokens, maxvios=maxvios, steps=steps, warmup=warmup,
               check_steps=check_steps, device=device, configs=configs, impl=impl, slots=slots, budget_gb=budget_gb,
-              max_ref_err=max_ref_err)
+              max_ref_err=max_ref_err, backend=backend, share_gpus=share_gpus, heap=heap)
+    launch = resolve_launch(device, ranks, backend, share_gpus)
+    if launch.launched:  # bind this process's GPU before the anchor, and make the group
+        init_launched_group(launch.backend, launch.device)
     p = PRESETS[preset]
     if budget_gb is None:
         budget_gb = DEFAULT_BUDGET_GB[device]
@@ -470,11 +607,14 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
     if "vllm-poc" in configs and not vllm_available():
         configs.remove("vllm-poc")
         skipped["vllm-poc"] = "vLLM is not importable here"
-    env_vars = {"VLLM_MOONEP_THREADS_PER_RANK": str(max(1, (os.cpu_count() or 1) // ranks))}
+    env_vars = {"VLLM_MOONEP_THREADS_PER_RANK": str(max(1, (os.cpu_count() or 1) // ranks)), **launch.env}
+    if device == "cpu":  # every thread's allocations in glibc's main arena, so freed pages leave RSS
+        env_vars["MALLOC_ARENA_MAX"] = "1"
+    spawn = dict(env=env_vars, backend=launch.backend, device=launch.device)
     sigmas = {mv: sigma_for_maxvio(mv, shape["experts"], shape["topk"], max(tokens) * ranks, seed=seed) for mv in maxvios}
     points = [(c, t, mv) for c in configs for t in tokens for mv in maxvios]
     bar = None
-    if progress:
+    if progress and is_driver():
         try:
             from tqdm import tqdm
 
@@ -482,16 +622,22 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
         except ImportError:
             bar = None
     results = {"preset": preset, "shape": shape, "configs": {}, "skipped": skipped,
-               "environment": environment(device, ranks), "anchor": measure_anchor(device),
+               "environment": environment(device, ranks, launch, heap), "anchor": measure_anchor(device),
                "sigmas": {str(k): v for k, v in sigmas.items()}}
     failures = []
     for cfg in configs:
-        mem = run_on_ranks(ranks, rank_build, cfg, shape, seed, device, impl, env=env_vars)
-        entry = {"memory": mem, "points": []}
+        tag = f"moonep-ab {cfg}"  # fresh rank processes for each configuration
+        try:
+            mem = run_on_ranks(ranks, rank_build, cfg, shape, seed, device, impl, heap, tag=tag, **spawn)
+        except BaseException:
+            shutdown_pools(tag)
+            raise
+        entry = {"memory": mem, "memory_check": [memory_check(m, device) for m in mem], "points": []}
         try:
             for t in tokens:
                 for mv in maxvios:
-                    res = run_on_ranks(ranks, rank_point, cfg, t, sigmas[mv], steps, warmup, check_steps, seed, env=env_vars)
+                    res = run_on_ranks(ranks, rank_point, cfg, t, sigmas[mv], steps, warmup, check_steps, seed,
+                                       tag=tag, **spawn)
                     # the step time of the slowest rank is what a DP group waits for
                     per_step = [max(r["total_s"][i] for r in res) for i in range(len(res[0]["total_s"]))]
                     phases = {ph: statistics.median([max(r["phases_s"][ph][i] for r in res) for i in range(len(per_step))])
@@ -518,21 +664,26 @@ def run_ab(*, preset="tiny", ranks=4, layers=None, tokens=(16, 128), maxvios=(0.
                     if bar:
                         bar.update(1)
         finally:
-            run_on_ranks(ranks, rank_teardown, cfg, env=env_vars)
+            try:
+                run_on_ranks(ranks, rank_teardown, cfg, tag=tag, **spawn)
+            finally:
+                shutdown_pools(tag)
         results["configs"][cfg] = entry
     if bar:
         bar.close()
     results["failures"] = failures
     results["max_ref_err"] = max_ref_err
     results["projection"] = projection_rows()
-    os.makedirs(out_dir, exist_ok=True)
-    if plots:
-        results["plots"] = write_plots(results, out_dir)
-    # the whole run: anchor, every rank process, the points, the plots
-    results["elapsed_s"] = time.perf_counter() - t_start
     path = os.path.join(out_dir, "moonep-ab.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1, default=float)
+    if is_driver():  # under torchrun every rank has the results; rank 0 writes them
+        os.makedirs(out_dir, exist_ok=True)
+        if plots:
+            results["plots"] = write_plots(results, out_dir)
+        # the whole run: anchor, every rank process, the points, the plots
+        results["elapsed_s"] = time.perf_counter() - t_start
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=float)
+    results["elapsed_s"] = time.perf_counter() - t_start
     results["json_path"] = path
     return results
 
@@ -553,6 +704,8 @@ def write_plots(results: dict, out_dir: str) -> list[str]:
         vals = [results["configs"][c]["memory"][0]["accounted"][kind] / 2**20 for c in cfgs]
         ax.bar(cfgs, vals, bottom=bottom, label=kind.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, vals)]
+    measured = [results["configs"][c]["memory"][0]["measured_resident"] / 2**20 for c in cfgs]
+    ax.scatter(cfgs, measured, color="black", marker="x", zorder=3, label="measured (fresh process)")
     ax.set_ylabel("expert weights per rank (MiB)")
     ax.set_title(f"moonep-ab {results['preset']}: memory by layout")
     ax.legend()
@@ -584,7 +737,7 @@ def write_plots(results: dict, out_dir: str) -> list[str]:
 
 
 LEGEND = (
-    "memory (per rank, rank 0): resident MiB = expert weights held while serving, from the layouts' own accounting (home = this rank's E/R experts, repl. = the replicated [0,E) copy, slots = the B prefetch slots); load transient = extra held only while the weights are built; measured MiB = how much the rank process actually grew while building the layers (RSS on CPU, device memory in use on GPU): a check on the accounting, which allocator caching, pages not yet touched and buffers outside the expert weights make differ.",
+    "memory (per rank, rank 0): resident MiB = expert weights held while serving, from the layouts' own accounting (home = this rank's E/R experts, repl. = the replicated [0,E) copy, slots = the B prefetch slots); load transient = extra held only while the weights are built; measured MiB = how much a fresh rank process grew while building the layers (RSS on CPU; device memory in use on GPU, which counts the symmetric heaps outside torch's allocator), measured after freed memory was released: a check on the accounting; where the two differ by more than 10% the output says why (staging copies of the CPU host heap, allocator rounding, memory outside the expert weights); peak MiB = the most the process held while building (the measured load transient plus the resident).",
     "latency: tokens = tokens per rank per step; maxvio = the requested routing skew, max/mean tokens per expert - 1 over all ranks' tokens of a step (0 = even); got = the skew the routing actually had, mean over the timed steps (random routing is never perfectly even, so a requested 0 comes out above 0); median / p90 ms = step time over all layers of the slowest rank; the phase columns are median ms per step summed over layers, slowest rank: pad = pad the step to the buffer's capacity and count tokens per expert, dispatch = plan and send rows to their ranks, prefetch = fill the slots with the planned experts' weights, experts = the grouped GEMM, combine = send results back and sum each token's top-k (vllm-poc reports its prepare under dispatch); no-plan = max/mean rows per rank without redundancy (all rows of its home experts); plan = max/mean rows per rank under the MoonEP plan, padding included (real rows are exactly S*K everywhere); slots = slots used per step (all ranks, last layer); ref err = max relative error ||out - ref|| / ||ref|| over the checked steps against a dense float32 MoE on the full weights (a configuration above {max_ref_err:g} fails the run).",
 )
 
@@ -597,22 +750,45 @@ def legend(max_ref_err: float = MAX_REF_ERR) -> str:
 def format_table(results: dict) -> str:
     s = results["shape"]
     an = results.get("anchor", {})
+    env = results["environment"]
+    how = f" ({env['backend']}{', torchrun' if env.get('launched_by_torchrun') else ''})" if env.get("backend") else ""
     lines = [
-        f"moonep-ab: preset {results['preset']} on {results['environment']['ranks']} {results['environment']['device']} ranks; "
+        f"moonep-ab: preset {results['preset']} on {env['ranks']} {env['device']} ranks{how}; "
         f"H={s['hidden']} I={s['intermediate']} E={s['experts']} (full model / {s['expert_scale']:.1f}) "
         f"K={s['topk']} layers={s['layers']} (full model / {s['layer_scale']:.1f}) B={s['slots']}",
         f"anchor (same run): matmul {an.get('matmul', '?')} {an.get('matmul_tflops', 0) * 1e3:.0f} GFLOP/s, "
         f"copy {an.get('copy_gbs', 0):.0f} GB/s",
-        "",
-        f"{'config':<17} {'resident MiB':>12} {'home':>8} {'repl.':>8} {'slots':>8} {'load transient':>14} {'measured MiB':>12}",
     ]
+    if env.get("launch_note") and env.get("backend") != "nccl" and env.get("device") == "cuda":
+        lines.append(f"NOTE: {env['launch_note']}")
+    lines += [
+        "",
+        f"{'config':<17} {'resident MiB':>12} {'home':>8} {'repl.':>8} {'slots':>8} {'load transient':>14} "
+        f"{'measured MiB':>12} {'peak MiB':>8}",
+    ]
+    notes = []
     for c, e in results["configs"].items():
         a = e["memory"][0]["accounted"]
         mib = 2**20
         lines.append(
             f"{c:<17} {a['resident'] / mib:12.1f} {a['home_rows'] / mib:8.1f} {a['replicated_rows'] / mib:8.1f} "
-            f"{a['slots'] / mib:8.1f} {a['transient'] / mib:14.1f} {e['memory'][0]['measured_resident'] / mib:12.1f}"
+            f"{a['slots'] / mib:8.1f} {a['transient'] / mib:14.1f} {e['memory'][0]['measured_resident'] / mib:12.1f} "
+            f"{e['memory'][0].get('measured_peak', 0) / mib:8.1f}"
         )
+        chk = (e.get("memory_check") or [{}])[0]
+        if chk.get("why"):
+            notes.append(f"  {c}: {chk['why']}")
+    fresh = all((e.get("memory_check") or [{}])[0].get("fresh_process", False) for e in results["configs"].values())
+    lines.append(
+        ("measured: each configuration in fresh rank processes" if fresh else
+         "measured: in the launched processes, which every configuration reuses (torchrun), so memory an earlier "
+         "configuration freed can hide growth; spawned ranks measure in fresh processes")
+        + (", device memory in use on the GPU (torch's allocator and the heaps outside it)" if env.get("device") == "cuda"
+           else ", RSS growth") + ", rank 0" + ("; " + str(env["ranks_per_gpu"]) + " ranks per GPU: device growth / "
+                                              "ranks on it" if env.get("ranks_per_gpu", 1) > 1 else ""))
+    if notes:
+        lines.append(f"where measured and accounted differ by more than {EXPLAIN_ABOVE:.0%}, why:")
+        lines += notes
     lines += ["", f"{'config':<17} {'tokens':>6} {'maxvio':>6} {'got':>5} {'median ms':>9} {'p90 ms':>8} "
               + " ".join(f"{p[:8]:>8}" for p in PHASES) + f" {'no-plan':>7} {'plan':>5} {'slots':>5} {'ref err':>8}"]
     for c, e in results["configs"].items():
@@ -645,6 +821,11 @@ def build_parser() -> argparse.ArgumentParser:
             "symmetric-shared (one slot pool for all layers), vllm-poc (vLLM 0.33's own in-tree MoonEP classes on "
             "our engine). Every configuration is checked against a dense float32 MoE; a wrong one fails the run. "
             "Writes a table, OUT/moonep-ab.json and plots.",
+            "Ranks: spawned CPU processes over gloo, or with --device cuda one GPU per rank over NCCL (fewer GPUs "
+            "than ranks: refused unless --share-gpus); or launch it with torchrun (torchrun --nproc-per-node 2 -m "
+            "vllm_moonep.tools.ab --device cuda), whose processes are the ranks. Each configuration runs in fresh "
+            "rank processes, where its memory is measured next to the accounting (why they differ is printed "
+            "where it is more than 10%).",
             "Subcommand: moonep-ab project [...] prints the per-rank expert memory of full-size models at several "
             "EP sizes, or of your own model (--config config.json, or --hidden --intermediate --experts "
             "--layers); see moonep-ab project --help.")),
@@ -652,8 +833,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="tiny", choices=list(PRESETS),
                     help="model shape: 'tiny' (H=I=256, E=32, top-4, 4 layers) or a full-size model scaled to "
                          "--budget-gb (default: %(default)s)")
-    ap.add_argument("--ranks", type=int, default=4,
-                    help="rank processes (EP size); must divide the preset's expert count (default: %(default)s)")
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="rank processes (EP size); must divide the preset's expert count (default: 4, or the "
+                         "launched world size under torchrun)")
     ap.add_argument("--layers", type=int, default=None,
                     help="MoE layers to run, at most the preset's (default: as many as fit --budget-gb)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[16, 128],
@@ -666,8 +848,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--check-steps", type=int, default=1,
                     help="timed steps per point checked against the dense reference, 1..--steps (default: %(default)s)")
     ap.add_argument("--device", default="cpu", choices=list(DEVICES),
-                    help="where the ranks run: cpu (gloo) or cuda (one GPU per rank, shared round-robin) "
-                         "(default: %(default)s)")
+                    help="where the ranks run: cpu (gloo) or cuda (one GPU per rank over NCCL; --share-gpus for "
+                         "fewer GPUs than ranks) (default: %(default)s)")
+    add_launch_arguments(ap)
+    ap.add_argument("--heap", default="auto", choices=list(HEAP_KINDS),
+                    help="symmetric heap of the symmetric configurations: auto = host on cpu, torch (PyTorch "
+                         "symmetric memory) on cuda; nvshmem needs nvshmem4py (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and routing (default: %(default)s)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), type=config_choice, metavar="CONFIG",
                     help=f"configurations to compare: any of {', '.join(CONFIGS)}, or module:function "
@@ -692,9 +878,10 @@ def main(argv=None) -> int:
         return projection_main(argv[1:], prog="moonep-ab project")
     ap = build_parser()
     a = ap.parse_args(argv)
-    kw = dict(preset=a.preset, ranks=a.ranks, layers=a.layers, tokens=a.tokens, maxvios=a.maxvio, steps=a.steps,
+    ranks = a.ranks if a.ranks is not None else (launched_world_size() or 4)
+    kw = dict(preset=a.preset, ranks=ranks, layers=a.layers, tokens=a.tokens, maxvios=a.maxvio, steps=a.steps,
               warmup=a.warmup, check_steps=a.check_steps, device=a.device, configs=a.configs, impl=a.impl,
-              slots=a.slots, budget_gb=a.budget_gb)
+              slots=a.slots, budget_gb=a.budget_gb, backend=a.backend, share_gpus=a.share_gpus, heap=a.heap)
     try:
         check_run(**kw)  # before anything is spawned
     except ValueError as exc:
@@ -703,12 +890,14 @@ def main(argv=None) -> int:
         res = run_ab(seed=a.seed, out_dir=a.out, plots=not a.no_plots, **kw)
     finally:
         shutdown_pools()
-    print(format_table(res))
-    print()
-    print("Projected per-rank expert memory of the full-size models (moonep-ab project for options):")
-    print(render(res["projection"], 141.0, markdown=False))
-    print(f"\nwrote {res['json_path']}" + (f" and {', '.join(res.get('plots', []))}" if res.get("plots") else "")
-          + f"; the whole run took {time.perf_counter() - t0:.0f}s")
+        finish_launched_group()
+    if is_driver():
+        print(format_table(res))
+        print()
+        print("Projected per-rank expert memory of the full-size models (moonep-ab project for options):")
+        print(render(res["projection"], 141.0, markdown=False))
+        print(f"\nwrote {res['json_path']}" + (f" and {', '.join(res.get('plots', []))}" if res.get("plots") else "")
+              + f"; the whole run took {time.perf_counter() - t0:.0f}s")
     return 1 if res["failures"] else 0
 
 

@@ -1,4 +1,4 @@
-"""``moonep-balance``: how much MoonEP's plan evens out skewed routing, on real CPU ranks.
+"""``moonep-balance``: how much MoonEP's plan evens out skewed routing, on real ranks.
 
 For several routing skews, every rank routes its tokens with the skewed-routing generator and
 dispatches through the built-in engine. The report compares the rows each rank would compute
@@ -10,6 +10,9 @@ counted over every rank's tokens of the step: 0 is perfectly even routing, 1 mea
 expert gets twice the mean. A requested value sets the routing generator's spread; the achieved
 value is what the sampled routing had (random routing is never perfectly even, so a requested 0
 comes out above 0, and top-k without replacement caps it at E/k - 1).
+
+Ranks: CPU processes over gloo (default), one GPU per rank over NCCL (--device cuda), or the
+processes of a torchrun launch (torchrun --nproc-per-node 2 -m vllm_moonep.tools.balance --device cuda).
 """
 
 from __future__ import annotations
@@ -22,34 +25,42 @@ import torch.distributed as dist
 
 from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.engine import Buffer
-from vllm_moonep.tools.launch import run_on_ranks, shutdown_pools
+from vllm_moonep.tools.launch import (add_launch_arguments, finish_launched_group, is_driver, launched_world_size,
+                                      resolve_launch, run_on_ranks, shutdown_pools)
 
 
-def _rank_balance(S, H, K, E, B, sigma, seed):
+def _rank_balance(S, H, K, E, B, sigma, seed, device_kind="cpu"):
     r, R = dist.get_rank(), dist.get_world_size()
-    buf = Buffer(S, H, K, E, R, B=B, token_padding=128, device="cpu")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=128, device=dev)
     ids, w = route(S, E, K, sigma=sigma, seed=seed, rank=r)
     x = torch.randn(S, H, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
     tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
-    _, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    _, wn, cu, plan = buf.dispatch(x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev))
     gp = plan.global_plan
-    home_rows = gp.tpe.sum(0).view(R, -1).sum(1)
+    tpe_all, seg_len = gp.tpe.cpu(), gp.seg_len.cpu()
+    home_rows = tpe_all.sum(0).view(R, -1).sum(1)
     out = {
-        "rows_with_plan": int(gp.seg_len[r].sum()),
+        "rows_with_plan": int(seg_len[r].sum()),
         "rows_without_plan": int(home_rows[r]),
         "slots_used": int((plan.experts_to_copy[r] >= 0).sum()),
-        "maxvio": maxvio(gp.tpe),
+        "maxvio": maxvio(tpe_all),
         "padded_rows": int(cu[-1]),
     }
     buf.destroy()
     return out
 
 
-def report(ranks: int, tokens: int, experts: int, topk: int, hidden: int, maxvios, seed: int) -> list[dict]:
+def report(ranks: int, tokens: int, experts: int, topk: int, hidden: int, maxvios, seed: int, *,
+           device: str = "cpu", backend: str = "auto", share_gpus: bool = False) -> list[dict]:
+    """One row per requested skew; the ranks run as ``launch.resolve_launch`` says (``ValueError`` if they cannot)."""
+    launch = resolve_launch(device, ranks, backend, share_gpus)
+    spawn = dict(env=launch.env, backend=launch.backend, device=launch.device)
     rows = []
     for target in maxvios:
         sigma = sigma_for_maxvio(target, experts, topk, tokens * ranks, seed=seed)
-        res = run_on_ranks(ranks, _rank_balance, tokens, hidden, topk, experts, experts // ranks, sigma, seed)
+        res = run_on_ranks(ranks, _rank_balance, tokens, hidden, topk, experts, experts // ranks, sigma, seed, device,
+                           **spawn)
         without = [r["rows_without_plan"] for r in res]
         with_plan = [r["rows_with_plan"] for r in res]
         mean = sum(with_plan) / ranks
@@ -72,8 +83,10 @@ requested / achieved maxvio: the routing skew asked for and the one the sampled 
   1.00). slots used: prefetch slots the plan filled, all ranks together / the slots there are (B = E/R per rank)."""
 
 
-def format_report(rows: list[dict], ranks: int, tokens: int, experts: int, topk: int) -> str:
-    lines = [f"MoonEP balance: {ranks} CPU ranks, {tokens} tokens/rank, E={experts}, top-{topk}",
+def format_report(rows: list[dict], ranks: int, tokens: int, experts: int, topk: int, *, device: str = "cpu",
+                  backend: str = "gloo") -> str:
+    where = "CPU" if device == "cpu" else "GPU"
+    lines = [f"MoonEP balance: {ranks} {where} ranks ({backend}), {tokens} tokens/rank, E={experts}, top-{topk}",
              f"{'maxvio requested':>16} {'achieved':>8} {'max/mean rows, no plan':>23} {'max/mean rows, MoonEP':>22} "
              f"{'slots used':>11}"]
     for r in rows:
@@ -108,8 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moonep-balance", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="\n\n".join(textwrap.fill(p.replace("``", "").replace("\n", " "), 100) for p in doc[:3]),
         epilog="Columns:\n" + LEGEND)
-    ap.add_argument("--ranks", type=_positive, default=4, help="rank processes (EP size); must divide --experts "
-                                                               "(default: %(default)s)")
+    ap.add_argument("--ranks", type=_positive, default=None,
+                    help="rank processes (EP size); must divide --experts (default: 4, or the launched world size "
+                         "under torchrun)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the ranks run: cpu (gloo) or cuda (one GPU per rank over NCCL) (default: %(default)s)")
+    add_launch_arguments(ap)
     ap.add_argument("--tokens", type=_positive, default=256, help="tokens per rank (default: %(default)s)")
     ap.add_argument("--experts", type=_positive, default=64, help="routed experts E (default: %(default)s)")
     ap.add_argument("--topk", type=_positive, default=8, help="experts per token, at most --experts (default: %(default)s)")
@@ -123,15 +140,25 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
-    if a.experts % a.ranks:
-        ap.error(f"--ranks {a.ranks} does not divide --experts {a.experts} (MoonEP gives every rank E/R experts)")
+    ranks = a.ranks if a.ranks is not None else (launched_world_size() or 4)
+    if a.experts % ranks:
+        ap.error(f"--ranks {ranks} does not divide --experts {a.experts} (MoonEP gives every rank E/R experts)")
     if a.topk > a.experts:
         ap.error(f"--topk {a.topk} exceeds --experts {a.experts}")
     try:
-        rows = report(a.ranks, a.tokens, a.experts, a.topk, a.hidden, a.maxvio, a.seed)
+        launch = resolve_launch(a.device, ranks, a.backend, a.share_gpus)
+    except ValueError as exc:
+        ap.error(str(exc))
+    try:
+        rows = report(ranks, a.tokens, a.experts, a.topk, a.hidden, a.maxvio, a.seed, device=a.device,
+                      backend=a.backend, share_gpus=a.share_gpus)
     finally:
         shutdown_pools()
-    print(format_report(rows, a.ranks, a.tokens, a.experts, a.topk))
+        finish_launched_group()
+    if is_driver():
+        print(format_report(rows, ranks, a.tokens, a.experts, a.topk, device=a.device, backend=launch.backend))
+        if launch.device == "cuda" and launch.backend != "nccl":
+            print(f"NOTE: {launch.note}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Run a function on R ranks: spawned CPU/GPU processes with a gloo group, or under torchrun.
+"""Run a function on R ranks: spawned CPU/GPU processes (gloo, or NCCL with one GPU per rank),
+or the processes of a torchrun launch.
 
 ``RankPool(R)`` starts R processes once, each with an initialised process group, and runs
 picklable module-level functions on all of them (``pool.run(fn, *args)`` calls ``fn(*args)`` on
@@ -8,6 +9,18 @@ calls, which keeps a multi-rank test suite fast on a 2-core machine.
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment, one node or
 several) ``run_on_ranks`` runs the function in the launched process on the launched group
 instead, so the same tests run unchanged there.
+
+How the tools choose (``resolve_launch``, the ``--backend`` / ``--share-gpus`` flags of
+``moonep-ab``, ``moonep-balance`` and the soak): CPU ranks use gloo; CUDA ranks use NCCL with one
+GPU per rank (the default when there are enough GPUs). With fewer GPUs than ranks the tools
+refuse and say so; ``--share-gpus`` runs several rank processes per GPU over gloo (CUDA tensors
+staged through host memory: a correctness run whose timings are not the product's). Under
+torchrun the backend is ``--backend``, else ``$VLLM_MOONEP_BACKEND``, else NCCL on CUDA and gloo
+on CPU; each process uses GPU ``LOCAL_RANK``.
+
+Collectives of host-side data that tools issue themselves must be staged on
+``comm_device()``: an NCCL group moves CUDA tensors only (a CPU tensor raises "No backend type
+associated with device type cpu").
 """
 
 from __future__ import annotations
@@ -18,9 +31,17 @@ import os
 import socket
 import time
 import traceback
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["RankError", "RankFailure", "RankPool", "get_pool", "launched_world_size", "run_on_ranks", "shutdown_pools"]
+__all__ = ["BACKENDS", "Launch", "RankError", "RankFailure", "RankPool", "add_launch_arguments", "comm_device",
+           "finish_launched_group", "get_pool", "init_launched_group", "is_driver", "launched_world_size",
+           "resolve_launch", "run_on_ranks", "shutdown_pools"]
+
+#: process-group backends the tools accept (``auto``: NCCL on CUDA with a GPU per rank, gloo on CPU)
+BACKENDS = ("auto", "gloo", "nccl")
+#: the launcher's variable naming the backend of a torchrun launch (``--backend auto`` reads it)
+BACKEND_ENV = "VLLM_MOONEP_BACKEND"
 
 #: how long a worker waits in one collective before gloo gives up (seconds); a pool's ``env`` may
 #: set VLLM_MOONEP_TEST_GROUP_TIMEOUT_S for its own ranks (read when the group is made)
@@ -62,19 +83,147 @@ def launched_world_size() -> int | None:
     return None
 
 
-def _bind_gpu(rank: int, backend: str) -> None:
-    """NCCL needs one GPU per rank: rank ``r`` uses GPU ``LOCAL_RANK`` (torchrun) or ``r``."""
-    if backend == "nccl":
+def is_driver() -> bool:
+    """Whether this process prints and writes files: always when spawning ranks, rank 0 under torchrun."""
+    return launched_world_size() is None or int(os.environ.get("RANK", "0")) == 0
+
+
+def _visible_gpus() -> int:
+    try:
         import torch
 
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local % max(torch.cuda.device_count(), 1))
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
 
 
-def _init_group(rank: int, world_size: int, init_method: str, backend: str) -> None:
+@dataclass(frozen=True)
+class Launch:
+    """How a tool's ranks run (``resolve_launch``)."""
+
+    backend: str  # gloo | nccl
+    device: str  # cpu | cuda
+    ranks: int
+    launched: bool  # the processes of a torchrun launch (else spawned here)
+    ranks_per_gpu: int = 1  # > 1: rank processes share GPUs (--share-gpus)
+    env: dict = field(default_factory=dict)  # extra environment of the rank processes
+    note: str = ""  # one line for the tool's output
+
+
+def resolve_launch(device: str, ranks: int | None, backend: str = "auto", share_gpus: bool = False, *,
+                   gpus: int | None = None) -> Launch:
+    """How ``ranks`` ranks on ``device`` run here; ``ValueError`` with a sentence when they cannot.
+
+    ``gpus``: GPUs visible to this process (default: ``torch.cuda.device_count()``). Under
+    torchrun, ``ranks`` (``None``: the launched ``WORLD_SIZE``) must be the launched world size
+    and the ranks of this node (``LOCAL_WORLD_SIZE``) need a GPU each.
+    """
+    if backend is None:
+        backend = "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    launched_ws = launched_world_size()
+    launched = launched_ws is not None
+    if launched:
+        if ranks is not None and ranks != launched_ws:
+            raise ValueError(f"torchrun launched WORLD_SIZE={launched_ws} processes, but --ranks {ranks}: under "
+                             f"torchrun the launched processes are the ranks (leave --ranks out or make it {launched_ws})")
+        ranks = launched_ws
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"--ranks must be a positive integer, got {ranks!r}")
+    if backend == "auto":
+        from_env = os.environ.get(BACKEND_ENV, "").strip().lower()
+        if from_env:
+            if from_env not in BACKENDS:
+                raise ValueError(f"${BACKEND_ENV}={from_env!r}: must be one of {', '.join(BACKENDS)}")
+            backend = from_env
+    if device == "cpu":
+        if backend == "nccl":
+            raise ValueError("--backend nccl moves CUDA tensors only; CPU ranks run over gloo "
+                             "(use --device cuda for NCCL, or --backend gloo / auto)")
+        if share_gpus:
+            raise ValueError("--share-gpus applies to --device cuda only")
+        return Launch("gloo", "cpu", ranks, launched, note="CPU ranks over gloo")
+    n = _visible_gpus() if gpus is None else gpus
+    if n < 1:
+        raise ValueError("--device cuda: no CUDA device is visible here (use --device cpu)")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if launched else ranks
+    where = " on this node" if launched else ""
+    if backend == "nccl" and share_gpus:
+        raise ValueError("--share-gpus needs gloo: NCCL refuses two ranks on one GPU (ncclInvalidUsage); "
+                         "use --backend gloo --share-gpus, or one GPU per rank with --backend nccl")
+    if per_node > n and not share_gpus:
+        fewer = f"launch {n} processes per node (--nproc-per-node {n})" if launched else f"use --ranks {n} or fewer"
+        raise ValueError(
+            f"--device cuda with {per_node} ranks{where} needs {per_node} GPUs (one GPU per rank, NCCL), but "
+            f"{n} {'is' if n == 1 else 'are'} visible here: {fewer}, or pass --share-gpus to run {per_node} rank "
+            f"processes on {n} GPU{'s' if n != 1 else ''} over gloo (CUDA tensors staged through host memory: a "
+            "correctness run, its timings are not the product's)")
+    if per_node > n:  # share_gpus, gloo (explicit or auto)
+        k = -(-per_node // n)
+        return Launch("gloo", "cuda", ranks, launched, ranks_per_gpu=k,
+                      env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"},
+                      note=f"{per_node} rank processes share {n} GPU{'s' if n != 1 else ''}{where} over gloo "
+                           f"(--share-gpus; up to {k} per GPU): CUDA tensors are staged through host memory, so "
+                           "timings are not the product's")
+    if backend == "gloo":
+        return Launch("gloo", "cuda", ranks, launched,
+                      note="one GPU per rank over gloo (--backend gloo): every collective is staged through host "
+                           "memory, so timings are not the product's (--backend nccl is)")
+    note = "one GPU per rank over NCCL"
+    if share_gpus:
+        note += " (--share-gpus not needed: there is a GPU for every rank)"
+    return Launch("nccl", "cuda", ranks, launched, note=note)
+
+
+def add_launch_arguments(parser) -> None:
+    """The tools' ``--backend`` and ``--share-gpus`` flags (see ``resolve_launch``)."""
+    parser.add_argument("--backend", default="auto", choices=list(BACKENDS),
+                        help="process group of the ranks: auto = NCCL with one GPU per rank on --device cuda (gloo "
+                             f"with --share-gpus), gloo on cpu; under torchrun ${BACKEND_ENV} may name it "
+                             "(default: %(default)s)")
+    parser.add_argument("--share-gpus", action="store_true",
+                        help="--device cuda with fewer GPUs than ranks: run several rank processes per GPU over gloo "
+                             "(a correctness run; without this flag such a run is refused)")
+
+
+def comm_device(group=None):
+    """Where host-side data is staged for a collective on ``group``: the current CUDA device when
+    the group has no CPU backend (NCCL), else the CPU."""
+    import torch
     import torch.distributed as dist
 
-    _bind_gpu(rank, backend)
+    try:
+        config = dist.get_backend_config(group)
+    except Exception:
+        config = str(dist.get_backend(group))
+    if "cpu:" in config or config == "gloo":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+
+
+def _bind_gpu(local_rank: int, backend: str, device: str | None = None):
+    """Give this rank GPU ``local_rank % count`` (the spawned rank, or ``LOCAL_RANK`` under
+    torchrun): always for NCCL (one GPU per rank), and for gloo ranks on ``device="cuda"``."""
+    if backend != "nccl" and device != "cuda":
+        return None
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        if backend == "nccl":
+            raise RankError("the NCCL backend needs a CUDA device and none is visible")
+        return None
+    torch.cuda.set_device(local_rank % n)
+    return torch.device("cuda", local_rank % n)
+
+
+def _init_group(rank: int, world_size: int, init_method: str, backend: str, device: str | None = None) -> None:
+    import torch.distributed as dist
+
+    _bind_gpu(rank, backend, device)
 
     dist.init_process_group(
         backend=backend,
@@ -85,14 +234,33 @@ def _init_group(rank: int, world_size: int, init_method: str, backend: str) -> N
     )
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, backend: str, conn, env: dict) -> None:
+def _apply_malloc_env(env: dict) -> None:
+    """glibc reads ``MALLOC_ARENA_MAX`` when the process starts, before a pool's ``env`` reaches
+    it; apply it here, before torch and the process group start threads. ``MALLOC_ARENA_MAX=1``
+    (what the memory-measuring tools ask for) keeps every thread's allocations in the main arena,
+    whose free pages ``malloc_trim`` returns; a thread arena keeps its freed top pages resident,
+    which would read as growth."""
+    value = env.get("MALLOC_ARENA_MAX")
+    if not value:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-8, int(value))  # M_ARENA_MAX
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, backend: str, conn, env: dict,
+                 device: str | None = None) -> None:
     os.environ.update(env)
     os.environ["VLLM_MOONEP_RANK"] = str(rank)
+    _apply_malloc_env(env)
     import torch
 
     torch.set_num_threads(max(1, int(env.get("VLLM_MOONEP_THREADS_PER_RANK", "1"))))
     try:
-        _init_group(rank, world_size, init_method, backend)
+        _init_group(rank, world_size, init_method, backend, device)
         conn.send(("ready", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -118,18 +286,22 @@ def _worker_main(rank: int, world_size: int, init_method: str, backend: str, con
 
 
 class RankPool:
-    """R long-lived rank processes with a process group (gloo by default)."""
+    """R long-lived rank processes with a process group (gloo by default; ``backend="nccl"``: one
+    GPU per rank). ``device="cuda"`` gives gloo ranks GPUs too (rank ``r`` on GPU ``r % count``)."""
 
-    def __init__(self, world_size: int, *, backend: str = "gloo", env: dict | None = None, start_timeout_s: float = 120.0):
+    def __init__(self, world_size: int, *, backend: str = "gloo", env: dict | None = None, start_timeout_s: float = 120.0,
+                 device: str | None = None):
         self.world_size = world_size
         self.backend = backend
+        self.device = device
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         env = dict(env or {})
         self.procs, self.conns = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(r, world_size, init_method, backend, child, env), daemon=True)
+            p = ctx.Process(target=_worker_main, args=(r, world_size, init_method, backend, child, env, device),
+                            daemon=True)
             p.start()
             child.close()
             self.procs.append(p)
@@ -217,31 +389,69 @@ class RankPool:
 _POOLS: dict[tuple, RankPool] = {}
 
 
-def get_pool(world_size: int, *, backend: str = "gloo", env: dict | None = None) -> RankPool:
-    """A cached pool for ``(world_size, backend, env)``; a broken one is replaced."""
-    key = (world_size, backend, tuple(sorted((env or {}).items())))
+def get_pool(world_size: int, *, backend: str = "gloo", env: dict | None = None, device: str | None = None,
+             tag: str | None = None) -> RankPool:
+    """A cached pool for ``(world_size, backend, env, device, tag)``; a broken one is replaced.
+    A distinct ``tag`` gets its own fresh processes (``shutdown_pools(tag)`` closes them)."""
+    key = (world_size, backend, tuple(sorted((env or {}).items())), device, tag)
     pool = _POOLS.get(key)
     if pool is None or pool.broken:
-        pool = RankPool(world_size, backend=backend, env=env)
+        pool = RankPool(world_size, backend=backend, env=env, device=device)
         _POOLS[key] = pool
     return pool
 
 
-def shutdown_pools() -> None:
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+def shutdown_pools(tag: str | None = None) -> None:
+    """Close the cached pools (only those made with ``tag`` when one is given)."""
+    for key in [k for k in _POOLS if tag is None or k[-1] == tag]:
+        _POOLS.pop(key).close()
+
+
+def _launched_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+def init_launched_group(backend: str | None = None, device: str | None = None) -> None:
+    """Under torchrun: bind this process's GPU (``LOCAL_RANK``) and initialise the launched group
+    once (``backend``, else ``$VLLM_MOONEP_BACKEND``, else gloo). A later call asking for another
+    backend than the group has raises ``RankError``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        have = str(dist.get_backend())
+        if backend is not None and backend != have:
+            raise RankError(f"the launched process group runs {have}; this call needs {backend}")
+        _bind_gpu(_launched_local_rank(), have, device)
+        return
+    backend = backend or os.environ.get(BACKEND_ENV, "gloo")
+    _bind_gpu(_launched_local_rank(), backend, device)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=_group_timeout_s()))
+
+
+def finish_launched_group() -> None:
+    """Under torchrun: wait for every rank, then destroy the launched group (tools call this last)."""
+    import torch.distributed as dist
+
+    if launched_world_size() is None or not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, fresh: bool = False,
-                 backend: str = "gloo", **kwargs) -> list[Any]:
+                 backend: str | None = None, device: str | None = None, tag: str | None = None,
+                 **kwargs) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks and return the per-rank results.
 
     Under torchrun the launched processes are the ranks: ``world_size`` must equal the launched
     world size (callers skip otherwise) and each process returns ``[its own result]`` gathered
-    from every rank. Otherwise a (cached, or with ``fresh=True`` new) spawned pool runs it.
-    ``timeout_s=`` and ``allow_failures=`` go to ``RankPool.run`` (spawned pools only; use
-    ``fresh=True`` when ranks are killed on purpose).
+    from every rank; the group is made on first use (``init_launched_group``). Otherwise a
+    (cached, or with ``fresh=True`` new) spawned pool runs it, over ``backend`` (default gloo).
+    ``device="cuda"`` binds every rank to a GPU (NCCL always does). ``tag`` keeps a separate
+    cached pool (fresh processes for that tag). ``timeout_s=`` and ``allow_failures=`` go to
+    ``RankPool.run`` (spawned pools only; use ``fresh=True`` when ranks are killed on purpose).
     """
     launched = launched_world_size()
     if launched is not None:
@@ -253,20 +463,18 @@ def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, 
 
         if launched != world_size:
             raise RankError(f"launched with WORLD_SIZE={launched}, the call needs {world_size}")
-        if not dist.is_initialized():
-            backend = os.environ.get("VLLM_MOONEP_BACKEND", "gloo")
-            _bind_gpu(int(os.environ.get("RANK", "0")), backend)
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=_group_timeout_s()))
+        init_launched_group(backend, device)
         if env:
             os.environ.update(env)
         mine = fn(*args, **kwargs)
         out: list[Any] = [None] * world_size
         dist.all_gather_object(out, mine)
         return out
+    backend = backend or "gloo"
     if fresh:
-        pool = RankPool(world_size, env=env, backend=backend)
+        pool = RankPool(world_size, env=env, backend=backend, device=device)
         try:
             return pool.run(fn, *args, **kwargs)
         finally:
             pool.close()
-    return get_pool(world_size, env=env, backend=backend).run(fn, *args, **kwargs)
+    return get_pool(world_size, env=env, backend=backend, device=device, tag=tag).run(fn, *args, **kwargs)

@@ -16,6 +16,11 @@ period ``--period``); replicated against symmetric bitwise (reported). Memory: t
 holds more than ``pool.max_buffers`` buffers; process RSS is sampled every ``--mem-every`` steps
 and compared between the end of warm-up (every capacity visited) and the end.
 
+Ranks: CPU processes over gloo (default); ``--device cuda``: one GPU per rank over NCCL (the
+symmetric layout on PyTorch symmetric memory, ``--heap`` to choose), ``--share-gpus`` for fewer
+GPUs than ranks (gloo); or the processes of a torchrun launch. On GPUs the device memory torch
+holds is tracked beside RSS.
+
 Prints a summary (steps, duration, memory at start/end, errors) and writes it as JSON with
 ``--json``; exits 1 when any error was found. The functions here also serve the short soak in
 ``tests/distributed/test_soak.py``.
@@ -35,10 +40,12 @@ import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import measured_bytes
+from vllm_moonep.engine.heaps import HEAP_KINDS
 from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
 from vllm_moonep.common.routing import route
 from vllm_moonep.replicated import ReplicatedWeightLayout
-from vllm_moonep.tools.launch import run_on_ranks
+from vllm_moonep.tools.launch import (BACKENDS, finish_launched_group, is_driver, launched_world_size, resolve_launch,
+                                      run_on_ranks)
 
 __all__ = ["DEFAULTS", "main", "pool_capacities", "soak_rank", "step_schedule", "summarize"]
 
@@ -46,7 +53,7 @@ DEFAULTS = dict(
     steps=3000, ranks=2, layers=3, experts=8, hidden=128, intermediate=128, topk=2, slots=2,
     token_padding=8, max_tokens=256, min_capacity=8, seed=0, period=97, check_every=1,
     mem_every=25, warmup=None, tol=2e-2, layouts="auto", impl="reference", timeout_s=60.0,
-    max_errors=20,
+    max_errors=20, device="cpu", backend="auto", share_gpus=False, heap="auto",
 )
 
 
@@ -84,8 +91,14 @@ def step_schedule(cfg: dict, step: int) -> tuple[int, list[int], float, int]:
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.blake2b(t.contiguous().view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16
-                           else t.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+    t = t.detach().cpu().contiguous()
+    return hashlib.blake2b(t.view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16
+                           else t.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def _device_allocated(dev: torch.device) -> int | None:
+    """Bytes torch's allocator holds for tensors on ``dev`` (CUDA), else ``None``."""
+    return int(torch.cuda.memory_allocated(dev)) if dev.type == "cuda" else None
 
 
 def _rss() -> int:
@@ -97,15 +110,17 @@ def soak_rank(cfg: dict) -> dict:
     r, R = dist.get_rank(), dist.get_world_size()
     cfg = {**DEFAULTS, **cfg, "ranks": R}
     E, H, I, K, B, L = (cfg[k] for k in ("experts", "hidden", "intermediate", "topk", "slots", "layers"))
+    dev = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
+    heap_kind = cfg["heap"] if cfg["heap"] != "auto" else ("host" if dev.type == "cpu" else "torch")
     kinds = {"auto": ["replicated", "symmetric"], "both": ["replicated", "symmetric"],
              "replicated": ["replicated"], "symmetric": ["symmetric"]}[cfg["layouts"]]
     t_setup = time.monotonic()
     rss_start = _rss()
-    weights = [random_expert_weights(E, H, I, cfg["seed"] * 7919 + l) for l in range(L)]
+    weights = [random_expert_weights(E, H, I, cfg["seed"] * 7919 + l, dev) for l in range(L)]
     epn = E // R
     local = [(w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()) for w13, w2 in weights]
     pool = MoonEPBufferPool(
-        dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=cfg["token_padding"], device="cpu",
+        dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=cfg["token_padding"], device=dev,
              timeout_s=cfg["timeout_s"]),
         max_tokens_per_rank=cfg["max_tokens"], engine="builtin", min_capacity=cfg["min_capacity"],
     )
@@ -116,7 +131,7 @@ def soak_rank(cfg: dict) -> dict:
         else:
             from vllm_moonep.symmetric import SymmetricWeightLayout
 
-            layouts[kind] = [SymmetricWeightLayout(a, b, E, num_slots=B, heap="host") for a, b in local]
+            layouts[kind] = [SymmetricWeightLayout(a, b, E, num_slots=B, heap=heap_kind) for a, b in local]
     moes = {k: [MoonEPMoE(pool, lay, impl=cfg["impl"]) for lay in layouts[k]] for k in kinds}
     caps = pool_capacities(cfg["max_tokens"], cfg["min_capacity"])
     warmup = cfg["warmup"] if cfg["warmup"] is not None else max(50, cfg["steps"] // 10)
@@ -127,6 +142,7 @@ def soak_rank(cfg: dict) -> dict:
                  max_rel_err=0.0, slots_used=0, tokens=0, capacities_seen=set(), max_buffers_seen=0, n1_steps=0,
                  nmax_steps=0)
     rss_samples: list[tuple[int, int]] = []
+    dev_warm = None
     rss_warm = None
     objs_warm = None
     setup_s = time.monotonic() - t_setup
@@ -145,7 +161,7 @@ def soak_rank(cfg: dict) -> dict:
         n_max, counts, sigma, recipe = step_schedule(cfg, step)
         n = counts[r]
         gx = torch.Generator().manual_seed(cfg["seed"] * 31 + recipe * 7 + r)
-        x0 = torch.randn(n, H, generator=gx).to(torch.bfloat16)
+        x0 = torch.randn(n, H, generator=gx).to(torch.bfloat16).to(dev)
         stats["n1_steps"] += n_max == 1
         stats["nmax_steps"] += n_max == cfg["max_tokens"]
         try:
@@ -153,6 +169,7 @@ def soak_rank(cfg: dict) -> dict:
                 x = x0
                 for l in range(L):
                     ids, w = route(n, E, K, sigma=sigma, seed=cfg["seed"] * 1009 + recipe * L + l, rank=r)
+                    ids, w = ids.to(dev), w.to(dev)
                     out = moes[kind][l].forward(x, ids, w, num_tokens_across_dp=n_max)
                     info = moes[kind][l].last
                     stats["capacities_seen"].add(info.capacity)
@@ -197,11 +214,13 @@ def soak_rank(cfg: dict) -> dict:
         if rss_warm is None and steps_done >= warmup and stats["capacities_seen"] >= set(caps):
             gc.collect()
             rss_warm, objs_warm, warm_step = _rss(), len(gc.get_objects()), steps_done
+            dev_warm = _device_allocated(dev)
         if step % cfg["mem_every"] == 0 or step == cfg["steps"] - 1:
             rss_samples.append((step, _rss()))
     duration = time.monotonic() - t0
     gc.collect()
     rss_end, objs_end = _rss(), len(gc.get_objects())
+    dev_end = _device_allocated(dev)
     # teardown, newest first, before the process group
     pool.destroy()
     for kind in reversed(kinds):
@@ -237,8 +256,15 @@ def soak_rank(cfg: dict) -> dict:
         "rss_samples_mib": [(st, round(rs / 2**20, 1)) for st, rs in rss_samples[:: max(1, len(rss_samples) // 20)]],
         "py_objects_warm": objs_warm,
         "py_objects_end": objs_end,
+        "device": str(dev),
+        "device_allocated_warm": dev_warm,
+        "device_allocated_end": dev_end,
         **stats,
     }
+
+
+def _mib(v):
+    return round(v / 2**20, 1) if v is not None else None
 
 
 def summarize(results: list, cfg: dict) -> dict:
@@ -271,7 +297,9 @@ def summarize(results: list, cfg: dict) -> dict:
             {k: (round(x[k] / mib, 1) if x[k] is not None else None)
              for k in ("rss_start", "rss_after_setup", "rss_warm", "rss_end", "rss_max", "rss_growth_after_warmup")}
             | {"slope_mib_per_1k_steps": round(x["rss_slope_mib_per_1k_steps"], 3),
-               "py_objects_warm": x["py_objects_warm"], "py_objects_end": x["py_objects_end"]}
+               "py_objects_warm": x["py_objects_warm"], "py_objects_end": x["py_objects_end"],
+               "device_allocated_warm": _mib(x.get("device_allocated_warm")),
+               "device_allocated_end": _mib(x.get("device_allocated_end"))}
             for x in ok
         ],
     }
@@ -280,8 +308,10 @@ def summarize(results: list, cfg: dict) -> dict:
 
 
 def format_summary(s: dict) -> str:
+    where = s["config"].get("device", "cpu")
     lines = [
-        f"MoonEP soak: {s['steps']} steps on {s['ranks']} ranks, layouts {s['layouts']}, "
+        f"MoonEP soak: {s['steps']} steps on {s['ranks']} {where} ranks ({s['config'].get('backend_used', 'gloo')}), "
+        f"layouts {s['layouts']}, "
         f"{s['config'].get('layers')} layers, in {s['duration_s']:.1f}s ({s['steps_per_s']:.1f} steps/s)",
         f"  capacities {s['capacities']} (seen {s['capacities_seen']}); steps with 1 token max: {s['n1_steps']}, "
         f"with the maximum: {s['nmax_steps']}; pool buffers <= {s['max_buffers_seen']} (bound {s['max_buffers']})",
@@ -295,6 +325,8 @@ def format_summary(s: dict) -> str:
             f"{m['rss_warm']}, end {m['rss_end']}, max {m['rss_max']}; growth after warm-up "
             f"{m['rss_growth_after_warmup']} MiB, slope {m['slope_mib_per_1k_steps']} MiB/1k steps; "
             f"python objects {m['py_objects_warm']} -> {m['py_objects_end']}"
+            + (f"; torch device memory MiB after warm-up {m['device_allocated_warm']}, end {m['device_allocated_end']}"
+               if m.get("device_allocated_end") is not None else "")
         )
     lines.append(f"  errors: {s['errors']}" + ("".join(f"\n    {e}" for e in s["error_samples"]) if s["errors"] else ""))
     if s["ranks_lost"]:
@@ -303,10 +335,18 @@ def format_summary(s: dict) -> str:
 
 
 def run(cfg: dict) -> dict:
+    """The soak on ``cfg["ranks"]`` ranks (spawned, or the launched ones under torchrun); the
+    summary. ``ValueError`` when the ranks cannot run as asked (``launch.resolve_launch``)."""
     cfg = {**DEFAULTS, **cfg}
-    env = {"VLLM_MOONEP_COLLECTIVE_TIMEOUT_S": str(cfg["timeout_s"])}
-    res = run_on_ranks(cfg["ranks"], soak_rank, cfg, env=env, fresh=True, allow_failures=True,
-                       timeout_s=max(600.0, cfg["steps"] * 2.0))
+    launch = resolve_launch(cfg["device"], cfg["ranks"], cfg["backend"], cfg["share_gpus"])
+    cfg["backend_used"] = launch.backend
+    env = {"VLLM_MOONEP_COLLECTIVE_TIMEOUT_S": str(cfg["timeout_s"]), **launch.env}
+    spawn = dict(env=env, backend=launch.backend, device=launch.device)
+    if launch.launched:  # the launched processes are the ranks; a lost rank ends the launch
+        res = run_on_ranks(cfg["ranks"], soak_rank, cfg, **spawn)
+    else:
+        res = run_on_ranks(cfg["ranks"], soak_rank, cfg, fresh=True, allow_failures=True,
+                           timeout_s=max(600.0, cfg["steps"] * 2.0), **spawn)
     return summarize(res, cfg)
 
 
@@ -319,18 +359,43 @@ def main(argv=None) -> int:
         elif k in ("layouts", "impl"):
             choices = ["auto", "replicated", "symmetric", "both"] if k == "layouts" else None
             p.add_argument(flag, default=v, choices=choices)
+        elif k == "device":
+            p.add_argument(flag, default=v, choices=["cpu", "cuda"],
+                           help="cpu (gloo) or cuda (one GPU per rank over NCCL) (default: %(default)s)")
+        elif k == "backend":
+            p.add_argument(flag, default=v, choices=list(BACKENDS),
+                           help="auto = NCCL on cuda with a GPU per rank, gloo on cpu (default: %(default)s)")
+        elif k == "share_gpus":
+            p.add_argument(flag, action="store_true",
+                           help="--device cuda with fewer GPUs than ranks: several rank processes per GPU over gloo")
+        elif k == "heap":
+            p.add_argument(flag, default=v, choices=list(HEAP_KINDS),
+                           help="heap of the symmetric layout: auto = host on cpu, torch on cuda (default: %(default)s)")
+        elif k == "ranks":
+            p.add_argument(flag, type=int, default=None,
+                           help=f"rank processes (default: {v}, or the launched world size under torchrun)")
         else:
             p.add_argument(flag, type=type(v), default=v)
     p.add_argument("--json", default=None, help="write the summary here")
     a = p.parse_args(argv)
     cfg = {k: getattr(a, k) for k in DEFAULTS}
+    if cfg["ranks"] is None:
+        cfg["ranks"] = launched_world_size() or DEFAULTS["ranks"]
     if cfg["experts"] % cfg["ranks"]:
         p.error("--experts must be divisible by --ranks")
-    s = run(cfg)
-    print(format_summary(s))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(s, f, indent=2, default=str)
+    try:
+        resolve_launch(cfg["device"], cfg["ranks"], cfg["backend"], cfg["share_gpus"])
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        s = run(cfg)
+    finally:
+        finish_launched_group()
+    if is_driver():
+        print(format_summary(s))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(s, f, indent=2, default=str)
     return 1 if s["errors"] else 0
 
 

@@ -1,20 +1,24 @@
-"""The A/B tool end to end on a tiny configuration: complete JSON, plots, and a wrong layout
-failing the reference check."""
+"""The A/B tool end to end on a tiny configuration: complete JSON and plots, a wrong layout failing
+the reference check, and every configuration's memory measured in fresh rank processes next to
+its accounting, with the difference explained where it exceeds 10%."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
-from vllm_moonep.common.memory import MemoryReport
+from vllm_moonep.common.memory import MemoryReport, expert_bytes
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.tools import ab
 from vllm_moonep.tools.launch import launched_world_size
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="the A/B tool spawns its own ranks")
+
+MiB = 2**20
 
 
 class SkipsPrefetch(ReplicatedWeightLayout):
@@ -24,31 +28,70 @@ class SkipsPrefetch(ReplicatedWeightLayout):
         return None
 
 
+class KeepsGatheredCopy(ReplicatedWeightLayout):
+    """A layout whose accounting leaves out a copy it holds: the gathered gate/up rows, kept."""
+
+    def __init__(self, w13_local, w2_local, num_experts, num_slots):
+        super().__init__(w13_local, w2_local, num_experts, num_slots)
+        E = num_experts
+        self.gathered_w13 = torch.cat([self.full_gate_weight[:E], self.full_up_weight[:E]], dim=1)
+
+
+def _pool(shape, device):
+    R = dist.get_world_size()
+    return MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=shape["experts"], num_ep_ranks=R,
+                                 B=shape["slots"], token_padding=128, device=device),
+                            max_tokens_per_rank=shape["max_tokens"], engine="builtin")
+
+
 def broken_layout(shape, local, device, impl):
-    R, E, B = dist.get_world_size(), shape["experts"], shape["slots"]
-    pool = MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=E, num_ep_ranks=R, B=B, token_padding=128,
-                                 device=device), max_tokens_per_rank=shape["max_tokens"], engine="builtin")
+    E, B = shape["experts"], shape["slots"]
+    pool = _pool(shape, device)
     layouts = [SkipsPrefetch(w13, w2, E, B) for w13, w2 in local]
     return [MoonEPMoE(pool, lay, impl=impl) for lay in layouts], pool, layouts, [], MemoryReport()
 
 
+def leaky_layout(shape, local, device, impl):
+    E, B = shape["experts"], shape["slots"]
+    pool = _pool(shape, device)
+    layouts = [KeepsGatheredCopy(w13, w2, E, B) for w13, w2 in local]
+    report = sum((lay.memory_report() for lay in layouts[1:]), layouts[0].memory_report())
+    return [MoonEPMoE(pool, lay, impl=impl) for lay in layouts], pool, layouts, [], report
+
+
 SMALL = dict(preset="tiny", ranks=2, layers=2, tokens=(8, 32), maxvios=(0.0, 3.0), steps=2, warmup=1, check_steps=1,
              budget_gb=0.05, progress=False)
+OURS = ["replicated", "symmetric", "symmetric-shared"]
 
 
-def test_ab_writes_complete_json_and_plots(tmp_path):
-    res = ab.run_ab(configs=["replicated", "symmetric", "symmetric-shared"], out_dir=str(tmp_path), **SMALL)
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ab")
+    return out, ab.run_ab(configs=OURS, out_dir=str(out), **SMALL)
+
+
+@pytest.fixture(scope="module")
+def wrong(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ab-wrong")
+    cfgs = ["replicated", f"{__name__}:broken_layout", f"{__name__}:leaky_layout"]
+    return ab.run_ab(configs=cfgs, out_dir=str(out), plots=False, **dict(SMALL, tokens=(32,), maxvios=(3.0,)))
+
+
+def test_ab_writes_complete_json_and_plots(ours):
+    """The A/B run must leave every raw figure, the environment and three plots behind."""
+    out, res = ours
     assert res["failures"] == []
-    with open(tmp_path / "moonep-ab.json") as f:
+    with open(out / "moonep-ab.json") as f:
         data = json.load(f)
     for key in ("preset", "shape", "configs", "environment", "anchor", "sigmas", "elapsed_s", "failures", "projection"):
         assert key in data, key
-    assert {"torch", "ranks", "device", "python"} <= set(data["environment"])
-    for cfg in ("replicated", "symmetric", "symmetric-shared"):
+    assert {"torch", "ranks", "device", "python", "backend", "heap"} <= set(data["environment"])
+    assert data["environment"]["backend"] == "gloo" and data["environment"]["launched_by_torchrun"] is False
+    for cfg in OURS:
         entry = data["configs"][cfg]
-        assert len(entry["memory"]) == 2
+        assert len(entry["memory"]) == 2 and len(entry["memory_check"]) == 2
         for m in entry["memory"]:
-            assert {"accounted", "measured_resident", "measured_peak", "load_s"} <= set(m)
+            assert {"accounted", "measured_resident", "measured_peak", "load_s", "detail"} <= set(m)
             assert {"home_rows", "replicated_rows", "slots", "transient", "resident"} <= set(m["accounted"])
         assert len(entry["points"]) == 4
         for p in entry["points"]:
@@ -62,27 +105,74 @@ def test_ab_writes_complete_json_and_plots(tmp_path):
     sym = data["configs"]["symmetric"]["memory"][0]["accounted"]
     shared = data["configs"]["symmetric-shared"]["memory"][0]["accounted"]
     assert rep["resident"] > sym["resident"] > shared["resident"]
-    # measured resident memory follows the same order as the accounting
-    meas = {c: data["configs"][c]["memory"][0]["measured_resident"] for c in ("replicated", "symmetric")}
-    assert meas["replicated"] > meas["symmetric"]
     skewed = [p for p in data["configs"]["replicated"]["points"] if p["maxvio"] == 3.0]
     assert any(p["slots_used_per_step"] > 0 for p in skewed)
     for name in ("memory.png", "latency_vs_maxvio.png", "latency_vs_tokens.png"):
-        path = tmp_path / name
+        path = out / name
         assert path.exists() and path.stat().st_size > 5000
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = ab.format_table(res)
     assert "replicated" in text and "symmetric-shared" in text
 
 
-def test_ab_fails_a_wrong_layout(tmp_path):
-    res = ab.run_ab(configs=["replicated", f"{__name__}:broken_layout"], out_dir=str(tmp_path), plots=False, **SMALL)
+def test_each_configuration_is_measured_in_fresh_processes(ours):
+    """vllm-poc measured 36 MiB against 72 accounted: RSS growth in rank processes an earlier
+    configuration had used, whose freed pages hid the growth."""
+    _, res = ours
+    pids = [{m["detail"]["pid"] for m in res["configs"][c]["memory"]} for c in OURS]
+    for i, a in enumerate(pids):
+        assert len(a) == 2
+        for b in pids[i + 1:]:
+            assert not a & b, "two configurations were measured in the same rank process"
+    assert all(chk["fresh_process"] for c in OURS for chk in res["configs"][c]["memory_check"])
+
+
+def test_measured_memory_matches_the_accounting_or_says_why(ours):
+    """measured MiB sat next to the accounting unexplained (replicated 114 against 72 MiB)."""
+    _, res = ours
+    for cfg in OURS:
+        for m, chk in zip(res["configs"][cfg]["memory"], res["configs"][cfg]["memory_check"]):
+            acc = m["accounted"]["resident"]
+            # what the process really holds beyond the layout's tensors: nothing big left unattributed
+            assert abs(chk["unexplained"]) <= 0.10 * acc + 2 * MiB, (cfg, chk)
+            # the layout's tensors are what the accounting says
+            d = m["detail"]
+            assert d["tensors_torch"] + d["tensors_heap"] == acc, (cfg, d, acc)
+            if cfg == "replicated":
+                assert abs(chk["relative"]) <= 0.10, (cfg, chk)
+                assert chk["why"] is None
+            else:  # CPU host heap with staging: a private copy beside the shared pages
+                assert d["host_staging"] == acc
+                assert chk["why"] is not None and "staging copy" in chk["why"], chk
+    text = ab.format_table(res)
+    assert "measured: each configuration in fresh rank processes" in text
+    assert "differ by more than 10%, why:" in text and "  symmetric: measured" in text
+
+
+def test_ab_fails_a_wrong_layout(wrong):
+    """A layout that skips prefetch (stale slots) must fail the run's reference check."""
+    res = wrong
     assert res["failures"], "a layout that skips prefetch must fail the reference check"
     assert all("broken_layout" in f for f in res["failures"])
-    assert not any(f.startswith("replicated") for f in res["failures"])
+    assert not any(f.startswith("replicated") or "leaky_layout" in f for f in res["failures"])
+
+
+def test_measurement_catches_a_copy_the_accounting_leaves_out(wrong):
+    """Comparing a layout's memory report with the formula that produced it could never see a copy
+    the layout holds but does not report; the fresh-process measurement does, and names it."""
+    res = wrong
+    shape = res["shape"]
+    extra = shape["layers"] * shape["experts"] * expert_bytes(shape["hidden"], shape["intermediate"]) * 2 // 3
+    entry = res["configs"][f"{__name__}:leaky_layout"]
+    for m, chk in zip(entry["memory"], entry["memory_check"]):
+        assert m["measured_resident"] - m["accounted"]["resident"] >= 0.9 * extra, (m, extra)
+        assert chk["why"] is not None and ab.WHY_TENSORS in chk["why"], chk
+        part = dict(chk["parts"])[ab.WHY_TENSORS]
+        assert abs(part - extra) <= 0.01 * extra, (part, extra)
 
 
 def test_ab_projection_mode(capsys):
+    """`moonep-ab project` must print the full-size projection and its fit verdicts."""
     assert ab.main(["project", "--ep", "8", "64"]) == 0
     out = capsys.readouterr().out
     assert "Kimi-K2" in out
@@ -92,6 +182,7 @@ def test_ab_projection_mode(capsys):
 
 
 def test_scaled_shape_fits_budget():
+    """A full-size preset scaled to the budget must fit it and keep E a multiple of the ranks."""
     s = ab.scaled_shape(ab.PRESETS["kimi-k2"], 4, None, 2 * ab.GiB, None)
     assert s["experts"] % 4 == 0 and s["experts"] >= s["topk"]
     from vllm_moonep.common.memory import replicated_accounting
@@ -102,10 +193,13 @@ def test_scaled_shape_fits_budget():
 
 @pytest.mark.vllm
 def test_ab_vllm_poc_configuration(tmp_path):
-    """vLLM's own in-tree MoonEP classes on our engine pass the same reference check."""
+    """vLLM's own in-tree MoonEP classes on our engine pass the same reference check, and their
+    memory, measured in fresh processes, is the accounted replicated layout (it read 36 of 72 MiB)."""
     small = dict(SMALL, tokens=(32,), maxvios=(3.0,))
     res = ab.run_ab(configs=["vllm-poc"], out_dir=str(tmp_path), plots=False, **small)
     assert res["failures"] == []
     pts = res["configs"]["vllm-poc"]["points"]
     assert pts and 0 < pts[0]["ref_rel_err"] < 2e-2
     assert pts[0]["slots_used_per_step"] > 0
+    for chk in res["configs"]["vllm-poc"]["memory_check"]:
+        assert chk["fresh_process"] and abs(chk["relative"]) <= 0.10, chk

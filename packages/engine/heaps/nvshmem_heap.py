@@ -3,29 +3,45 @@
 NVSHMEM is initialised from the torch process group: rank 0's unique id is all-gathered over
 ``torch.distributed`` and every rank calls ``nvshmem.core.init(..., initializer_method="uid")``
 with its group rank. Allocations are ``nvshmem.core.tensor`` (collective), peer views
-``nvshmem.core.get_peer_tensor`` (peers reachable over NVLink / P2P; ranks on other nodes are not
-addressable and ``copy_from_peer`` falls back to an RMA get), frees ``nvshmem.core.free_tensor``
-(collective; this heap's LIFO rule is stricter than NVSHMEM's "same order on every PE").
+``nvshmem.core.get_peer_tensor`` (peers reachable over NVLink / P2P), frees
+``nvshmem.core.free_tensor`` (collective; this heap's LIFO rule is stricter than NVSHMEM's "same
+order on every PE").
+
+Peers that are not addressable (ranks on other nodes) are read by RMA: ``copy_from_peer`` issues
+``nvshmemx_getmem_on_stream`` (``nvshmem.bindings.getmem_on_stream``) for each row, in chunks,
+into a symmetric scratch buffer of this heap (the local side of a get over a remote transport
+must be registered memory), then copies the chunk into the destination on the same stream. The
+symmetric layout then refuses ``B < E/R`` (overflow reads need a peer view).
+``force_rma=True`` (or ``VLLM_MOONEP_NVSHMEM_FORCE_RMA=1``) treats every peer as not addressable,
+so one node runs the path ranks on other nodes take (tests; NVSHMEM itself still moves the bytes
+over NVLink there).
 
 nvshmem4py is imported lazily; where it does not import, constructing the heap raises
 ``MoonEPUnavailableError`` saying how to get it. Multicast (NVLS) stays off
 (``NVSHMEM_DISABLE_NVLS=1``; the heap refuses to start otherwise unless the user opted in).
 
-Not exercised in this repository's CI (nvshmem4py is not installed there); written against the
-nvshmem4py documentation (``nvshmem.core`` init/finalize, interop.torch, RMA, collectives).
+Not exercised in this repository's CPU CI (nvshmem4py is not installed there); the multi-GPU
+tests (``tests/distributed/test_multi_gpu.py``) run it where the nvshmem4py wheel is installed
+(``tools/gpu_suite.sh`` installs it from a carried ``.whl/`` folder).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 
-from vllm_moonep.engine.errors import MoonEPUnavailableError
+from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 from vllm_moonep.multicast import check_multicast_off
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
 
-__all__ = ["NvshmemHeap", "nvshmem_status"]
+__all__ = ["FORCE_RMA_ENV", "NvshmemHeap", "nvshmem_status", "rma_chunks"]
+
+#: set to 1 to treat every peer as not addressable (the RMA path of ranks on other nodes)
+FORCE_RMA_ENV = "VLLM_MOONEP_NVSHMEM_FORCE_RMA"
+#: default size of the symmetric scratch buffer RMA gets land in (bytes)
+RMA_SCRATCH_BYTES = 16 * 2**20
 
 #: processes initialise NVSHMEM once; heaps share it
 _STATE = {"initialised_by_us": False, "users": 0}
@@ -46,6 +62,28 @@ def nvshmem_status() -> tuple[object | None, str]:
     return core, ""
 
 
+def rma_chunks(rows: list[int], row_bytes: int, scratch_bytes: int) -> list[list[tuple[int, int, int, int]]]:
+    """The gets that copy ``rows`` (row indices of a ``[n, row_bytes]`` allocation) through a scratch
+    buffer of ``scratch_bytes``: batches, each a list of ``(src_offset, scratch_offset, dst_offset,
+    nbytes)`` filling the scratch at most once; a batch is followed by one copy of the scratch's
+    used prefix to the destination at ``batch[0][2]`` (contiguous). Rows larger than the scratch
+    are split into several batches."""
+    if row_bytes <= 0 or scratch_bytes <= 0:
+        raise MoonEPInputError(f"rma_chunks: row_bytes and scratch_bytes must be > 0, got {row_bytes}, {scratch_bytes}")
+    batches: list[list[tuple[int, int, int, int]]] = []
+    if row_bytes <= scratch_bytes:
+        per = scratch_bytes // row_bytes
+        for i0 in range(0, len(rows), per):
+            batches.append([(r * row_bytes, j * row_bytes, (i0 + j) * row_bytes, row_bytes)
+                            for j, r in enumerate(rows[i0:i0 + per])])
+    else:
+        for i, r in enumerate(rows):
+            for off in range(0, row_bytes, scratch_bytes):
+                n = min(scratch_bytes, row_bytes - off)
+                batches.append([(r * row_bytes + off, 0, i * row_bytes + off, n)])
+    return batches
+
+
 def _cuda_core_device(index: int):
     for modname in ("cuda.core", "cuda.core.experimental"):
         try:
@@ -62,11 +100,16 @@ class NvshmemHeap(SymmetricHeap):
     Args:
         group: the process group whose ranks become the NVSHMEM PEs (``None``: default group).
         device: the CUDA device of this rank (default: the current one).
+        force_rma: treat every peer as not addressable, so peer rows are read by RMA gets (what
+            ranks on other nodes need), on one node too (``None``: ``$VLLM_MOONEP_NVSHMEM_FORCE_RMA``).
+        rma_scratch_bytes: size of the symmetric scratch buffer RMA gets land in (allocated only
+            where some rank has a peer it cannot address).
     """
 
     kind = "nvshmem"
 
-    def __init__(self, group=None, device: torch.device | str | None = None):
+    def __init__(self, group=None, device: torch.device | str | None = None, *, force_rma: bool | None = None,
+                 rma_scratch_bytes: int = RMA_SCRATCH_BYTES):
         core, why = nvshmem_status()
         if core is None:
             raise MoonEPUnavailableError(f"NvshmemHeap: {why}")
@@ -78,8 +121,14 @@ class NvshmemHeap(SymmetricHeap):
             raise MoonEPUnavailableError(f"NvshmemHeap allocates CUDA memory; got device {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if force_rma is None:
+            force_rma = os.environ.get(FORCE_RMA_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+        if not isinstance(rma_scratch_bytes, int) or rma_scratch_bytes < 1:
+            raise MoonEPInputError(f"NvshmemHeap: rma_scratch_bytes must be a positive int, got {rma_scratch_bytes!r}")
         super().__init__(group, device)
         self._core = core
+        self.force_rma = bool(force_rma)
+        self._scratch = None
         torch.cuda.set_device(device)
         self._init_nvshmem()
         _STATE["users"] += 1
@@ -98,6 +147,13 @@ class NvshmemHeap(SymmetricHeap):
                 self._addressable.append(ok)
         finally:
             self._core.free_tensor(probe)
+        if self.force_rma:
+            self._addressable = [r == self.rank for r in range(self.world_size)]
+        # every rank allocates the scratch if any rank needs it (allocation is collective)
+        need = self._all_gather_object(not all(self._addressable))
+        if any(need):
+            self._scratch = self._core.tensor((rma_scratch_bytes,), dtype=torch.uint8)
+            torch.cuda.synchronize(self.device)
 
     def _init_nvshmem(self) -> None:
         core = self._core
@@ -156,15 +212,47 @@ class NvshmemHeap(SymmetricHeap):
         return view if all(handle.shape) else view[:0].view(handle.shape)
 
     def copy_from_peer(self, dst: torch.Tensor, handle: HeapHandle, rank: int, src_rows: torch.Tensor) -> None:
+        """``dst[i] = peer(rank)[src_rows[i]]``: through the peer view where ``rank`` is addressable,
+        else by RMA gets into the symmetric scratch buffer, each followed (same stream) by a copy
+        into ``dst``. Stream-ordered; the heap's ``barrier()`` completes it."""
         if self.addressable(rank):
             return super().copy_from_peer(dst, handle, rank, src_rows)
-        # RMA get of each row into a symmetric scratch row, then a local copy
-        base = handle._impl["base"]
-        rows = src_rows.tolist()
-        stream = self._stream()
-        for i, r in enumerate(rows):
-            self._core.get(dst[i], base[r], remote_pe=rank, stream=stream)
-        torch.cuda.current_stream(self.device).synchronize()
+        self._check_open("copy_from_peer")
+        self._check_handle(handle, "copy_from_peer")
+        if handle.freed:
+            raise MoonEPStateError(f"heap.copy_from_peer: allocation {handle.describe()} was freed")
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise MoonEPInputError(f"heap.copy_from_peer: rank must be in [0, {self.world_size}), got {rank!r}")
+        rows = [int(r) for r in src_rows.tolist()]
+        n = handle.shape[0] if handle.shape else 0
+        row_shape = tuple(handle.shape[1:])
+        if any(not 0 <= r < n for r in rows):
+            raise MoonEPInputError(f"heap.copy_from_peer: rows {rows} outside [0, {n}) of {handle.describe()}")
+        if (dst.device != self.device or dst.dtype != handle.dtype or tuple(dst.shape) != (len(rows),) + row_shape
+                or not dst.is_contiguous()):
+            raise MoonEPInputError(
+                f"heap.copy_from_peer: dst must be a contiguous {handle.dtype} [{len(rows)}, {', '.join(map(str, row_shape))}] "
+                f"tensor on {self.device}, got {dst.dtype} {list(dst.shape)} on {dst.device}")
+        if not rows:
+            return
+        if self._scratch is None:  # not reachable: the scratch exists wherever a peer is not addressable
+            raise MoonEPStateError("NvshmemHeap: no RMA scratch buffer although a peer is not addressable")
+        try:
+            bindings = importlib.import_module("nvshmem.bindings")
+            getmem = bindings.getmem_on_stream
+        except Exception as exc:
+            raise MoonEPUnavailableError(f"NvshmemHeap: nvshmem.bindings.getmem_on_stream is unavailable ({exc})") from exc
+        row_bytes = handle.nbytes // n
+        src_base = handle._impl["base"].data_ptr()
+        scratch = self._scratch
+        dst_bytes = dst.view(-1).view(torch.uint8)
+        stream = torch.cuda.current_stream(self.device)
+        for batch in rma_chunks(rows, row_bytes, scratch.numel()):
+            for src_off, scr_off, _, nbytes in batch:
+                getmem(scratch.data_ptr() + scr_off, src_base + src_off, nbytes, rank, stream.cuda_stream)
+            used = batch[-1][1] + batch[-1][3]
+            start = batch[0][2]
+            dst_bytes[start:start + used].copy_(scratch[:used])
 
     def _barrier(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -182,6 +270,10 @@ class NvshmemHeap(SymmetricHeap):
         self._core.free_tensor(handle._impl["base"])
 
     def _close(self) -> None:
+        if self._scratch is not None and not self.__dict__.get("_teardown_local", False):
+            torch.cuda.synchronize(self.device)
+            self._core.free_tensor(self._scratch)
+        self._scratch = None
         _STATE["users"] -= 1
         if _STATE["users"] == 0 and _STATE["initialised_by_us"]:
             try:
