@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from vllm_moonep.common.routing import route, sigma_for_maxvio
 from vllm_moonep.engine import TRANSPORTS, Buffer
-from vllm_moonep.tools.launch import run_on_ranks, shutdown_pools
+from vllm_moonep.tools.launch import (add_launch_arguments, finish_launched_group, is_driver, resolve_launch,
+                                      run_on_ranks, shutdown_pools)
 
 SHAPES = {  # hidden size, experts, top-k
     "qwen3-30b-a3b": (2048, 128, 8),
@@ -180,8 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--maxvio", type=float, nargs="+", default=[0.0, 1.0, 2.0],
                     help="routing skew: max/mean - 1 of the tokens per expert (0: balanced)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
-                    help="process group (nccl: one GPU per rank)")
+    add_launch_arguments(ap)
     ap.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help="the engine's transport")
     ap.add_argument("--programs", type=int, default=None,
                     help="programs of the symmetric transport's row kernels (the Buffer's num_sms)")
@@ -197,8 +197,12 @@ def main(argv=None) -> int:
     H, E, K = SHAPES[a.preset]
     if E % a.ranks:
         ap.error(f"{a.preset} has {E} experts, not divisible by --ranks {a.ranks}")
-    env = {"VLLM_MOONEP_THREADS_PER_RANK": "1"}
-    if a.device == "cuda" and a.backend == "gloo":
+    try:
+        launch = resolve_launch(a.device, a.ranks, a.backend, a.share_gpus)
+    except ValueError as exc:
+        ap.error(str(exc))
+    env = {"VLLM_MOONEP_THREADS_PER_RANK": "1", **launch.env}
+    if launch.ranks_per_gpu > 1:  # processes sharing a GPU map each other's symmetric memory
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     rows = []
     transport = None
@@ -207,7 +211,8 @@ def main(argv=None) -> int:
             for mv in a.maxvio:
                 sigma = sigma_for_maxvio(mv, E, K, S * a.ranks)
                 res = run_on_ranks(a.ranks, rank_bench, H, E, K, S, sigma, a.device, a.iters, a.warmup,
-                                   a.profile, a.transport, a.programs, env=env, backend=a.backend)
+                                   a.profile, a.transport, a.programs, env=env, backend=launch.backend,
+                                   device=launch.device)
                 transport = res[0]["transport"]
                 payload = S * K * H * 2
                 row = {"tokens": S, "maxvio": mv, "payload_MB": payload / 1e6,
@@ -216,12 +221,17 @@ def main(argv=None) -> int:
                     row[f"{key}_us"] = None if _worst(res, key, 0) is None else _worst(res, key, 0) * 1e6
                     row[f"{key}_dev_us"] = None if _worst(res, key, 1) is None else _worst(res, key, 1) * 1e6
                 rows.append(row)
-                if a.profile and res[0]["profile"]:
+                if a.profile and res[0]["profile"] and is_driver():
                     print(f"--- one dispatch + combine, rank 0, tokens {S}, maxvio {mv} ---\n{res[0]['profile']}")
     finally:
         shutdown_pools()
+        finish_launched_group()
+    if not is_driver():
+        return 0
+    if launch.note:
+        print(launch.note)
     print(f"built-in engine ({transport} transport), {a.preset} (H={H}, E={E}, K={K}), {a.ranks} ranks on "
-          f"{a.device} over {a.backend}; us = slowest rank's median, host-timed (device-timed)")
+          f"{a.device} over {launch.backend}; us = slowest rank's median, host-timed (device-timed)")
     print("| tokens/rank | maxvio | payload MB | dispatch us | combine us | graph d+c us | all_to_all us | "
           "one-sided copies us | dispatch/a2a | combine/a2a | dispatch GB/s | slots used |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

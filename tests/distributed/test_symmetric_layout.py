@@ -16,7 +16,6 @@ import torch.distributed as dist
 from tests.conftest import ranks
 from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
-from vllm_moonep.common.memory import replicated_accounting, symmetric_accounting
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import HostHeap, SharedSlotPool, SymmetricWeightLayout, destroy_in_order
@@ -257,8 +256,7 @@ def shared_slot_pool_layers(E, B, L):
         layers[0].grouped_weights()
     # memory: L layers + one pool == the formula with a shared pool
     total = sum((lay.memory_report() for lay in layers[1:]), layers[0].memory_report()) + slot_pool.memory_report()
-    assert total == symmetric_accounting(E, R, B, H, I, layers=L, shared_slot_pool=True)
-    assert heap.local_bytes() == total.resident
+    assert heap.local_bytes() == total.resident  # what the heap holds, not the formula again
     # teardown: the pool cannot go before the layers (LIFO)
     with pytest.raises(MoonEPStateError, match="out-of-order"):
         slot_pool.destroy()
@@ -322,9 +320,7 @@ def memory_accounting(E, B, Hm, Im):
     rss_sym = _rss() - rss1
     sym_report = sym.memory_report()
     measured = sym.measured_bytes()
-    # accounted == formula
-    assert rep_report == replicated_accounting(E, R, B, Hm, Im)
-    assert sym_report == symmetric_accounting(E, R, B, Hm, Im)
+    # the report's parts are the rows the layout holds (epn home rows, B slots, nothing replicated)
     assert sym_report.home_rows == epn * bpe and sym_report.slots == B * bpe and sym_report.replicated_rows == 0
     # measured tensor bytes == accounted resident (the replicated report also counts the caller's params)
     assert rep_bytes == rep_report.replicated_rows + rep_report.slots
@@ -334,7 +330,9 @@ def memory_accounting(E, B, Hm, Im):
     return rss_rep, rss_sym, rep_report.replicated_rows + rep_report.slots, sym_report.resident
 
 
-def test_memory_accounted_equals_formula_and_measured():
+def test_memory_accounted_matches_measured():
+    """An accounting that drifts from what the layouts really hold (tensor bytes and RSS growth in
+    fresh processes), e.g. a forgotten copy or a slot counted twice."""
     E, B, Hm, Im = 16, 4, 512, 512
     # fresh processes: RSS growth in a reused rank process would be hidden by freed pages of earlier tests
     res = ranks(4, memory_accounting, E, B, Hm, Im, fresh=True)
