@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.engine import Buffer
+from vllm_moonep.tools.cli import positive
 from vllm_moonep.tools.launch import (add_launch_arguments, finish_launched_group, is_driver, launched_world_size,
                                       resolve_launch, run_on_ranks, shutdown_pools)
 
@@ -95,16 +96,6 @@ def format_report(rows: list[dict], ranks: int, tokens: int, experts: int, topk:
     return "\n".join(lines + ["", LEGEND])
 
 
-def _positive(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {v!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def _skew(v: str) -> float:
     try:
         x = float(v)
@@ -121,16 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moonep-balance", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="\n\n".join(textwrap.fill(p.replace("``", "").replace("\n", " "), 100) for p in doc[:3]),
         epilog="Columns:\n" + LEGEND)
-    ap.add_argument("--ranks", type=_positive, default=None,
+    ap.add_argument("--ranks", type=positive("--ranks"), default=None,
                     help="rank processes (EP size); must divide --experts (default: 4, or the launched world size "
                          "under torchrun)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the ranks run: cpu (gloo) or cuda (one GPU per rank over NCCL) (default: %(default)s)")
     add_launch_arguments(ap)
-    ap.add_argument("--tokens", type=_positive, default=256, help="tokens per rank (default: %(default)s)")
-    ap.add_argument("--experts", type=_positive, default=64, help="routed experts E (default: %(default)s)")
-    ap.add_argument("--topk", type=_positive, default=8, help="experts per token, at most --experts (default: %(default)s)")
-    ap.add_argument("--hidden", type=_positive, default=128, help="hidden size of the dispatched rows (default: %(default)s)")
+    ap.add_argument("--tokens", type=positive("--tokens"), default=256, help="tokens per rank (default: %(default)s)")
+    ap.add_argument("--experts", type=positive("--experts"), default=64, help="routed experts E (default: %(default)s)")
+    ap.add_argument("--topk", type=positive("--topk"), default=8, help="experts per token, at most --experts (default: %(default)s)")
+    ap.add_argument("--hidden", type=positive("--hidden"), default=128, help="hidden size of the dispatched rows (default: %(default)s)")
     ap.add_argument("--maxvio", type=_skew, nargs="+", default=[0.0, 0.5, 1.0, 2.0, 3.0],
                     help="routing skews to request (see above); one row each (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the routing and the tokens (default: %(default)s)")

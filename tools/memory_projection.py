@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 
 from vllm_moonep.common.memory import expert_bytes, replicated_accounting, symmetric_accounting
+from vllm_moonep.tools.cli import positive
 
 __all__ = ["MODELS", "Model", "model_from_hf_config", "projection_rows", "main"]
 
@@ -141,32 +142,6 @@ def render(rows, gpu_gb: float, markdown: bool) -> str:
     return "\n".join([fmt.format(*head)] + [fmt.format(*b) for b in body])
 
 
-def _positive_int(what: str):
-    def parse(v: str) -> int:
-        try:
-            n = int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be an integer, got {v!r}") from None
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"{what} must be >= 1, got {n}")
-        return n
-
-    return parse
-
-
-def _positive_float(what: str):
-    def parse(v: str) -> float:
-        try:
-            x = float(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number, got {v!r}") from None
-        if not x > 0:
-            raise argparse.ArgumentTypeError(f"{what} must be > 0, got {v}")
-        return x
-
-    return parse
-
-
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "),
@@ -174,22 +149,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                "rank plus the E/R parameters it keeps; symmetric = E/R home rows + B slots per layer; symmetric "
                "shared B = E/R home rows per layer + one pool of B slots for all layers; fits = whether each is at "
                "most --gpu-gb. " + __doc__.split("\n\n")[-1].replace("\n", " "))
-    ap.add_argument("--slots", type=_positive_int("--slots"), default=8,
+    ap.add_argument("--slots", type=positive("--slots"), default=8,
                     help="B, prefetch slots per rank and layer (per rank in total with a shared pool) (default: %(default)s)")
-    ap.add_argument("--gpu-gb", type=_positive_float("--gpu-gb"), default=141.0,
+    ap.add_argument("--gpu-gb", type=positive("--gpu-gb", float), default=141.0,
                     help="GPU memory for the 'fits' column, GB of 1e9 bytes; an H200 has 141 (default: %(default)s)")
-    ap.add_argument("--ep", type=_positive_int("--ep"), nargs="+", default=[8, 16, 32, 64],
+    ap.add_argument("--ep", type=positive("--ep"), nargs="+", default=[8, 16, 32, 64],
                     help="EP sizes (ranks) to project; each must divide the model's expert count "
                          "(default: %(default)s)")
     ap.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     own = ap.add_argument_group("your own model (instead of the built-in ones)")
     own.add_argument("--config", metavar="PATH",
                      help="a Hugging Face config.json, or the model folder holding it")
-    own.add_argument("--hidden", type=_positive_int("--hidden"), help="hidden size H")
-    own.add_argument("--intermediate", type=_positive_int("--intermediate"),
+    own.add_argument("--hidden", type=positive("--hidden"), help="hidden size H")
+    own.add_argument("--intermediate", type=positive("--intermediate"),
                      help="one expert's intermediate size I (moe_intermediate_size)")
-    own.add_argument("--experts", type=_positive_int("--experts"), help="routed experts E per MoE layer")
-    own.add_argument("--layers", type=_positive_int("--layers"), help="MoE layers (dense layers not counted)")
+    own.add_argument("--experts", type=positive("--experts"), help="routed experts E per MoE layer")
+    own.add_argument("--layers", type=positive("--layers"), help="MoE layers (dense layers not counted)")
     own.add_argument("--name", help="the model's name in the table (default: from the config, or 'custom')")
     return ap
 

@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+from tests.hide_vllm import HIDE_VLLM
+
 from vllm_moonep.common import capacity_for, pad_to_capacity, sanitize_routing, tokens_per_expert
 from vllm_moonep.common.pool import MoonEPBufferPool
 from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPUnavailableError, make_buffer, resolve_engine
@@ -68,13 +70,7 @@ def test_engine_selection():
 
 def test_core_imports_without_vllm(tmp_path):
     """Hide vLLM (a meta-path blocker) and import every core package."""
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'vllm' or name.startswith('vllm.'):\n"
-        "            raise ImportError('vllm hidden for this test')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    code = HIDE_VLLM + (
         "from vllm_moonep.engine import Buffer\n"
         "import vllm_moonep.common, vllm_moonep.replicated, vllm_moonep.symmetric\n"
         "import vllm_moonep.common.grouped_gemm, vllm_moonep.common.moe_step\n"

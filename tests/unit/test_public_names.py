@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from tests.hide_vllm import HIDE_VLLM
+
 VLLM_NAMES = ("MoonEPPrepareAndFinalize", "MoonEPExperts")
 
 
@@ -33,13 +35,7 @@ def test_importing_common_does_not_import_vllm():
 
 def test_vllm_names_without_vllm_say_that_vllm_is_needed():
     """Without vLLM, asking for MoonEPExperts gave a bare AttributeError that did not say vLLM is missing."""
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'vllm' or name.startswith('vllm.'):\n"
-        "            raise ImportError('vllm hidden for this test')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    code = HIDE_VLLM + (
         "try:\n"
         "    from vllm_moonep.common import MoonEPExperts\n"
         "except ImportError as exc:\n"
