@@ -11,7 +11,6 @@ The pieces are module-level functions (``check_hidden_states``, ``fold_router_we
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -20,7 +19,7 @@ from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.common.padding import pad_to_capacity, tokens_per_expert
 from vllm_moonep.common.pool import MoonEPBufferPool
 from vllm_moonep.common.timing import NullTimer
-from vllm_moonep.engine import MoonEPInputError
+from vllm_moonep.engine import MoonEPBuffer, MoonEPInputError, MoonEPPlan, default_num_slots
 
 __all__ = [
     "DispatchState",
@@ -51,8 +50,8 @@ class StepInfo:
 class DispatchState:
     """What ``dispatch_and_prefetch`` leaves for ``combine_rows``."""
 
-    buffer: Any
-    plan: Any
+    buffer: MoonEPBuffer
+    plan: MoonEPPlan
     capacity: int
     num_tokens: int  # this rank's real tokens (rows of the output)
     topk: int
@@ -103,7 +102,7 @@ def check_layout_matches_pool(pool: MoonEPBufferPool, layout: WeightLayout) -> N
     rows would not exist in the layout); checked before any collective."""
     kw = pool.buffer_kwargs
     E, R = kw.get("E"), kw.get("num_ep_ranks")
-    B = kw.get("B") or (E // R if E and R else None)
+    B = kw.get("B") or (default_num_slots(E, R) if E and R else None)
     if (E, B) != (layout.num_experts, layout.num_slots):
         raise MoonEPInputError(
             f"the weight layout has E={layout.num_experts} experts and B={layout.num_slots} slots, the buffer pool "

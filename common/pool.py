@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, make_buffer
+from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, make_buffer, resolve_device
 
 MIN_CAPACITY = 128
 
@@ -49,8 +49,6 @@ class MoonEPBufferPool:
         # counts derived from the ids), so the engine's per-call re-validation would only add host
         # synchronizations on a GPU; keep it on CPU, where it is free, unless the caller says.
         if "check_inputs" not in self._kwargs:
-            from vllm_moonep.engine.buffer import resolve_device
-
             self._kwargs["check_inputs"] = resolve_device(self._kwargs.get("device")).type != "cuda"
         self.max_tokens_per_rank = int(max_tokens_per_rank)
         self.min_capacity = int(min_capacity)

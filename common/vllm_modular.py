@@ -43,7 +43,7 @@ from vllm_moonep.common.moe_step import (
     fold_router_weight_on_input,
     step_token_count,
 )
-from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, dispatched_rows
 
 __all__ = [
     "MoonEPExperts",
@@ -175,7 +175,7 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
     @property
     def num_dispatched_slots(self) -> int:
         """``NvS`` of the buffer the pending step uses."""
-        return int(self._need_state("num_dispatched_slots").buffer._ctx["NvS"])
+        return dispatched_rows(self._need_state("num_dispatched_slots").buffer)
 
     def reset(self) -> None:
         """Drop a pending step (after a failed forward); the next prepare starts clean."""

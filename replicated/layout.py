@@ -13,7 +13,7 @@ import torch
 from vllm_moonep.common.grouped_gemm import GroupedWeights
 from vllm_moonep.common.layout import check_local_experts
 from vllm_moonep.common.memory import MemoryReport, replicated_accounting
-from vllm_moonep.engine import MoonEPStateError
+from vllm_moonep.engine import MoonEPBuffer, MoonEPPlan, MoonEPStateError
 from vllm_moonep.engine.collective import CollectiveTransport
 
 
@@ -66,7 +66,7 @@ class ReplicatedWeightLayout:
         self._alive("grouped_weights")
         return self._weights
 
-    def prefetch(self, buffer, plan) -> None:
+    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan) -> None:
         self._alive("prefetch")
         buffer.prefetch_weight(
             plan=plan,

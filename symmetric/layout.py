@@ -37,7 +37,15 @@ import torch.distributed as dist
 from vllm_moonep.common.grouped_gemm import GroupedWeights
 from vllm_moonep.common.layout import WEIGHT_TILE, check_local_experts
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, symmetric_accounting
-from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine import (
+    MoonEPBuffer,
+    MoonEPInputError,
+    MoonEPPlan,
+    MoonEPStateError,
+    default_num_slots,
+    group_rank_world,
+    resolve_device,
+)
 from vllm_moonep.engine.row_copy import address_table, copy_rows
 from vllm_moonep.engine.heaps import SymmetricHeap, make_heap
 
@@ -55,7 +63,7 @@ def _resolve_heap(heap, group, device) -> tuple[SymmetricHeap, bool]:
     if heap.closed:
         raise MoonEPStateError("the given heap was closed")
     if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size(group)
+        _, world = group_rank_world(group)
         if world != heap.world_size:
             raise MoonEPInputError(f"the heap spans {heap.world_size} ranks, the EP group {world}")
     return heap, False
@@ -94,8 +102,7 @@ class SharedSlotPool:
         if dtype != torch.bfloat16:
             raise MoonEPInputError(f"SharedSlotPool: MoonEP supports BF16 expert weights only, got {dtype}")
         if device is None:
-            device = heap.device if isinstance(heap, SymmetricHeap) else (
-                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+            device = heap.device if isinstance(heap, SymmetricHeap) else resolve_device(None)
         device = torch.device(device)
         self.heap, self._owns_heap = _resolve_heap(heap, group, device)
         try:
@@ -186,16 +193,13 @@ class SymmetricWeightLayout:
             if heap is None:
                 heap = slot_pool.heap
         # world size before the heap exists (for validation), from the group
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size(group)
-        elif group is not None:
-            raise MoonEPInputError("a process group was given but torch.distributed is not initialised")
-        else:
-            world = 1
+        _, world = group_rank_world(group)
         if slot_pool is not None:
             B = slot_pool.num_slots
+        elif num_slots is None and isinstance(num_experts, int) and world > 0 and num_experts % world == 0:
+            B = default_num_slots(num_experts, world)
         elif num_slots is None:
-            B = num_experts // world if isinstance(num_experts, int) and world > 0 and num_experts % world == 0 else 1
+            B = 1  # no default for this E: check_local_experts names what is wrong with it
         else:
             B = num_slots
         epn, I, H = check_local_experts(w13_local, w2_local, num_experts, world, B)
@@ -356,7 +360,7 @@ class SymmetricWeightLayout:
             )
         return self._weights
 
-    def prefetch(self, buffer, plan) -> None:
+    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan) -> None:
         """Slot ``b`` <- a bitwise copy of expert ``plan.experts_to_copy[rank, b]`` read from its owner; ``-1`` untouched."""
         self._alive("prefetch")
         etc = getattr(plan, "experts_to_copy", None)

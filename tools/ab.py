@@ -45,6 +45,7 @@ from vllm_moonep.common.memory import (EXPLAIN_ABOVE, MemoryReport, expert_bytes
 from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
 from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.common.timing import PHASES, PhaseTimer
+from vllm_moonep.engine import current_cuda_device, default_num_slots
 from vllm_moonep.engine.heaps import HEAP_KINDS
 from vllm_moonep.tools.launch import (add_launch_arguments, comm_device, finish_launched_group, init_launched_group,
                                       is_driver, launched_world_size, resolve_launch, run_on_ranks, shutdown_pools)
@@ -188,7 +189,7 @@ def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, s
     bpe = expert_bytes(p.hidden, p.intermediate)
 
     def replicated_bytes(E_, L_):
-        B_ = slots or max(E_ // ranks, 1)
+        B_ = slots or max(default_num_slots(E_, ranks), 1)
         return replicated_accounting(E_, ranks, B_, p.hidden, p.intermediate, layers=L_).resident
 
     while replicated_bytes(E, L) > budget_bytes and E > 2 * ranks:
@@ -198,7 +199,7 @@ def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, s
     E = max(E // ranks, 1) * ranks
     if E < p.topk:
         E = ((p.topk + ranks - 1) // ranks) * ranks
-    B = slots or E // ranks
+    B = slots or default_num_slots(E, ranks)
     return {
         "hidden": p.hidden, "intermediate": p.intermediate, "experts": E, "topk": p.topk,
         "layers": L, "slots": B, "expert_bytes": bpe,
@@ -213,7 +214,7 @@ _STATE: dict = {}
 def _device(kind: str) -> torch.device:
     """This rank's device: the GPU the launcher bound it to (one per rank, or shared), or the CPU."""
     if kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
+        return current_cuda_device()
     return torch.device("cpu")
 
 
@@ -533,7 +534,7 @@ def measure_anchor(device_kind: str) -> dict:
     """A reference rate measured in the same run, so figures from different machines compare:
     matmul throughput (bf16 on GPU, 8192^3; float32 on one CPU thread, 1024^3) and copy bandwidth."""
     if device_kind == "cuda" and torch.cuda.is_available():
-        n, dev, dt = 8192, torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+        n, dev, dt = 8192, current_cuda_device(), torch.bfloat16
     else:
         n, dev, dt = 1024, torch.device("cpu"), torch.float32
     threads = torch.get_num_threads()

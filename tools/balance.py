@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
-from vllm_moonep.engine import Buffer
+from vllm_moonep.engine import Buffer, current_cuda_device
 from vllm_moonep.tools.cli import positive
 from vllm_moonep.tools.launch import (add_launch_arguments, finish_launched_group, is_driver, launched_world_size,
                                       resolve_launch, run_on_ranks, shutdown_pools)
@@ -32,7 +32,7 @@ from vllm_moonep.tools.launch import (add_launch_arguments, finish_launched_grou
 
 def _rank_balance(S, H, K, E, B, sigma, seed, device_kind="cpu"):
     r, R = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    dev = current_cuda_device() if device_kind == "cuda" else torch.device("cpu")
     buf = Buffer(S, H, K, E, R, B=B, token_padding=128, device=dev)
     ids, w = route(S, E, K, sigma=sigma, seed=seed, rank=r)
     x = torch.randn(S, H, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.common.routing import route, sigma_for_maxvio
-from vllm_moonep.engine import TRANSPORTS, Buffer
+from vllm_moonep.engine import TRANSPORTS, Buffer, current_cuda_device, default_num_slots
 from vllm_moonep.tools.launch import (add_launch_arguments, finish_launched_group, is_driver, resolve_launch,
                                       run_on_ranks, shutdown_pools)
 
@@ -100,8 +100,8 @@ def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, pro
     r, R = dist.get_rank(), dist.get_world_size()
     dev = torch.device(device)
     if dev.type == "cuda":
-        dev = torch.device("cuda", torch.cuda.current_device())
-    buf = Buffer(S, H, K, E, R, B=E // R, device=dev, check_inputs=False, transport=transport, num_sms=programs)
+        dev = current_cuda_device()
+    buf = Buffer(S, H, K, E, R, B=default_num_slots(E, R), device=dev, check_inputs=False, transport=transport, num_sms=programs)
     ids, w = route(S, E, K, sigma=sigma, seed=1, rank=r)
     x = torch.randn(S, H, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16).to(dev)
     ids, w = ids.to(dev), w.to(dev)

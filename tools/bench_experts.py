@@ -116,11 +116,12 @@ def measure_ceilings(dev) -> dict:
 def rank0_case(shape: dict, tokens: int, sigma: float, seed: int = 0):
     """Rank 0's cu_seqlens [E+B] int32, real rows per segment [E+B], NvS, maxvio."""
     from vllm_moonep.common.routing import maxvio, route
+    from vllm_moonep.engine import default_num_slots
     from vllm_moonep.engine.buffer import nvs_rows
     from vllm_moonep.engine.planner import plan_global
 
     E, K = shape["E"], shape["K"]
-    B = E // R
+    B = default_num_slots(E, R)
     tpe = torch.zeros(R, E, dtype=torch.int64)
     for r in range(R):
         ids, _ = route(tokens, E, K, sigma=sigma, seed=seed, rank=r)
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     for sname in args.shapes.split(","):
         shp = SHAPES[sname]
         H, I, E, K = shp["H"], shp["I"], shp["E"], shp["K"]
-        B = E // R
+        B = default_num_slots(E, R)
         G = E + B
         gen = torch.Generator(device=dev).manual_seed(1234)
         w_gate = (torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5)

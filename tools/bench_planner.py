@@ -24,6 +24,7 @@ from dataclasses import fields
 import torch
 
 from vllm_moonep.common.routing import route, sigma_for_maxvio
+from vllm_moonep.engine import default_num_slots
 from vllm_moonep.engine.planner import place_entries, plan_global
 
 
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     iters = a.iters or (200 if dev.type == "cuda" else 3)
     warmup = a.warmup if a.warmup is not None else (20 if dev.type == "cuda" else 1)
     R, E, K = a.ranks, a.experts, a.topk
-    B = a.slots or E // R
+    B = a.slots or default_num_slots(E, R)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (Triton interpreter)"
     print(f"planner, R={R} E={E} K={K} B={B} tp={a.token_padding} on {name}; us per call, median of {iters}")
     print("| tokens/rank | maxvio | slots used | match | host (D2H + plan_global) | plan | place | graph plan+place "

@@ -195,13 +195,15 @@ def comm_device(group=None):
     import torch
     import torch.distributed as dist
 
+    from vllm_moonep.engine.defaults import current_cuda_device
+
     try:
         config = dist.get_backend_config(group)
     except Exception:
         config = str(dist.get_backend(group))
     if "cpu:" in config or config == "gloo":
         return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+    return current_cuda_device() if torch.cuda.is_available() else torch.device("cuda")
 
 
 def _bind_gpu(local_rank: int, backend: str, device: str | None = None):

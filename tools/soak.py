@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import measured_bytes
+from vllm_moonep.engine import current_cuda_device
 from vllm_moonep.engine.heaps import HEAP_KINDS
 from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
 from vllm_moonep.common.routing import route
@@ -110,7 +111,7 @@ def soak_rank(cfg: dict) -> dict:
     r, R = dist.get_rank(), dist.get_world_size()
     cfg = {**DEFAULTS, **cfg, "ranks": R}
     E, H, I, K, B, L = (cfg[k] for k in ("experts", "hidden", "intermediate", "topk", "slots", "layers"))
-    dev = torch.device("cuda", torch.cuda.current_device()) if cfg["device"] == "cuda" else torch.device("cpu")
+    dev = current_cuda_device() if cfg["device"] == "cuda" else torch.device("cpu")
     heap_kind = cfg["heap"] if cfg["heap"] != "auto" else ("host" if dev.type == "cpu" else "torch")
     kinds = {"auto": ["replicated", "symmetric"], "both": ["replicated", "symmetric"],
              "replicated": ["replicated"], "symmetric": ["symmetric"]}[cfg["layouts"]]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_moonep.engine.defaults import default_num_slots, resolve_device
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 from vllm_moonep.engine.row_copy import copy_rows
@@ -41,17 +42,6 @@ def _host_id() -> int:
 MAX_RANKS = 128
 MAX_TOPK = 32
 MAX_NVS = 2**24
-
-
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    """``None``: the current CUDA device if there is one, else CPU; a bare ``cuda`` gets its index
-    (tensors always report one, so comparisons need it)."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def nvs_rows(S: int, K: int, E: int, R: int, token_padding: int) -> int:
@@ -186,7 +176,7 @@ class Buffer:
             raise MoonEPInputError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         R = num_ep_ranks
         if B is None and isinstance(E, int) and isinstance(R, int) and R > 0:
-            B = E // R
+            B = default_num_slots(E, R)
         validate_config(S, H, K, E, R, B, token_padding)
         if dtype not in (torch.bfloat16, torch.float32):
             raise MoonEPInputError(f"dtype must be torch.bfloat16 (or float32 for tests), got {dtype}")
@@ -454,6 +444,12 @@ class Buffer:
                     heap.close(force=True)
         finally:
             self.transport.close()
+
+    @property
+    def num_dispatched_rows(self) -> int:
+        """``NvS``: rows of the dispatched shard (``dispatch`` returns them, ``combine`` takes
+        them). Also in ``_ctx["NvS"]``, where vLLM's in-tree code reads it."""
+        return self.NvS
 
     @property
     def destroyed(self) -> bool:

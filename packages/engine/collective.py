@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.engine.arrival_board import ARRIVAL_ENV, ArrivalBoard, heartbeat_s
+from vllm_moonep.engine.defaults import current_cuda_device, group_rank_world
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.timeouts import collective_timeout_s
 
@@ -73,11 +74,8 @@ class CollectiveTransport:
 
     def __init__(self, group=None, world_size: int | None = None, timeout_s: float | None = None, *, store=None):
         self.group = group
-        if dist.is_available() and dist.is_initialized():
-            self.world_size = dist.get_world_size(group)
-            self.rank = dist.get_rank(group)
-        elif group is None and world_size in (None, 1):
-            self.world_size, self.rank = 1, 0
+        if (dist.is_available() and dist.is_initialized()) or (group is None and world_size in (None, 1)):
+            self.rank, self.world_size = group_rank_world(group)
         else:
             raise MoonEPInputError(
                 "torch.distributed is not initialised: a MoonEP buffer with "
@@ -242,7 +240,7 @@ class CollectiveTransport:
     def comm_device(self) -> torch.device:
         """Where host-side objects are staged for a collective: CUDA for NCCL groups, else CPU."""
         if not self.local and dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+            return current_cuda_device()
         return torch.device("cpu")
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], op: str) -> torch.Tensor:

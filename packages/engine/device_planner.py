@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 from triton.compiler import CompiledKernel
 
+from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.planner import GlobalPlan
 
 __all__ = ["DevicePlanner"]
@@ -354,10 +355,7 @@ class DevicePlanner:
             raise ValueError("problem too large for 32-bit offsets")
         self.R, self.E, self.S, self.K, self.B, self.tp = R, E, S, K, B, tp
         self.epn = E // R
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        self.device = dev
+        self.device = dev = resolve_device(device)
 
         # plan tiles
         self._R_P = _np2(R)

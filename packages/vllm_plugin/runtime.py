@@ -133,8 +133,10 @@ def worker_device() -> torch.device:
     """This worker's device: the current CUDA device on a CUDA platform, else the CPU."""
     from vllm.platforms import current_platform
 
+    from vllm_moonep.engine import current_cuda_device
+
     if current_platform.device_type == "cuda" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return current_cuda_device()
     return torch.device("cpu")
 
 

@@ -41,6 +41,7 @@ def step_matrix(m_list, H, I, E, K, sigma, device="cpu", impl="reference"):
 
 @pytest.mark.parametrize("R", [2, 3, 4])
 def test_replicated_step_matches_dense_with_skew(R):
+    """A step that drifts from the dense reference under skewed routing, or skew that never fills a slot (the slot path untested)."""
     E = 30 if R == 3 else 32
     res = ranks(R, step_matrix, [1, 37, 100], 128, 256, E, 4, 2.5)
     assert all(s > 0 for _, s in res), "skewed routing must fill prefetch slots"
@@ -50,11 +51,13 @@ def test_replicated_step_matches_dense_with_skew(R):
 @pytest.mark.parametrize("R", [2, 4])
 @pytest.mark.parametrize("impl", ["reference", "grouped_mm", "triton"])
 def test_replicated_step_matches_dense_cuda(R, impl):
+    """A CUDA expert kernel (reference, grouped_mm, triton) or device transfer that breaks the step on GPUs."""
     res = ranks(R, step_matrix, [1, 37, 100, 512], 256, 512, 32, 4, 2.5, "cuda", impl)
     assert all(s > 0 for _, s in res)
 
 
 def test_replicated_step_larger_shapes():
+    """Accumulation or rounding error that shows only at vLLM's larger shapes (H=768, a full 512-token step)."""
     # vLLM's in-tree matrix tops out at (H, I) = (768, 2048); CPU budget: one rank count
     res = ranks(2, step_matrix, [512], 768, 256, 32, 4, 1.0)
     assert res[0][0] < 2e-2
@@ -76,6 +79,7 @@ def varying_counts(counts):
 
 
 def test_pool_switches_capacity_between_steps():
+    """A pool that picks the wrong power-of-two capacity for a step, or makes buffers instead of reusing them."""
     counts = [1, 200, 1024, 129, 64, 600, 3]
     res = ranks(2, varying_counts, counts)
     caps, n_buffers = res[0]
@@ -98,6 +102,7 @@ def dp_different_counts():
 
 @pytest.mark.parametrize("R", [2, 4])
 def test_dp_ranks_with_different_token_counts(R):
+    """DP ranks with different token counts picking different capacities (mismatched collectives) or returning padding rows."""
     caps = ranks(R, dp_different_counts)
     assert len(set(caps)) == 1 and caps[0] == 256
 
@@ -118,6 +123,7 @@ def top1_router_weight_on_input():
 
 
 def test_top1_apply_router_weight_on_input():
+    """The router weight applied twice or not at all with apply_router_weight_on_input, or top-k > 1 accepted there."""
     assert ranks(2, top1_router_weight_on_input) == [True, True]
 
 
@@ -143,6 +149,7 @@ def bad_step_then_good():
 
 
 def test_bad_step_then_good_step():
+    """A refused step (non-BF16, capacity exceeded) that leaves the layer unusable, or an invalid id (-1) not routed with weight 0."""
     assert ranks(2, bad_step_then_good) == [True, True]
 
 
@@ -170,4 +177,5 @@ def layout_validation():
 
 
 def test_replicated_layout_validation_and_contents():
+    """A replicated layout that accepts bad weights, gathers experts out of order, misreports its bytes or fails a second destroy."""
     assert ranks(2, layout_validation) == [True, True]

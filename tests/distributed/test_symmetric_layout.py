@@ -57,6 +57,7 @@ def heap_visibility():
 
 @pytest.mark.parametrize("R", [2, 3])
 def test_host_heap_barrier_visibility_and_no_shm_garbage(R):
+    """A host heap barrier that does not publish peers' writes (or reads that never go stale), or /dev/shm files left behind."""
     res = ranks(R, heap_visibility)
     assert all(files == [] for files in res), f"/dev/shm files must be unlinked once mapped: {res}"
 
@@ -98,6 +99,7 @@ def heap_collective_errors():
 
 
 def test_host_heap_collective_errors():
+    """Ranks disagreeing on an allocation or free, a non-LIFO free, a leak or a double free unnoticed, or the heap unusable after."""
     res = ranks(2, heap_collective_errors)
     assert "rank 0" in res[0][0] and "rank 1" in res[0][0]
 
@@ -163,6 +165,7 @@ def aliasing_and_prefetch(E, B):
 
 @pytest.mark.parametrize("R,E,B", [(2, 8, 4), (3, 12, 4), (4, 8, 3)])
 def test_aliasing_adoption_and_bitwise_prefetch(R, E, B):
+    """Adopted parameters not aliasing the heap, peer writes seen without publish, a non-bitwise prefetch, -1 slots written."""
     assert all(ranks(R, aliasing_and_prefetch, E, B))
 
 
@@ -207,6 +210,7 @@ def moe_step_vs_dense_and_replicated(E, B, sigma, m_list, seed):
 
 @pytest.mark.parametrize("R,E", [(2, 8), (3, 12), (4, 16)])
 def test_moe_step_symmetric_equals_dense_and_replicated_with_skew(R, E):
+    """A symmetric step not bitwise equal to the replicated one or off the dense reference, or overflow reads with B >= E/R."""
     B = E // R  # B = epn: the dense [home ; slots] path
     res = ranks(R, moe_step_vs_dense_and_replicated, E, B, 2.5, [100, 37], 11)
     err, slots, overflow = res[0]
@@ -216,6 +220,7 @@ def test_moe_step_symmetric_equals_dense_and_replicated_with_skew(R, E):
 
 
 def test_moe_step_overflow_reads_owner_rows():
+    """A remote expert without a slot (B < E/R) not read in place from its owner's rows."""
     # B = 1 < epn = 4, all tokens routed to rank 0's experts: rank 1 computes several of them,
     # one gets the slot, the others are read in place from rank 0 through the heap
     res = ranks(2, moe_step_vs_dense_and_replicated, 8, 1, -1.0, [128, 100], 5)
@@ -270,6 +275,7 @@ def shared_slot_pool_layers(E, B, L):
 
 
 def test_shared_slot_pool_across_layers():
+    """A layer computing with another layer's shared slots, accounting that differs from the heap, or the pool freed first."""
     assert ranks(2, shared_slot_pool_layers, 8, 4, 3)[0] > 0
 
 
@@ -404,5 +410,6 @@ def teardown_and_addressability():
 
 
 def test_teardown_order_double_free_leaks_and_overflow_refusal():
+    """Layouts freed out of LIFO order, leaks unnoticed, overflow allowed on a heap that cannot reach peers, bad weights accepted."""
     res = ranks(2, teardown_and_addressability)
     assert "LIFO" in res[0][0]

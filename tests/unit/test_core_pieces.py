@@ -11,7 +11,15 @@ from tests.hide_vllm import HIDE_VLLM
 
 from vllm_moonep.common import capacity_for, pad_to_capacity, sanitize_routing, tokens_per_expert
 from vllm_moonep.common.pool import MoonEPBufferPool
-from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPUnavailableError, make_buffer, resolve_engine
+from vllm_moonep.engine import (
+    Buffer,
+    MoonEPBuffer,
+    MoonEPInputError,
+    MoonEPUnavailableError,
+    dispatched_rows,
+    make_buffer,
+    resolve_engine,
+)
 
 
 def test_capacity_is_power_of_two_with_floor_and_cap():
@@ -69,14 +77,14 @@ def test_engine_selection():
 
 
 def test_core_imports_without_vllm(tmp_path):
-    """Hide vLLM (a meta-path blocker) and import every core package."""
+    """A core package that imports vLLM (hidden here by a meta-path blocker) cannot run on the GPU test machine."""
     code = HIDE_VLLM + (
         "from vllm_moonep.engine import Buffer\n"
         "import vllm_moonep.common, vllm_moonep.replicated, vllm_moonep.symmetric\n"
         "import vllm_moonep.common.grouped_gemm, vllm_moonep.common.moe_step\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules)\n"
         "b = Buffer(16, 128, 2, 8, 1, device='cpu')\n"
-        "print('ok', b._ctx['NvS'])\n"
+        "print('ok', b.num_dispatched_rows)\n"
     )
     env = dict(os.environ)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
@@ -97,6 +105,7 @@ def test_multicast_policy(monkeypatch):
 
 
 def test_config_bounds_single_process():
+    """A bound of the contract not enforced at construction, a wrong default B, or NvS missing from _ctx (vLLM reads it there)."""
     with pytest.raises(MoonEPInputError, match="divisible"):
         Buffer(16, 8, 2, 9, 2, device="cpu")
     with pytest.raises(MoonEPInputError, match="top-k"):
@@ -108,7 +117,21 @@ def test_config_bounds_single_process():
     with pytest.raises(MoonEPInputError, match="2\\*\\*24"):
         Buffer(2**20, 8, 32, 8, 1, device="cpu")
     b = Buffer(16, 8, 2, 8, 1, device="cpu")
-    assert b.B == 8 and b._ctx["NvS"] == 16 * 2 + 127 * 2 * 8
+    assert b.B == 8 and b.num_dispatched_rows == 16 * 2 + 127 * 2 * 8
+    assert b._ctx["NvS"] == b.num_dispatched_rows
+
+
+def test_dispatched_rows_from_either_engine():
+    """Code that reads NvS only through the public property would fail on the real moonep Buffer, which keeps it in _ctx only."""
+    b = Buffer(16, 8, 2, 8, 1, device="cpu")
+    assert isinstance(b, MoonEPBuffer)
+    assert dispatched_rows(b) == b.num_dispatched_rows == 16 * 2 + 127 * 2 * 8
+
+    class RealMoonEPLike:  # the real package's Buffer: the shape only in _ctx
+        _ctx = {"NvS": 123}
+
+    assert not isinstance(RealMoonEPLike(), MoonEPBuffer)
+    assert dispatched_rows(RealMoonEPLike()) == 123
 
 
 def test_layout_and_pool_must_agree_before_any_collective():

@@ -33,21 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 from vllm_moonep.engine.collective import CollectiveTransport
+from vllm_moonep.engine.defaults import group_rank_world
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 
 __all__ = ["HeapHandle", "SymmetricHeap", "group_rank_world"]
-
-
-def group_rank_world(group) -> tuple[int, int]:
-    """``(rank, world_size)`` in ``group`` (``None``: the default group); ``(0, 1)`` without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    if group is not None:
-        raise MoonEPInputError("a process group was given but torch.distributed is not initialised")
-    return 0, 1
 
 
 @dataclass(eq=False)

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 from vllm_moonep.multicast import check_multicast_off
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
@@ -116,11 +117,9 @@ class NvshmemHeap(SymmetricHeap):
         check_multicast_off("NvshmemHeap")
         if not torch.cuda.is_available():
             raise MoonEPUnavailableError("NvshmemHeap needs a CUDA device and none is available")
-        device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device)
         if device.type != "cuda":
             raise MoonEPUnavailableError(f"NvshmemHeap allocates CUDA memory; got device {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         if force_rma is None:
             force_rma = os.environ.get(FORCE_RMA_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
         if not isinstance(rma_scratch_bytes, int) or rma_scratch_bytes < 1:

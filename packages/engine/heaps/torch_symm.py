@@ -22,6 +22,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.multicast import check_multicast_off
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
@@ -52,13 +53,9 @@ class TorchSymmHeap(SymmetricHeap):
         check_multicast_off("TorchSymmHeap")
         if not torch.cuda.is_available():
             raise MoonEPUnavailableError("TorchSymmHeap needs a CUDA device and none is available")
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        device = torch.device(device)
+        device = resolve_device(device)
         if device.type != "cuda":
             raise MoonEPUnavailableError(f"TorchSymmHeap allocates CUDA memory; got device {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(group, device)
         self._local_mode = not (dist.is_available() and dist.is_initialized())
         self._symm = None

@@ -1,0 +1,52 @@
+"""What the engine fills in when a caller leaves a choice open, each defined once.
+
+- ``B=None``: ``default_num_slots(E, R)`` prefetch slots per rank.
+- ``group=None``: the default process group, or a world of one without ``torch.distributed``
+  (``group_rank_world``).
+- ``device=None``: the current CUDA device, else the CPU; a bare ``cuda`` gets its index
+  (``resolve_device``, ``current_cuda_device``).
+
+The buffer, the collective transport, the heaps, the pool, the layouts and the tools import
+these, so the places that fill in the same default cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vllm_moonep.engine.errors import MoonEPInputError
+
+__all__ = ["current_cuda_device", "default_num_slots", "group_rank_world", "resolve_device"]
+
+
+def default_num_slots(num_experts: int, num_ep_ranks: int) -> int:
+    """``B`` when none is given: ``E // R``, one slot per home expert. A rank receives rows from
+    at most one remote home group (``E/R`` experts), so with this many slots no remote expert
+    ever misses a slot. Callers check that ``E`` and ``R`` are usable first."""
+    return num_experts // num_ep_ranks
+
+
+def group_rank_world(group) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group`` (``None``: the default group); ``(0, 1)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    if group is not None:
+        raise MoonEPInputError("a process group was given but torch.distributed is not initialised")
+    return 0, 1
+
+
+def current_cuda_device() -> torch.device:
+    """The current CUDA device, with its index (tensors always report one, so comparisons need it)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``None``: the current CUDA device if there is one, else CPU; a bare ``cuda`` gets its index
+    (tensors always report one, so comparisons need it)."""
+    if device is None:
+        return current_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = current_cuda_device()
+    return device

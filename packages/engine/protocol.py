@@ -1,0 +1,97 @@
+"""``MoonEPBuffer``: what callers use of a MoonEP engine buffer, whichever engine made it.
+
+The built-in ``Buffer`` and the real ``moonep`` package's ``Buffer`` honour one contract
+(docs/CONTRACT.md). The step, the layouts, the vLLM classes and the tools are written against
+this protocol, not against either class. ``MoonEPPlan`` is the public part of what ``dispatch``
+returns. The real package exposes the dispatched row count only as ``buffer._ctx["NvS"]``;
+``dispatched_rows(buffer)`` reads it from either engine's buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["MoonEPBuffer", "MoonEPPlan", "dispatched_rows"]
+
+
+@runtime_checkable
+class MoonEPPlan(Protocol):
+    """What ``dispatch`` decided; ``prefetch_weight``, ``combine`` and the layouts take it back."""
+
+    @property
+    def experts_to_copy(self) -> torch.Tensor:
+        """``[R, B]`` int32, the same on every rank: the global expert id in each rank's slots
+        (row ``rank`` is this rank's), ``-1`` for an unused slot."""
+        ...
+
+
+@runtime_checkable
+class MoonEPBuffer(Protocol):
+    """One MoE layer shape's engine buffer on one rank (collective, one step in flight).
+
+    Per step, in this order: ``dispatch``, then the slots are filled (``prefetch_weight``, or
+    a layout that owns its slots), then the expert compute, then ``combine``. Construction,
+    every call and ``destroy()`` are collective. Shapes and rules: docs/CONTRACT.md. Of the
+    shape, only what callers read from a buffer is here (``S``, ``B``); the rest comes from the
+    configuration the buffer was made with.
+    """
+
+    @property
+    def num_dispatched_rows(self) -> int:
+        """``NvS``, the rows of the dispatched shard (``S*K + (tp - 1) * 2 * E/R``): how many
+        rows ``dispatch`` returns and ``combine`` takes."""
+        ...
+
+    @property
+    def S(self) -> int:
+        """Token capacity per rank: every rank passes exactly ``S`` rows to ``dispatch``."""
+        ...
+
+    @property
+    def B(self) -> int:
+        """Prefetch slots per rank: ``cu_seqlens`` has ``E + B`` groups."""
+        ...
+
+    def dispatch(
+        self,
+        hidden_sh: torch.Tensor,
+        route_weights_sk: torch.Tensor,
+        topk_experts_sk: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MoonEPPlan]:
+        """``[S,H]`` bf16, ``[S,K]`` f32, ``[S,K]`` int32, ``[E]`` int32 in; ``(hidden_nvsh [NvS,H],
+        route_weights_nvs [NvS] f32, cu_seqlens [E+B] int32, plan)`` out, rows grouped by expert."""
+        ...
+
+    def prefetch_weight(
+        self,
+        plan: MoonEPPlan | None = None,
+        full_gate_weight: torch.Tensor | None = None,
+        full_up_weight: torch.Tensor | None = None,
+        full_down_weight: torch.Tensor | None = None,
+    ) -> None:
+        """Row ``E+b`` of each ``[E+B, out, in]`` bf16 weight becomes a copy of row
+        ``plan.experts_to_copy[rank, b]``; unused slots (``-1``) are not touched."""
+        ...
+
+    def combine(
+        self, plan: MoonEPPlan, hidden_nvsh: torch.Tensor, route_weights_nvs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """Expert outputs ``[NvS,H]`` back to ``(hidden_sh [S,H], route_weights_sk or None, _)``:
+        each token's K rows summed in fp32, rounded once; no route weights applied."""
+        ...
+
+    def destroy(self) -> None:
+        """Idempotent; before the process group is destroyed."""
+        ...
+
+
+def dispatched_rows(buffer: MoonEPBuffer | Any) -> int:
+    """``NvS`` of either engine's buffer: the public ``num_dispatched_rows``, else the real
+    ``moonep`` package's ``_ctx["NvS"]`` (the only place it keeps it)."""
+    rows = getattr(buffer, "num_dispatched_rows", None)
+    if rows is None:
+        rows = buffer._ctx["NvS"]
+    return int(rows)
