@@ -364,7 +364,7 @@ class SymmetricWeightLayout:
         """Slot ``b`` <- a bitwise copy of expert ``plan.experts_to_copy[rank, b]`` read from its owner; ``-1`` untouched."""
         self._alive("prefetch")
         etc = getattr(plan, "experts_to_copy", None)
-        R, B, E, epn = self.world_size, self.num_slots, self.num_experts, self.epn
+        R, B, epn = self.world_size, self.num_slots, self.epn
         if not isinstance(etc, torch.Tensor) or etc.dim() != 2 or tuple(etc.shape) != (R, B):
             shape = list(etc.shape) if isinstance(etc, torch.Tensor) else type(etc).__name__
             raise MoonEPInputError(f"prefetch: plan.experts_to_copy must be [R={R}, B={B}], got {shape}")

@@ -37,6 +37,8 @@ import sys
 
 import torch
 
+from vllm_moonep.engine import default_num_slots
+
 SHAPES = {
     "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
     "kimi-k2": dict(H=7168, I=2048, E=384, K=8),
@@ -116,7 +118,6 @@ def measure_ceilings(dev) -> dict:
 def rank0_case(shape: dict, tokens: int, sigma: float, seed: int = 0):
     """Rank 0's cu_seqlens [E+B] int32, real rows per segment [E+B], NvS, maxvio."""
     from vllm_moonep.common.routing import maxvio, route
-    from vllm_moonep.engine import default_num_slots
     from vllm_moonep.engine.buffer import nvs_rows
     from vllm_moonep.engine.planner import plan_global
 

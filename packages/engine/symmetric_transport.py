@@ -48,8 +48,8 @@ except ImportError:  # CPU-only installs: the host executor needs no Triton
     triton = None
 
 from vllm_moonep.engine.error_board import ErrorBoard
-from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
-from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
+from vllm_moonep.engine.errors import MoonEPUnavailableError
+from vllm_moonep.engine.planner import place_entries, plan_global
 
 __all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS"]
 

@@ -35,10 +35,20 @@ from typing import Any, Sequence
 import torch
 
 from vllm_moonep.engine.collective import CollectiveTransport
-from vllm_moonep.engine.defaults import group_rank_world
+from vllm_moonep.engine.defaults import group_rank_world, resolve_device
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 
-__all__ = ["HeapHandle", "SymmetricHeap", "group_rank_world"]
+__all__ = ["HeapHandle", "SymmetricHeap", "cuda_heap_device", "group_rank_world"]
+
+
+def cuda_heap_device(heap_name: str, device) -> torch.device:
+    """The CUDA device a GPU heap allocates on (``None``: the current one), or why it cannot."""
+    if not torch.cuda.is_available():
+        raise MoonEPUnavailableError(f"{heap_name} needs a CUDA device and none is available")
+    device = resolve_device(device)
+    if device.type != "cuda":
+        raise MoonEPUnavailableError(f"{heap_name} allocates CUDA memory; got device {device}")
+    return device
 
 
 @dataclass(eq=False)
@@ -156,14 +166,18 @@ class SymmetricHeap:
         if handle.heap_id != self._id:
             raise MoonEPInputError(f"heap.{what}: allocation {handle.describe()} belongs to another heap ({handle.heap_id})")
 
+    def _check_live_peer(self, handle, rank, what: str) -> None:
+        """An open heap, a live allocation of it and a rank of the group (checked before any access)."""
+        self._check_open(what)
+        self._check_handle(handle, what)
+        if handle.freed:
+            raise MoonEPStateError(f"heap.{what}: allocation {handle.describe()} was freed")
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise MoonEPInputError(f"heap.{what}: rank must be in [0, {self.world_size}), got {rank!r}")
+
     def peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
         """A tensor aliasing ``rank``'s memory of ``handle`` (this rank's own tensor for ``rank == self.rank``)."""
-        self._check_open("peer_view")
-        self._check_handle(handle, "peer_view")
-        if handle.freed:
-            raise MoonEPStateError(f"heap.peer_view: allocation {handle.describe()} was freed")
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise MoonEPInputError(f"heap.peer_view: rank must be in [0, {self.world_size}), got {rank!r}")
+        self._check_live_peer(handle, rank, "peer_view")
         if rank == self.rank:
             return handle.tensor
         view = handle._peers.get(rank)

@@ -32,10 +32,9 @@ import os
 
 import torch
 
-from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 from vllm_moonep.multicast import check_multicast_off
-from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
+from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_device
 
 __all__ = ["FORCE_RMA_ENV", "NvshmemHeap", "nvshmem_status", "rma_chunks"]
 
@@ -115,11 +114,7 @@ class NvshmemHeap(SymmetricHeap):
         if core is None:
             raise MoonEPUnavailableError(f"NvshmemHeap: {why}")
         check_multicast_off("NvshmemHeap")
-        if not torch.cuda.is_available():
-            raise MoonEPUnavailableError("NvshmemHeap needs a CUDA device and none is available")
-        device = resolve_device(device)
-        if device.type != "cuda":
-            raise MoonEPUnavailableError(f"NvshmemHeap allocates CUDA memory; got device {device}")
+        device = cuda_heap_device("NvshmemHeap", device)
         if force_rma is None:
             force_rma = os.environ.get(FORCE_RMA_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
         if not isinstance(rma_scratch_bytes, int) or rma_scratch_bytes < 1:
@@ -216,12 +211,7 @@ class NvshmemHeap(SymmetricHeap):
         into ``dst``. Stream-ordered; the heap's ``barrier()`` completes it."""
         if self.addressable(rank):
             return super().copy_from_peer(dst, handle, rank, src_rows)
-        self._check_open("copy_from_peer")
-        self._check_handle(handle, "copy_from_peer")
-        if handle.freed:
-            raise MoonEPStateError(f"heap.copy_from_peer: allocation {handle.describe()} was freed")
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise MoonEPInputError(f"heap.copy_from_peer: rank must be in [0, {self.world_size}), got {rank!r}")
+        self._check_live_peer(handle, rank, "copy_from_peer")
         rows = [int(r) for r in src_rows.tolist()]
         n = handle.shape[0] if handle.shape else 0
         row_shape = tuple(handle.shape[1:])

@@ -22,10 +22,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.multicast import check_multicast_off
-from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
+from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_device
 
 __all__ = ["TorchSymmHeap"]
 
@@ -51,11 +50,7 @@ class TorchSymmHeap(SymmetricHeap):
 
     def __init__(self, group=None, device: torch.device | str | None = None, *, backend: str | None = "CUDA"):
         check_multicast_off("TorchSymmHeap")
-        if not torch.cuda.is_available():
-            raise MoonEPUnavailableError("TorchSymmHeap needs a CUDA device and none is available")
-        device = resolve_device(device)
-        if device.type != "cuda":
-            raise MoonEPUnavailableError(f"TorchSymmHeap allocates CUDA memory; got device {device}")
+        device = cuda_heap_device("TorchSymmHeap", device)
         super().__init__(group, device)
         self._local_mode = not (dist.is_available() and dist.is_initialized())
         self._symm = None
