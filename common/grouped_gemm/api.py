@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError
 
 IMPLS = ("auto", "reference", "grouped_mm", "triton")
@@ -89,14 +90,15 @@ class GroupedWeights:
                 raise MoonEPInputError(f"GroupedWeights pool {p}: all weights must share one dtype")
 
 
-def _triton_usable(x: torch.Tensor) -> bool:
+def _triton_unusable(x: torch.Tensor) -> str | None:
+    """Why the Triton kernels cannot run on ``x`` (``None``: they can)."""
     if x.device.type != "cuda":
-        return False
+        return f"the Triton kernels need a CUDA device, the rows are on {x.device}"
     try:
         from vllm_moonep.common.grouped_gemm import triton_kernels  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as exc:
+        return f"the Triton kernels do not import ({type(exc).__name__}: {exc})"
+    return None
 
 
 _CPU_GROUPED_MM: bool | None = None
@@ -128,7 +130,7 @@ def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:
     out = ["reference"]
     if _grouped_mm_usable(x, w):
         out.append("grouped_mm")
-    if _triton_usable(x):
+    if _triton_unusable(x) is None:
         out.append("triton")
     return out
 
@@ -140,9 +142,16 @@ def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights) -> str:
     if impl == "auto":
         for cand in ("triton", "grouped_mm", "reference"):
             if cand in avail:
+                why = "the Triton kernels run here" if cand == "triton" else _triton_unusable(x)
+                if cand == "reference":
+                    why += "; torch._grouped_mm cannot take these rows or weights"
+                say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")
                 return cand
     if impl not in avail:
-        raise MoonEPInputError(f"expert_ffn: impl={impl!r} cannot run here (available: {avail})")
+        reason = _triton_unusable(x) if impl == "triton" else (
+            "it needs the dense [home ; slots] weights (per-layer slots, B >= E/R), bf16 rows, and sm_90 on CUDA "
+            "or a torch that runs it on CPU")
+        raise MoonEPInputError(f"expert_ffn: impl={impl!r} cannot run here: {reason} (available: {avail})")
     return impl
 
 

@@ -7,14 +7,13 @@ plan gives it, and returns the expert-grouped shard; ``prefetch_weight`` fills s
 
 from __future__ import annotations
 
-import logging
 import socket
 import zlib
 from dataclasses import dataclass, field
 
 import torch
 
-from vllm_moonep.engine.defaults import default_num_slots, resolve_device
+from vllm_moonep.engine.defaults import default_num_slots, resolve_device, say_once
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 from vllm_moonep.engine.row_copy import copy_rows
@@ -22,16 +21,6 @@ from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
 
 __all__ = ["Buffer", "Plan", "nvs_rows", "resolve_device", "validate_config"]
-
-log = logging.getLogger("vllm_moonep.engine")
-_SAID: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    """Each choice made for the user, said once per process at INFO."""
-    if msg not in _SAID:
-        _SAID.add(msg)
-        log.info(msg)
 
 
 def _host_id() -> int:
@@ -217,7 +206,7 @@ class Buffer:
             )
         one_node = bool((every[:, 8] == every[0, 8]).all())
         self.transport_name, why = resolve_transport(transport, self.device.type, one_node)
-        _say_once(f"MoonEP built-in engine: transport={self.transport_name} ({why})")
+        say_once(f"MoonEP built-in engine: transport={self.transport_name} ({why})")
         if self.transport_name == "symmetric":
             try:
                 self._sym = self._make_symmetric(heap, group, num_sms)

@@ -5,6 +5,7 @@
   (``group_rank_world``).
 - ``device=None``: the current CUDA device, else the CPU; a bare ``cuda`` gets its index
   (``resolve_device``, ``current_cuda_device``).
+- Whatever is chosen for the user is said once at INFO (``say_once``).
 
 The buffer, the collective transport, the heaps, the pool, the layouts and the tools import
 these, so the places that fill in the same default cannot drift apart.
@@ -12,12 +13,24 @@ these, so the places that fill in the same default cannot drift apart.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from vllm_moonep.engine.errors import MoonEPInputError
 
-__all__ = ["current_cuda_device", "default_num_slots", "group_rank_world", "resolve_device"]
+__all__ = ["current_cuda_device", "default_num_slots", "group_rank_world", "resolve_device", "say_once"]
+
+_SAID: set[str] = set()
+
+
+def say_once(msg: str, logger: str = "vllm_moonep.engine") -> None:
+    """A choice made for the user (an ``auto`` resolved, a default filled in), said once per
+    process at INFO: once is enough to know it, and a per-step log would drown the rest."""
+    if msg not in _SAID:
+        _SAID.add(msg)
+        logging.getLogger(logger).info(msg)
 
 
 def default_num_slots(num_experts: int, num_ep_ranks: int) -> int:

@@ -17,7 +17,7 @@ import importlib
 import torch
 
 from vllm_moonep.engine.buffer import Buffer as BuiltinBuffer
-from vllm_moonep.engine.buffer import _say_once
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
 from vllm_moonep.multicast import OPT_IN_VAR, multicast_opted_in
 
@@ -73,7 +73,7 @@ def make_buffer(*args, engine: str = "auto", **kwargs):
     not taken) are logged once per process at INFO.
     """
     name, why = resolve_engine(engine)
-    _say_once(f"MoonEP engine: {name} (engine={engine!r}: {why})")
+    say_once(f"MoonEP engine: {name} (engine={engine!r}: {why})")
     if name == "moonep":
         mod, _ = real_moonep_status()
         for k in ("device", "dtype", "check_inputs", "timeout_s", "transport", "heap"):

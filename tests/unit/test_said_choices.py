@@ -8,13 +8,13 @@ import logging
 
 import pytest
 
-import vllm_moonep.engine.buffer as buffer_mod
+import vllm_moonep.engine.defaults as defaults_mod
 from vllm_moonep.engine import make_buffer, resolve_engine
 
 
 def test_auto_engine_choice_is_said_once_at_info(monkeypatch, caplog):
     """engine='auto' falling back to the built-in engine was logged at DEBUG only, so nobody saw why."""
-    monkeypatch.setattr(buffer_mod, "_SAID", set())  # a fresh process's "already said" set
+    monkeypatch.setattr(defaults_mod, "_SAID", set())  # a fresh process's "already said" set
     name, why = resolve_engine("auto")
     assert why, "auto must give a reason for its choice"
     with caplog.at_level(logging.INFO, logger="vllm_moonep.engine"):
@@ -79,3 +79,27 @@ def test_packaged_tile_table_reads_without_warning(triton_kernels, caplog):
     with caplog.at_level(logging.WARNING, logger=triton_kernels.__name__):
         entries = triton_kernels.load_tuning()
     assert entries and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_expert_impl_choice_is_said_once_and_explicit_triton_says_why(monkeypatch, caplog):
+    """impl=auto resolved silently (nobody knew which kernel ran), and impl='triton' where it cannot
+    run said only 'cannot run here' without the reason (no CUDA device, or the import error)."""
+    import torch
+
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
+    from vllm_moonep.engine import MoonEPInputError
+
+    monkeypatch.setattr(defaults_mod, "_SAID", set())
+    g = torch.Generator().manual_seed(0)
+    w = GroupedWeights.contiguous(*(torch.randn(2, 8, 8, generator=g).to(torch.bfloat16) for _ in range(3)))
+    x = torch.randn(4, 8, generator=g).to(torch.bfloat16)
+    rw = torch.ones(4)
+    cu = torch.tensor([2, 4], dtype=torch.int32)
+    with caplog.at_level(logging.INFO, logger="vllm_moonep.common"):
+        for _ in range(3):
+            expert_ffn(x, rw, cu, w, impl="auto")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MoonEP expert compute:")]
+    assert len(said) == 1, said
+    assert "impl=auto ->" in said[0] and "the Triton kernels need a CUDA device" in said[0], said[0]
+    with pytest.raises(MoonEPInputError, match="impl='triton' cannot run here: the Triton kernels need a CUDA device"):
+        expert_ffn(x, rw, cu, w, impl="triton")
