@@ -28,17 +28,18 @@ import torch
 
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
 
-__all__ = ["ErrorBoard", "WAIT_OPS", "CODE_BAD_ID"]
+__all__ = ["CODE_BAD_ID", "CODE_WAIT_COUNTS", "CODE_WAIT_OUTPUTS", "CODE_WAIT_ROWS", "ErrorBoard", "WAIT_OPS"]
 
 #: record layout (int64 words); CLAIM makes the first failure win (later ones leave it alone)
 FLAG, CODE, PEER, EPOCH, ELAPSED_NS, SEEN, TARGET, CLAIM = range(8)
 WORDS = 8
 
-#: codes of the bounded waits (the operation named in the error)
+#: codes of the bounded waits (the operation named in the error) and of the device-side input check
+CODE_WAIT_COUNTS, CODE_WAIT_ROWS, CODE_WAIT_OUTPUTS = 1, 2, 3
 WAIT_OPS = {
-    1: "dispatch: wait for every peer's token counts",
-    2: "dispatch: wait for every peer's rows",
-    3: "combine: wait for every peer's expert outputs",
+    CODE_WAIT_COUNTS: "dispatch: wait for every peer's token counts",
+    CODE_WAIT_ROWS: "dispatch: wait for every peer's rows",
+    CODE_WAIT_OUTPUTS: "combine: wait for every peer's expert outputs",
 }
 #: an expert id outside [0, E) reached the device-side placement
 CODE_BAD_ID = 16

@@ -21,12 +21,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vllm_moonep.engine import error_board as eb
+
 # rows of the address table (constexpr: kernels read them)
 T_COUNTS, T_X, T_W, T_SRC, T_CX, T_CW, T_SIG = (tl.constexpr(i) for i in range(7))
-TABLE_ROWS = 7
 # phases (rows of sig)
 PH_COUNTS, PH_DISPATCH, PH_COMBINE = (tl.constexpr(i) for i in range(3))
-PHASES = 3
+# what the kernels record on the error board (codes defined in error_board)
+C_WAIT_COUNTS, C_WAIT_ROWS, C_WAIT_OUTPUTS, C_BAD_ID = (
+    tl.constexpr(c) for c in (eb.CODE_WAIT_COUNTS, eb.CODE_WAIT_ROWS, eb.CODE_WAIT_OUTPUTS, eb.CODE_BAD_ID))
 
 
 @triton.jit
@@ -106,7 +109,7 @@ def put_counts_kernel(tpe, table, R, me, E, E_PAD: tl.constexpr, R_PAD: tl.const
 def wait_counts_kernel(sig, epoch, R, board, timeout_ns, R_PAD: tl.constexpr):
     """One program: wait (bounded) for every peer's counts of this step, then count the step."""
     ep = tl.load(epoch + PH_COUNTS) + 1
-    _wait(sig, PH_COUNTS, R, ep, ep, board, 1, timeout_ns, R_PAD)
+    _wait(sig, PH_COUNTS, R, ep, ep, board, C_WAIT_COUNTS, timeout_ns, R_PAD)
     tl.store(epoch + PH_COUNTS, ep)
 
 
@@ -126,7 +129,7 @@ def dispatch_rows_kernel(x, w, dest, row, table, board, epoch, n_entries, K, H, 
         r = tl.load(row + i, mask=im, other=0)
         ok = im & (d >= 0)
         if tl.sum((im & (d < 0)).to(tl.int32), axis=0) > 0:
-            _report(board, 16, -1, 0, 0, t0, 0)
+            _report(board, C_BAD_ID, -1, 0, 0, t0, 0)
         dd = tl.where(ok, d, 0)
         tok = (i // K).to(tl.int64)
         xb = tl.load(table + T_X * R + dd, mask=ok, other=0).to(x.dtype)
@@ -185,7 +188,7 @@ def finish_dispatch_kernel(cu, seg_len, cu32, real_rows, G, TP, sig, epoch, R, p
     if pid == 0:
         tl.store(cu32 + g, end.to(tl.int32), mask=gm)
         ep = tl.load(epoch + PH_DISPATCH)
-        _wait(sig, PH_DISPATCH, R, ep * per_src, ep, board, 2, timeout_ns, R_PAD)
+        _wait(sig, PH_DISPATCH, R, ep * per_src, ep, board, C_WAIT_ROWS, timeout_ns, R_PAD)
 
 
 @triton.jit
@@ -220,7 +223,7 @@ def wait_combine_kernel(sig, epoch, R, per_src, board, timeout_ns, R_PAD: tl.con
     """One program (thousands of spinning programs would contend with the peers' signal atomics):
     wait (bounded) until every peer's expert outputs landed."""
     ep = tl.load(epoch + PH_COMBINE)
-    _wait(sig, PH_COMBINE, R, ep * per_src, ep, board, 3, timeout_ns, R_PAD)
+    _wait(sig, PH_COMBINE, R, ep * per_src, ep, board, C_WAIT_OUTPUTS, timeout_ns, R_PAD)
 
 
 @triton.jit

@@ -47,7 +47,7 @@ try:
 except ImportError:  # CPU-only installs: the host executor needs no Triton
     triton = None
 
-from vllm_moonep.engine.error_board import ErrorBoard
+from vllm_moonep.engine.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
 from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.engine.planner import place_entries, plan_global
 
@@ -61,11 +61,7 @@ _ROWS = 4
 #: programs of the (local) reduce; it only waits on the signals, so any count works
 _REDUCE_PROGRAMS = 1056
 _PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
-_WAIT_CODE = {"counts": 1, "dispatch": 2, "combine": 3}
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
+_WAIT_CODE = {"counts": CODE_WAIT_COUNTS, "dispatch": CODE_WAIT_ROWS, "combine": CODE_WAIT_OUTPUTS}
 
 
 class SymmetricTransport:
@@ -120,7 +116,7 @@ class SymmetricTransport:
         # peer views (and, on GPU, their addresses): what one-sided writes go through
         self.peer = {name: [heap.peer_view(h, d) for d in range(R)] for (name, _, _), h in zip(specs, self._handles)}
         heap.barrier()  # every rank zeroed its signals before anyone signals
-        self.epoch = torch.zeros(3, dtype=torch.int64, device=self.device)  # completed waits per phase
+        self.epoch = torch.zeros(3, dtype=torch.int64, device=self.device)  # steps of each phase so far (GPU)
         self._host_epoch = [0, 0, 0]
         self.board = ErrorBoard(self.device, rank=rank, world_size=R, timeout_s=self.timeout_s,
                                 what=f"MoonEP buffer S={S} (symmetric transport)")
@@ -134,7 +130,7 @@ class SymmetricTransport:
 
             self.planner = DevicePlanner(R, E, S, K, B, token_padding, self.device)
             self.cu32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
-            self._block_h = min(_pow2(H), 4096)
+            self._block_h = min(triton.next_power_of_2(H), 4096)
             # rows the last step wrote (cleared at the next dispatch); rows [0, S*K) at first,
             # which the allocation zeroed
             self.real_rows = torch.arange(SK, dtype=torch.int32, device=self.device)
@@ -142,15 +138,14 @@ class SymmetricTransport:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor):
-        """Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], GlobalPlan)``."""
-        self.board.check()
+        """Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], GlobalPlan)``. The owning
+        ``Buffer`` checks the error board before calling (and marks the group broken)."""
         if self.on_gpu:
             return self._dispatch_gpu(hidden, route_w, ids, tpe)
         return self._dispatch_host(hidden, route_w, ids, tpe)
 
     def combine(self, y: torch.Tensor, y_w: torch.Tensor | None):
         """Returns ``(hidden_sh [S,H], route_weights [S,K] or None)``."""
-        self.board.check()
         if self.on_gpu:
             return self._combine_gpu(y, y_w)
         return self._combine_host(y, y_w)
@@ -163,11 +158,11 @@ class SymmetricTransport:
         from vllm_moonep.engine import symmetric_kernels as k
 
         R, E, rank, H, P, SK = self.R, self.E, self.rank, self.H, self.programs, self.S * self.K
-        RP = _pow2(R)
+        RP = triton.next_power_of_2(R)
         b = self.buf
         k.clear_rows_kernel[(P,)](self.real_rows, b["recv_x"], b["recv_w"], b["recv_src"], SK, H, P, ROWS=_ROWS,
                                   BLOCK_H=self._block_h, num_warps=8)
-        k.put_counts_kernel[(R,)](tpe, self.table, R, rank, E, E_PAD=_pow2(E), R_PAD=RP)
+        k.put_counts_kernel[(R,)](tpe, self.table, R, rank, E, E_PAD=triton.next_power_of_2(E), R_PAD=RP)
         k.wait_counts_kernel[(1,)](b["sig"], self.epoch, R, self.board.address, self._timeout_ns(), R_PAD=RP)
         gp = self.planner.plan(b["counts"])
         dest, row = self.planner.place(gp, rank, ids)
@@ -176,14 +171,14 @@ class SymmetricTransport:
         G = E + self.B
         k.finish_dispatch_kernel[(P,)](gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, self.real_rows, G, self.tp,
                                        b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), P,
-                                       G_PAD=_pow2(G), CHUNK=1024, R_PAD=RP, num_warps=4)
+                                       G_PAD=triton.next_power_of_2(G), CHUNK=1024, R_PAD=RP, num_warps=4)
         return b["recv_x"], b["recv_w"], self.cu32, gp
 
     def _combine_gpu(self, y, y_w):
         from vllm_moonep.engine import symmetric_kernels as k
 
         R, rank, H, K, P = self.R, self.rank, self.H, self.K, self.programs
-        RP = _pow2(R)
+        RP = triton.next_power_of_2(R)
         b = self.buf
         has_w = y_w is not None
         k.combine_rows_kernel[(P,)](y, y_w if has_w else b["recv_w"], b["recv_src"], self.real_rows, self.table,
@@ -193,11 +188,11 @@ class SymmetricTransport:
         # this buffer): fresh tensors from the caching allocator, no synchronization
         out = torch.empty(self.S, H, dtype=self.dtype, device=self.device)
         out_w = torch.empty(self.S, K, dtype=torch.float32, device=self.device) if has_w else out
-        bh = min(_pow2(H), 2048)
+        bh = min(triton.next_power_of_2(H), 2048)
         n_red = max(1, min(self.S * triton.cdiv(H, bh), _REDUCE_PROGRAMS))  # local work: fill the GPU
         k.wait_combine_kernel[(1,)](b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), R_PAD=RP)
         k.reduce_kernel[(n_red,)](b["comb_x"], b["comb_w"], out, out_w, self.S, K, H, n_red, HAS_W=has_w,
-                                  K_PAD=_pow2(K), BLOCK_H=bh, num_warps=4)
+                                  K_PAD=triton.next_power_of_2(K), BLOCK_H=bh, num_warps=4)
         return out, (out_w if has_w else None)
 
     # ------------------------------------------------------------------ CPU executor
