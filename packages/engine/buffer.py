@@ -306,7 +306,18 @@ class Buffer:
         tpe_all = tr.all_gather(tokens_per_expert.to(torch.int64), "dispatch: all_gather(tokens_per_expert)")
         # The plan is made on the host from the small [R, E] table (the one host read of the
         # step: the transfer sizes come from it too), then its tables go to the device.
-        gp_host = plan_global(tpe_all.cpu(), self.S, self.K, self.B, self.token_padding)
+        tpe_host = tpe_all.cpu()
+        # every rank sees the same table, so all refuse together (nothing moved yet): counts that
+        # do not sum to S*K mean ids outside [0, E) were dropped from the count (CUDA counts them
+        # on the device) or a count that is not the ids' bincount
+        short = [r for r, n in enumerate(tpe_host.sum(dim=1).tolist()) if n != self.S * self.K]
+        if short:
+            raise MoonEPInputError(
+                f"dispatch: tokens_per_expert of rank(s) {short} does not sum to S*K = {self.S * self.K} "
+                f"(sums {tpe_host.sum(dim=1).tolist()}): expert ids outside [0, {self.E}) or counts that are not "
+                "the bincount of the ids; sanitize invalid ids first"
+            )
+        gp_host = plan_global(tpe_host, self.S, self.K, self.B, self.token_padding)
         gp = gp_host if self.device.type == "cpu" else gp_host.to(self.device)
         dest, row = place_entries(gp, self.rank, topk_experts_sk)
         # local entries in (destination, row) order: rows reach each peer already sorted

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from triton.compiler import CompiledKernel
 
-from vllm_moonep.engine.defaults import resolve_device
+from vllm_moonep.engine.defaults import resolve_device, say_once
 from vllm_moonep.engine.planner import GlobalPlan
 
 __all__ = ["DevicePlanner"]
@@ -325,8 +325,10 @@ class _Launch:
             run = k[self.grid]
             try:
                 run(*args, *self.tail)
-            except Exception:  # another Triton's runner convention: stay on the ordinary path
+            except Exception as exc:  # another Triton's runner convention: stay on the ordinary path
                 self.fast = False
+                say_once(f"MoonEP device planner: fast_launch off for {self.fn.__name__} (Triton's compiled runner "
+                         f"refused the call: {type(exc).__name__}: {exc}); the ordinary launch is used")
                 return
             self.runners[key] = run
 

@@ -290,3 +290,29 @@ def test_combine_accumulates_in_fp32_and_rounds_once(R, env):
     res = ranks(R, combine_accumulates_in_fp32, 64, 64, 3, 6 * R, env=env)
     assert all(exact for exact, _ in res), "combine is not an fp32 sum rounded once to bf16"
     assert any(distinguishing for _, distinguishing in res)
+
+
+def counts_short_on_one_rank():
+    """Rank 0's counts miss S*K (what an id >= E gives on CUDA, where the count drops it)."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    S, H, K, E = 16, 8, 2, 8
+    buf = Buffer(S, H, K, E, R, B=4, token_padding=4, device="cpu", check_inputs=False)
+    x, w, ids, tpe = _inputs(S, E, K, H, 1.0, 5, r, torch.bfloat16)
+    bad = tpe.clone()
+    if r == 0:
+        bad[int(ids[0, 0])] -= 1
+    with pytest.raises(MoonEPInputError, match=r"rank\(s\) \[0\] does not sum to S\*K"):
+        buf.dispatch(x, w, ids, bad)
+    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)  # the next valid step on the same buffer
+    out, rw, _ = buf.combine(plan, xn, wn)
+    ok = torch.equal(rw, w) and torch.allclose(out.float(), (K * x.float()).to(torch.bfloat16).float(), rtol=1e-2,
+                                                 atol=1e-2)
+    buf.destroy()
+    return ok
+
+
+def test_counts_that_miss_s_times_k_are_refused_on_every_rank():
+    """Without host input checks (the GPU default), a count missing rows (ids outside [0, E)) planned
+    an impossible step (out-of-bounds placement) on the collective transport; now every rank refuses
+    it together before any row moves, and the next step is right."""
+    assert ranks(2, counts_short_on_one_rank) == [True, True]
