@@ -327,7 +327,7 @@ class _Launch:
                 run(*args, *self.tail)
             except Exception as exc:  # another Triton's runner convention: stay on the ordinary path
                 self.fast = False
-                say_once(f"MoonEP device planner: fast_launch off for {getattr(self.fn, "__name__", "a kernel")} (Triton's compiled runner "
+                say_once(f"MoonEP device planner: fast_launch off for {getattr(self.fn, '__name__', 'a kernel')} (Triton's compiled runner "
                          f"refused the call: {type(exc).__name__}: {exc}); the ordinary launch is used")
                 return
             self.runners[key] = run
