@@ -52,9 +52,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.compiler import CompiledKernel
 
-from vllm_moonep.engine.defaults import resolve_device, say_once
+from vllm_moonep.engine.defaults import resolve_device
+from vllm_moonep.engine.launch import Launcher
 from vllm_moonep.engine.planner import GlobalPlan
 
 __all__ = ["DevicePlanner"]
@@ -297,57 +297,16 @@ def _place_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-class _Launch:
-    """One kernel at one grid and one set of constexprs, launched through Triton's compiled runner
-    once it exists.
-
-    Why: Triton's per-call dispatch (binding ~20 arguments, specialization keys, cache lookup)
-    costs tens of microseconds on the host, more than these kernels take on the device. The runner
-    is keyed by what Triton specializes on in the caller's tensors (dtype, strides, 16-byte
-    alignment); our own buffers never change. The runner is tried once right after the ordinary
-    launch that compiled it (the kernels are idempotent); if this Triton's runner takes other
-    arguments, every call keeps the ordinary path. Under the interpreter there is no runner.
-    """
-
-    def __init__(self, fn, grid: int, num_warps: int, fast: bool = True, **consts):
-        self.fn, self.grid, self.num_warps, self.consts = fn, (int(grid), 1, 1), num_warps, consts
-        self.tail = tuple(consts.values())  # constexprs are each kernel's trailing parameters, in order
-        self.fast = fast
-        self.runners: dict = {}
-
-    def __call__(self, key, *args) -> None:
-        run = self.runners.get(key)
-        if run is not None:
-            run(*args, *self.tail)
-            return
-        k = self.fn[self.grid](*args, **self.consts, num_warps=self.num_warps)
-        if self.fast and isinstance(k, CompiledKernel):
-            run = k[self.grid]
-            try:
-                run(*args, *self.tail)
-            except Exception as exc:  # another Triton's runner convention: stay on the ordinary path
-                self.fast = False
-                say_once(f"MoonEP device planner: fast_launch off for {getattr(self.fn, '__name__', 'a kernel')} (Triton's compiled runner "
-                         f"refused the call: {type(exc).__name__}: {exc}); the ordinary launch is used")
-                return
-            self.runners[key] = run
-
-
-def _spec(t: torch.Tensor) -> tuple:
-    """What Triton specializes a tensor argument on (the part that can differ between calls)."""
-    return (t.dtype, t.stride(), t.data_ptr() % 16 == 0)
-
-
 class DevicePlanner:
     """Plans and places on ``device`` into preallocated tensors (see the module docstring).
 
-    ``fast_launch``: after the first ordinary launch, call Triton's compiled runner directly (saves
-    the 28-38 us of host time Triton's dispatch takes per ``plan()``). Off by default until it has
-    run on a GPU with the current kernels; the GPU random-case test alternates both paths.
+    ``fast_launch``: launch through Triton's compiled runner once a kernel is compiled (saves the
+    28-38 us of host time Triton's dispatch takes per ``plan()``; ``engine/launch.py``). ``None``:
+    the engine's ``FAST_LAUNCH`` default. The GPU random-case test alternates both paths.
     """
 
     def __init__(self, R: int, E: int, S: int, K: int, B: int, token_padding: int, device: torch.device,
-                 *, plan_warps: int | None = None, place_warps: int | None = None, fast_launch: bool = False):
+                 *, plan_warps: int | None = None, place_warps: int | None = None, fast_launch: bool | None = None):
         R, E, S, K, B, tp = (int(v) for v in (R, E, S, K, B, token_padding))
         if R < 1 or E < 1 or E % R != 0:
             raise ValueError(f"need R >= 1 and E % R == 0 (R={R}, E={E})")
@@ -404,18 +363,15 @@ class DevicePlanner:
         self._dest = torch.zeros(n, **i64)
         self._row = torch.zeros(n, **i64)
 
-        self._plan_launch = _Launch(
-            _plan_kernel, R, self._plan_warps, fast_launch,
+        self._plan_launch = Launcher(_plan_kernel, fast_launch)
+        self._plan_consts = dict(
             R_P=self._R_P, EPN_P=self._EPN_P, R_SH=self._R_P.bit_length() - 1, J_SH=self._EPN_P.bit_length() - 1,
             RB=self._RB, JC=self._JC, TAIL=64, TP=tp,
         )
-        self._hist_launch = _Launch(
-            _hist_kernel, self._n_chunks, 4, fast_launch, KS=self._KS, SB=self._SB, E_P=self._E_P
-        )
-        self._place_launch = _Launch(
-            _place_kernel, self._n_sub, self._place_warps, fast_launch, KS=self._KS, SB=self._SB, CB=self._CB,
-            R_P=self._R_P,
-        )
+        self._hist_launch = Launcher(_hist_kernel, fast_launch)
+        self._hist_consts = dict(KS=self._KS, SB=self._SB, E_P=self._E_P)
+        self._place_launch = Launcher(_place_kernel, fast_launch)
+        self._place_consts = dict(KS=self._KS, SB=self._SB, CB=self._CB, R_P=self._R_P)
 
     def plan(self, tpe_all: torch.Tensor) -> GlobalPlan:
         """Rules 1-4 from the all-gathered ``tpe_all [R, E]`` (int32 or int64, on ``device``); one launch."""
@@ -426,11 +382,12 @@ class DevicePlanner:
             raise ValueError(f"tpe_all is on {tpe_all.device}, the planner on {self.device}")
         gp = self._gp
         self._plan_launch(
-            _spec(tpe_all),
+            (R, 1, 1),
             tpe_all, tpe_all.stride(0), tpe_all.stride(1),
             gp.tpe, gp.alloc, gp.experts_to_copy, gp.seg_len, gp.cu_seqlens, gp.row_base, gp.ordinal_base,
             gp.cum_alloc,
             R, E, self.epn, self.B, self.S * self.K,
+            num_warps=self._plan_warps, **self._plan_consts,
         )
         return gp
 
@@ -447,11 +404,13 @@ class DevicePlanner:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         ob, cum, rb = (self._table(t) for t in (gp.ordinal_base, gp.cum_alloc, gp.row_base))
-        self._hist_launch(_spec(flat), flat, self._exs, self._tot, self._n, self.E)
+        self._hist_launch((self._n_chunks, 1, 1), flat, self._exs, self._tot, self._n, self.E,
+                          num_warps=4, **self._hist_consts)
         self._place_launch(
-            (_spec(flat), _spec(ob), _spec(cum), _spec(rb)),
+            (self._n_sub, 1, 1),
             flat, self._exs, self._tot, ob, cum, rb, self._dest, self._row,
             int(rank), self._n, self.E, self.R,
+            num_warps=self._place_warps, **self._place_consts,
         )
         return self._dest, self._row
 

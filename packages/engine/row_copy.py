@@ -53,8 +53,10 @@ def _kernel():
                 m = lo + k + o < row_elems
                 tl.store(d + lo + k + o, tl.load(s + lo + k + o, mask=m), mask=m)
 
-    _copy_rows_kernel = copy_rows_kernel
-    return copy_rows_kernel
+    from vllm_moonep.engine.launch import Launcher
+
+    _copy_rows_kernel = Launcher(copy_rows_kernel)
+    return _copy_rows_kernel
 
 
 _copy_rows_kernel = None
@@ -73,8 +75,8 @@ def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | 
 
         kern = _kernel()
         grid = (B, triton.cdiv(row_elems, _CHUNK))
-        kern[grid](slot_ids, dst, src if src is not None else dst, table if table is not None else slot_ids,
-                   rows_per_source, row_elems, TABLE=table is not None, CHUNK=_CHUNK, BLOCK=4096, num_warps=8)
+        kern(grid, slot_ids, dst, src if src is not None else dst, table if table is not None else slot_ids,
+             rows_per_source, row_elems, TABLE=table is not None, CHUNK=_CHUNK, BLOCK=4096, num_warps=8)
         return
     used = [(b, e) for b, e in enumerate(slot_ids.tolist()) if e >= 0]
     if not used:

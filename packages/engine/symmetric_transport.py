@@ -49,6 +49,7 @@ except ImportError:  # CPU-only installs: the host executor needs no Triton
 
 from vllm_moonep.engine.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
 from vllm_moonep.engine.errors import MoonEPUnavailableError
+from vllm_moonep.engine.launch import Launcher
 from vllm_moonep.engine.planner import place_entries, plan_global
 
 __all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS"]
@@ -60,6 +61,9 @@ PROGRAMS_PER_SM = 4
 _ROWS = 4
 #: programs of the (local) reduce; it only waits on the signals, so any count works
 _REDUCE_PROGRAMS = 1056
+#: the GPU executor's kernels (``symmetric_kernels.<name>_kernel``), in the order a step runs them
+_KERNELS = ("clear_rows", "put_counts", "wait_counts", "dispatch_rows", "finish_dispatch",
+            "combine_rows", "wait_combine", "reduce")
 _PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
 _WAIT_CODE = {"counts": CODE_WAIT_COUNTS, "dispatch": CODE_WAIT_ROWS, "combine": CODE_WAIT_OUTPUTS}
 
@@ -129,6 +133,10 @@ class SymmetricTransport:
             from vllm_moonep.engine.device_planner import DevicePlanner
 
             self.planner = DevicePlanner(R, E, S, K, B, token_padding, self.device)
+            from vllm_moonep.engine import symmetric_kernels as k
+
+            # every kernel through a Launcher: after the first call, Triton's compiled runner
+            self._launch = {name: Launcher(getattr(k, f"{name}_kernel")) for name in _KERNELS}
             self.cu32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
             self._block_h = min(triton.next_power_of_2(H), 4096)
             # rows the last step wrote (cleared at the next dispatch); rows [0, S*K) at first,
@@ -155,44 +163,42 @@ class SymmetricTransport:
         return int(self.timeout_s * 1e9)
 
     def _dispatch_gpu(self, hidden, route_w, ids, tpe):
-        from vllm_moonep.engine import symmetric_kernels as k
-
         R, E, rank, H, P, SK = self.R, self.E, self.rank, self.H, self.programs, self.S * self.K
         RP = triton.next_power_of_2(R)
         b = self.buf
-        k.clear_rows_kernel[(P,)](self.real_rows, b["recv_x"], b["recv_w"], b["recv_src"], SK, H, P, ROWS=_ROWS,
-                                  BLOCK_H=self._block_h, num_warps=8)
-        k.put_counts_kernel[(R,)](tpe, self.table, R, rank, E, E_PAD=triton.next_power_of_2(E), R_PAD=RP)
-        k.wait_counts_kernel[(1,)](b["sig"], self.epoch, R, self.board.address, self._timeout_ns(), R_PAD=RP)
+        L = self._launch
+        L["clear_rows"]((P, 1, 1), self.real_rows, b["recv_x"], b["recv_w"], b["recv_src"], SK, H, P, ROWS=_ROWS,
+                        BLOCK_H=self._block_h, num_warps=8)
+        L["put_counts"]((R, 1, 1), tpe, self.table, R, rank, E, E_PAD=triton.next_power_of_2(E), R_PAD=RP)
+        L["wait_counts"]((1, 1, 1), b["sig"], self.epoch, R, self.board.address, self._timeout_ns(), R_PAD=RP)
         gp = self.planner.plan(b["counts"])
         dest, row = self.planner.place(gp, rank, ids)
-        k.dispatch_rows_kernel[(P,)](hidden, route_w, dest, row, self.table, self.board.address, self.epoch, SK,
-                                     self.K, H, R, rank, P, ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
+        L["dispatch_rows"]((P, 1, 1), hidden, route_w, dest, row, self.table, self.board.address, self.epoch, SK,
+                           self.K, H, R, rank, P, ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
         G = E + self.B
-        k.finish_dispatch_kernel[(P,)](gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, self.real_rows, G, self.tp,
-                                       b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), P,
-                                       G_PAD=triton.next_power_of_2(G), CHUNK=1024, R_PAD=RP, num_warps=4)
+        L["finish_dispatch"]((P, 1, 1), gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, self.real_rows, G, self.tp,
+                             b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), P,
+                             G_PAD=triton.next_power_of_2(G), CHUNK=1024, R_PAD=RP, num_warps=4)
         return b["recv_x"], b["recv_w"], self.cu32, gp
 
     def _combine_gpu(self, y, y_w):
-        from vllm_moonep.engine import symmetric_kernels as k
-
         R, rank, H, K, P = self.R, self.rank, self.H, self.K, self.programs
         RP = triton.next_power_of_2(R)
         b = self.buf
         has_w = y_w is not None
-        k.combine_rows_kernel[(P,)](y, y_w if has_w else b["recv_w"], b["recv_src"], self.real_rows, self.table,
-                                    self.epoch, self.S * K, H, R, rank, P, HAS_W=has_w, ROWS=_ROWS,
-                                    BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
+        L = self._launch
+        L["combine_rows"]((P, 1, 1), y, y_w if has_w else b["recv_w"], b["recv_src"], self.real_rows, self.table,
+                          self.epoch, self.S * K, H, R, rank, P, HAS_W=has_w, ROWS=_ROWS,
+                          BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
         # the result is the caller's (a layer's output must survive the next layer's combine on
         # this buffer): fresh tensors from the caching allocator, no synchronization
         out = torch.empty(self.S, H, dtype=self.dtype, device=self.device)
         out_w = torch.empty(self.S, K, dtype=torch.float32, device=self.device) if has_w else out
         bh = min(triton.next_power_of_2(H), 2048)
         n_red = max(1, min(self.S * triton.cdiv(H, bh), _REDUCE_PROGRAMS))  # local work: fill the GPU
-        k.wait_combine_kernel[(1,)](b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), R_PAD=RP)
-        k.reduce_kernel[(n_red,)](b["comb_x"], b["comb_w"], out, out_w, self.S, K, H, n_red, HAS_W=has_w,
-                                  K_PAD=triton.next_power_of_2(K), BLOCK_H=bh, num_warps=4)
+        L["wait_combine"]((1, 1, 1), b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), R_PAD=RP)
+        L["reduce"]((n_red, 1, 1), b["comb_x"], b["comb_w"], out, out_w, self.S, K, H, n_red, HAS_W=has_w,
+                    K_PAD=triton.next_power_of_2(K), BLOCK_H=bh, num_warps=4)
         return out, (out_w if has_w else None)
 
     # ------------------------------------------------------------------ CPU executor

@@ -58,6 +58,12 @@ def graph_step(layout_kind, B, tokens, replays):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
+    # the transport's kernels went through Triton's compiled runners from the second call on
+    # (engine/launch.py), so the sync-free step above ran that path
+    from vllm_moonep.engine.launch import FAST_LAUNCH
+
+    launchers = [ln for buf in moe.pool.buffers.values() for ln in getattr(buf.transport, "_launch", {}).values()]
+    res["fast"] = (FAST_LAUNCH, len(launchers), sum(bool(ln.runners) for ln in launchers))
     # 2) the whole step in one CUDA graph, replayed on new routing (new plans, new slots)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -95,6 +101,7 @@ def test_step_is_sync_free_and_graph_replays_match_dense_shared_gpu(R, layout_ki
     reference). B=2 < epn exercises overflow rows read from the owners' memory."""
     res = ranks(R, graph_step, layout_kind, B, 100, 3, env=SHARED_GPU_ENV)
     assert all(x["max_err"] < 2e-2 for x in res)
+    _assert_fast_launch_taken(res)
 
 
 @pytest.mark.multi_gpu
@@ -106,6 +113,15 @@ def test_step_is_sync_free_and_graph_replays_match_dense_nccl(layout_kind, B):
         pytest.skip(f"needs {R} GPUs")
     res = ranks(R, graph_step, layout_kind, B, 200, 3, env=NCCL_ENV, backend="nccl")
     assert all(x["max_err"] < 2e-2 for x in res)
+    _assert_fast_launch_taken(res)
+
+
+def _assert_fast_launch_taken(res):
+    """A fast launch that silently fell back (a Triton whose runner takes other arguments, a key
+    that never repeats) would leave the eager step paying Triton's dispatch for every kernel."""
+    for on, n, used in (x["fast"] for x in res):
+        assert n == 8, f"expected the transport's 8 launchers, found {n}"
+        assert used == (8 if on else 0), f"{used} of 8 transport kernels used the compiled runner (fast launch on: {on})"
 
 
 def device_wait_times_out():

@@ -46,10 +46,10 @@ def _kernels():
          dict(HAS_W=True, K_PAD=8, BLOCK_H=2048)),
         ("wait_combine", k.wait_combine_kernel,
          dict(sig="*i64", epoch="*i64", R=i32, per_src=i32, board=i64, timeout_ns=i64), dict(R_PAD=8)),
-        ("copy_rows(table)", row_copy._kernel(),
+        ("copy_rows(table)", row_copy._kernel().fn,
          dict(ids="*i32", dst=bf16, src=bf16, table="*i64", rows_per_source=i32, row_elems=i64),
          dict(TABLE=True, CHUNK=65536, BLOCK=4096)),
-        ("copy_rows(tensor)", row_copy._kernel(),
+        ("copy_rows(tensor)", row_copy._kernel().fn,
          dict(ids="*i32", dst=bf16, src=bf16, table="*i32", rows_per_source=i32, row_elems=i64),
          dict(TABLE=False, CHUNK=65536, BLOCK=4096)),
     ]
@@ -62,12 +62,12 @@ def _kernels():
         ("plan", dp._plan_kernel,
          dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32", seg_out="*i64",
               cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32, EPN=i32, B=i32, CAP=i32),
-         dict(planner._plan_launch.consts)),
+         dict(planner._plan_consts)),
         ("hist", dp._hist_kernel, dict(ids_ptr="*i32", exs_ptr="*i32", tot_ptr="*i32", N=i32, E=i32),
-         dict(planner._hist_launch.consts)),
+         dict(planner._hist_consts)),
         ("place", dp._place_kernel,
          dict(ids_ptr="*i32", exs_ptr="*i32", tot_ptr="*i32", ob_ptr="*i64", cum_ptr="*i64", rb_ptr="*i64",
-              dest_ptr="*i64", row_ptr="*i64", rank=i32, N=i32, E=i32, R=i32), dict(planner._place_launch.consts)),
+              dest_ptr="*i64", row_ptr="*i64", rank=i32, N=i32, E=i32, R=i32), dict(planner._place_consts)),
     ]
     return cases
 
