@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from vllm_moonep.multicast import disable_multicast_by_default
+from vllm_moonep.engine.multicast import disable_multicast_by_default
 
 disable_multicast_by_default()
 

@@ -1,16 +1,13 @@
 # Sourced by the GPU scripts: multicast off, the package importable on a machine that has torch
-# but cannot install anything (an editable install without deps, else a link tree), and
+# but cannot install anything (an editable install without deps, else the source roots on PYTHONPATH), and
 # nvshmem4py from a carried wheel when there is one (.whl/*.whl at the repository root, e.g.
 # nvshmem4py-cu13==0.4.1's cp312 wheel; installed with --no-index --no-deps --target /tmp/site,
 # which goes on PYTHONPATH since .pth files there are not read). Logs: $OUT/setup.log.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ! python3 -m pip install --no-deps --no-build-isolation --no-index -e . -q >"$OUT/setup.log" 2>&1; then
-  mkdir -p /tmp/pp/vllm_moonep && cp -r packages/vllm_moonep/. /tmp/pp/vllm_moonep/
-  for p in engine:packages/engine common:common replicated:replicated symmetric:symmetric tools:tools vllm_plugin:packages/vllm_plugin; do
-    ln -sfn "$PWD/${p#*:}" "/tmp/pp/vllm_moonep/${p%%:*}"
-  done
-  export PYTHONPATH=/tmp/pp${PYTHONPATH:+:$PYTHONPATH}
+  # each top-level folder is a source root of the vllm_moonep namespace (pyproject.toml)
+  export PYTHONPATH=$PWD/packages:$PWD/common:$PWD/replicated:$PWD/symmetric:$PWD/tools${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   if python3 -m pip install --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl -q >>"$OUT/setup.log" 2>&1; then

@@ -93,7 +93,7 @@ def test_core_imports_without_vllm(tmp_path):
 
 
 def test_multicast_policy(monkeypatch):
-    from vllm_moonep.multicast import check_multicast_off
+    from vllm_moonep.engine.multicast import check_multicast_off
 
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     monkeypatch.delenv("VLLM_MOONEP_ALLOW_MULTICAST", raising=False)

@@ -18,7 +18,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_importing_common_does_not_import_vllm():
-    """An eager re-export of the vLLM classes in common/__init__.py would pull vLLM into every core import."""
+    """An eager re-export of the vLLM classes in common/vllm_moonep/common/__init__.py would pull vLLM into every core import."""
     code = (
         "import sys\n"
         "import vllm_moonep.common as c\n"

@@ -4,7 +4,7 @@
 the pool's capacity, dispatch, prefetch the planned slots, the grouped expert compute, combine.
 The pieces are module-level functions (``check_hidden_states``, ``fold_router_weight_on_input``,
 ``dispatch_and_prefetch``, ``combine_rows``) so that the vLLM prepare/finalize and experts classes
-(``common/vllm_modular.py``) run exactly the same code split at vLLM's seams; tools and tests use
+(``common/vllm_moonep/common/vllm_modular.py``) run exactly the same code split at vLLM's seams; tools and tests use
 ``MoonEPMoE`` directly.
 """
 

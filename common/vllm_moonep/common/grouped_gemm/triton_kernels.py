@@ -364,7 +364,7 @@ _INTERP_CONFIG = {
     "down": {"BM": 16, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1, "ZM": 32},
 }
 
-#: keys every tuning.json entry has (``tools/bench_experts.py --tune`` writes them)
+#: keys every tuning.json entry has (``tools/vllm_moonep/tools/bench_experts.py --tune`` writes them)
 _TUNING_KEYS = ("H", "I", "max_rows", "gate_up", "down")
 #: tile tables read so far, by path (each file is read, and any problem reported, once)
 _TUNING: dict[str, list] = {}

@@ -70,7 +70,7 @@ class WeightLayout(Protocol):
 
     def memory_report(self) -> MemoryReport:
         """Accounted bytes of expert weights this layer holds on this rank, by kind, from the one
-        accounting (``common/memory.py``), so reports and the projections in docs/MEMORY.md agree.
+        accounting (``common/vllm_moonep/common/memory.py``), so reports and the projections in docs/MEMORY.md agree.
 
         ``home_rows``: this rank's ``E/R`` experts (replicated: the caller's own parameters, 0
         when it does not keep them); ``replicated_rows``: the ``[0, E)`` copy (replicated only);

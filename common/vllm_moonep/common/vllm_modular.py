@@ -3,7 +3,7 @@
 This is the only module of ``vllm_moonep.common`` that imports vLLM; nothing in the core imports
 it (``import vllm_moonep.common`` works without vLLM). Both classes are layout-agnostic: they read
 expert weights through a ``WeightLayout`` (replicated ``[E+B]`` or symmetric) and run the same
-step functions as ``common/moe_step.py`` split at vLLM's seams:
+step functions as ``common/vllm_moonep/common/moe_step.py`` split at vLLM's seams:
 
 - ``MoonEPPrepareAndFinalize.prepare``: checks (BF16 only, unquantized only, no pending step),
   top-1 ``apply_router_weight_on_input`` folded into the input, buffer choice from vLLM's DP

@@ -6,6 +6,8 @@ vLLM) is imported on first access to either name, so ``import vllm_moonep.common
 vLLM.
 """
 
+import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
+
 from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
 from vllm_moonep.common.layout import WEIGHT_TILE, WeightLayout, check_local_experts
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, replicated_accounting, symmetric_accounting

@@ -12,6 +12,8 @@ built (``checks.py``), and used when the layers' kernels and weight layouts are 
 
 from __future__ import annotations
 
+import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
+
 __all__ = ["register"]
 
 

@@ -873,7 +873,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     t0 = time.perf_counter()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "project":  # the memory projection (tools/memory_projection.py)
+    if argv and argv[0] == "project":  # the memory projection (tools/vllm_moonep/tools/memory_projection.py)
         from vllm_moonep.tools.memory_projection import main as projection_main
 
         return projection_main(argv[1:], prog="moonep-ab project")

@@ -19,7 +19,7 @@ import torch
 from vllm_moonep.engine.buffer import Buffer as BuiltinBuffer
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
-from vllm_moonep.multicast import OPT_IN_VAR, multicast_opted_in
+from vllm_moonep.engine.multicast import OPT_IN_VAR, multicast_opted_in
 
 ENGINES = ("auto", "builtin", "moonep")
 

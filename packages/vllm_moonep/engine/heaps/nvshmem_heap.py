@@ -33,7 +33,7 @@ import os
 import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
-from vllm_moonep.multicast import check_multicast_off
+from vllm_moonep.engine.multicast import check_multicast_off
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_device
 
 __all__ = ["FORCE_RMA_ENV", "NvshmemHeap", "nvshmem_status", "rma_chunks"]

@@ -5,7 +5,7 @@ Each allocation is ``symm_mem.empty`` + ``symm_mem.rendezvous(t, group_name)``; 
 from ``handle.get_buffer(peer, shape, dtype, storage_offset)``. Works with torch 2.11 and later.
 Several processes on one GPU (tests) need ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``.
 Multicast is never used: the heap refuses to start when the environment enables it (unless the
-user opted in, ``vllm_moonep.multicast``).
+user opted in, ``vllm_moonep.engine.multicast``).
 
 ``barrier()`` synchronizes this rank's device (every write issued before it has landed) and then
 the ranks' hosts; peer reads issued afterwards see the writes. It is a load-time barrier;
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.engine.errors import MoonEPUnavailableError
-from vllm_moonep.multicast import check_multicast_off
+from vllm_moonep.engine.multicast import check_multicast_off
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_device
 
 __all__ = ["TorchSymmHeap"]

@@ -18,14 +18,14 @@ import os
 
 from vllm_moonep.engine.arrival_board import ARRIVAL_ENV, HEARTBEAT_ENV
 from vllm_moonep.engine.timeouts import TIMEOUT_ENV
-from vllm_moonep.multicast import OPT_IN_VAR
+from vllm_moonep.engine.multicast import OPT_IN_VAR
 from vllm_moonep.vllm_plugin.options import ENV_VARS, PLUGIN_ENV
 
 log = logging.getLogger("vllm.vllm_moonep")
 
 __all__ = ["KNOWN_ENV_VARS", "register_env_vars"]
 
-#: variables the rank launcher (``tools/launch.py``) and the test suite set in rank processes,
+#: variables the rank launcher (``tools/vllm_moonep/tools/launch.py``) and the test suite set in rank processes,
 #: which may load vLLM (and so this plugin)
 LAUNCHER_ENV_VARS = (
     "VLLM_MOONEP_RANK",
@@ -40,8 +40,8 @@ LAUNCHER_ENV_VARS = (
 #: every VLLM_MOONEP_* name this project reads
 KNOWN_ENV_VARS = tuple(ENV_VARS.values()) + (PLUGIN_ENV, TIMEOUT_ENV, ARRIVAL_ENV, HEARTBEAT_ENV, OPT_IN_VAR) \
     + LAUNCHER_ENV_VARS \
-    + ("VLLM_MOONEP_NVSHMEM_FORCE_RMA",)  # NvshmemHeap: every peer read by RMA (engine/heaps/nvshmem_heap.py)
-    + ("VLLM_MOONEP_FAST_LAUNCH",)  # 0: Triton's ordinary launch for every engine kernel (engine/launch.py)
+    + ("VLLM_MOONEP_NVSHMEM_FORCE_RMA",  # NvshmemHeap: every peer read by RMA (engine/heaps/nvshmem_heap.py)
+       "VLLM_MOONEP_FAST_LAUNCH")  # 0: Triton's ordinary launch for every engine kernel (engine/launch.py)
 
 _warned: set[str] = set()
 

@@ -1,0 +1,2 @@
+
+import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
