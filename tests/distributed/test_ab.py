@@ -191,6 +191,21 @@ def test_scaled_shape_fits_budget():
     assert s["expert_scale"] > 1
 
 
+def test_scaled_shape_keeps_the_expert_count_while_layers_can_shrink():
+    """Shrinking experts before layers turned the GPU A/B's Kimi-K2 into E=8 (no routing skew, no
+    plan worth measuring) where one full-width layer fitted; experts shrink only below one layer."""
+    from vllm_moonep.common.memory import replicated_accounting
+
+    kimi = ab.PRESETS["kimi-k2"]
+    one_layer = replicated_accounting(kimi.experts, 2, kimi.experts // 2, 7168, 2048, layers=1).resident
+    s = ab.scaled_shape(kimi, 2, None, int(1.5 * one_layer), None)
+    assert (s["experts"], s["layers"]) == (kimi.experts, 1)
+    s = ab.scaled_shape(kimi, 2, None, int(3.5 * one_layer), None)
+    assert (s["experts"], s["layers"]) == (kimi.experts, 3)
+    s = ab.scaled_shape(kimi, 2, None, one_layer // 2, None)
+    assert s["layers"] == 1 and s["experts"] < kimi.experts
+
+
 @pytest.mark.vllm
 def test_ab_vllm_poc_configuration(tmp_path):
     """vLLM's own in-tree MoonEP classes on our engine pass the same reference check, and their

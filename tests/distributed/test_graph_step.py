@@ -62,7 +62,7 @@ def graph_step(layout_kind, B, tokens, replays):
     # (engine/launch.py), so the sync-free step above ran that path
     from vllm_moonep.engine.launch import FAST_LAUNCH
 
-    launchers = [ln for buf in moe.pool.buffers.values() for ln in getattr(buf.transport, "_launch", {}).values()]
+    launchers = [ln for buf in moe.pool.buffers.values() for ln in getattr(buf._sym, "_launch", {}).values()]
     res["fast"] = (FAST_LAUNCH, len(launchers), sum(bool(ln.runners) for ln in launchers))
     # 2) the whole step in one CUDA graph, replayed on new routing (new plans, new slots)
     side = torch.cuda.Stream()

@@ -346,7 +346,10 @@ def test_ab_spawns_one_nccl_rank_per_gpu_and_measures_each_configuration(tmp_pat
             acc = m["accounted"]["resident"]
             assert chk["fresh_process"] and m["detail"]["pid"] not in pids
             pids.add(m["detail"]["pid"])
-            assert m["detail"]["tensors_torch"] + m["detail"]["tensors_heap"] == acc, (c, m)
+            # held beyond the accounted weights: only the device-side prefetch's address tables
+            # (2 x R int64 per symmetric layer); an unaccounted expert row would be megabytes
+            extra = m["detail"]["tensors_torch"] + m["detail"]["tensors_heap"] - acc
+            assert 0 <= extra <= 1024 * res["shape"]["layers"], (c, extra, m)
             assert m["measured_resident"] >= 0.9 * acc, (c, m)  # the rank's own GPU grew by what it holds
             assert (chk["why"] is not None) == (abs(chk["relative"]) > 0.10), chk
         assert any(p["slots_used_per_step"] > 0 for p in entry["points"] if p["maxvio"] == 2.0)

@@ -78,7 +78,17 @@ PRESETS = {
 CONFIGS = ("replicated", "symmetric", "symmetric-shared", "vllm-poc")
 DEVICES = ("cpu", "cuda")
 #: per-rank expert memory the scaled model may use by default, GiB
-DEFAULT_BUDGET_GB = {"cpu": 1.0, "cuda": 40.0}
+DEFAULT_BUDGET_GB = {"cpu": 1.0, "cuda": 0.5}  # cuda: a fraction of the GPU's memory (activations, heaps, buffers need the rest)
+
+
+def default_budget_gb(device: str) -> float:
+    """``--budget-gb`` when none is given: 1 GiB per CPU rank; half of a GPU's memory (an H200's
+    70 GiB holds one full-width Kimi-K2 layer replicated on 2 ranks, 50 GiB)."""
+    if device == "cuda":
+        import torch
+
+        return DEFAULT_BUDGET_GB["cuda"] * torch.cuda.get_device_properties(0).total_memory / GiB
+    return DEFAULT_BUDGET_GB[device]
 #: the reference check's default bound on the relative error of each configuration's output
 MAX_REF_ERR = 2e-2
 
@@ -182,8 +192,10 @@ def check_heap(heap: str, device: str) -> None:
 
 
 def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, slots: int | None) -> dict:
-    """Scale experts (keeping a multiple of ``ranks`` and at least 2 per rank) and layers so the
-    replicated layout (the larger one) fits ``budget_bytes`` per rank."""
+    """Scale layers, then experts, so the replicated layout (the larger one) fits ``budget_bytes``
+    per rank. Layers go first: the expert count shapes routing, plans and slots (what is
+    measured), while fewer layers only shorten the step. Experts shrink (keeping a multiple of
+    ``ranks`` and at least 2 per rank) only when one layer does not fit."""
     L = min(layers or p.layers, p.layers)
     E = p.experts
     bpe = expert_bytes(p.hidden, p.intermediate)
@@ -192,10 +204,10 @@ def scaled_shape(p: Preset, ranks: int, layers: int | None, budget_bytes: int, s
         B_ = slots or max(default_num_slots(E_, ranks), 1)
         return replicated_accounting(E_, ranks, B_, p.hidden, p.intermediate, layers=L_).resident
 
-    while replicated_bytes(E, L) > budget_bytes and E > 2 * ranks:
-        E = max(2 * ranks, (E // 2) // ranks * ranks)
     while replicated_bytes(E, L) > budget_bytes and L > 1:
         L -= 1
+    while replicated_bytes(E, L) > budget_bytes and E > 2 * ranks:
+        E = max(2 * ranks, (E // 2) // ranks * ranks)
     E = max(E // ranks, 1) * ranks
     if E < p.topk:
         E = ((p.topk + ranks - 1) // ranks) * ranks
@@ -596,7 +608,7 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
         init_launched_group(launch.backend, launch.device)
     p = PRESETS[preset]
     if budget_gb is None:
-        budget_gb = DEFAULT_BUDGET_GB[device]
+        budget_gb = default_budget_gb(device)
     shape = scaled_shape(p, ranks, layers, int(budget_gb * GiB), slots)
     shape["max_tokens"] = max(tokens)
     configs = list(configs or CONFIGS)
@@ -863,7 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="grouped GEMM of the experts; 'auto' takes the best that runs on --device (default: %(default)s)")
     ap.add_argument("--slots", type=int, default=None, help="B, prefetch slots per rank (default: E/R)")
     ap.add_argument("--budget-gb", type=float, default=None,
-                    help="per-rank expert memory the scaled model may use, GiB (default: " + ", ".join(f"{v:g} on {k}" for k, v in DEFAULT_BUDGET_GB.items()) + ")")
+                    help="per-rank expert memory the scaled model may use, GiB (default: 1 on cpu, half of the GPU's memory on cuda)")
     ap.add_argument("--out", default="moonep-ab-out",
                     help="folder for moonep-ab.json and the plots (default: %(default)s)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
