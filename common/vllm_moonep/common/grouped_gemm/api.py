@@ -41,6 +41,7 @@ class GroupedWeights:
         key = str(device)
         t = self._device_copies.get(key)
         if t is None:
+            assert self.dense_groups is not None, "dense_groups_on: these weights are not dense"
             t = self._device_copies[key] = self.dense_groups.to(device)
         return t
 
@@ -142,7 +143,8 @@ def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights) -> str:
     if impl == "auto":
         for cand in ("triton", "grouped_mm", "reference"):
             if cand in avail:
-                why = "the Triton kernels run here" if cand == "triton" else _triton_unusable(x)
+                # not triton: then _triton_unusable gives the reason (it is what left triton out)
+                why = "the Triton kernels run here" if cand == "triton" else str(_triton_unusable(x))
                 if cand == "reference":
                     why += "; torch._grouped_mm cannot take these rows or weights"
                 say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")
