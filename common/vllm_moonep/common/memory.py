@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ MiB = 2**20
 EXPLAIN_ABOVE = 0.10
 UNATTRIBUTED = "not attributed (allocator and page overhead, Python objects, communication buffers)"
 
-_libc = None
+_libc: Any = None  # ctypes.CDLL once loaded; False without glibc (the AttributeError below is caught)
 
 
 def _malloc_trim() -> None:

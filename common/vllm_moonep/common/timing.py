@@ -26,7 +26,7 @@ class PhaseTimer:
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self._pending: list[tuple[str, object, object]] = []
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.samples: dict[str, list[float]] = defaultdict(list)
 
     @contextlib.contextmanager

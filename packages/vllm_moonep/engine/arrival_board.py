@@ -57,7 +57,7 @@ class ArrivalBoard:
 
     def __init__(self, pg, group_ranks: list[int], rank: int, label: str, interval_s: float):
         self._pg_ref = weakref.ref(pg)
-        self.store = None
+        self.store: dist.Store | None = None
         self.group_ranks = list(group_ranks)  # global rank of each group rank
         self.rank = rank  # this process's rank in the group
         self.world_size = len(group_ranks)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import socket
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +20,14 @@ from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 from vllm_moonep.engine.row_copy import copy_rows
 from vllm_moonep.engine.collective import CollectiveTransport
+from vllm_moonep.engine.protocol import MoonEPPlan
 from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
+
+if TYPE_CHECKING:  # imported where used: the transport loads the Triton kernels
+    from torch.distributed import ProcessGroup
+
+    from vllm_moonep.engine.heaps.base import SymmetricHeap
+    from vllm_moonep.engine.symmetric_transport import SymmetricTransport
 
 __all__ = ["Buffer", "Plan", "nvs_rows", "resolve_device", "validate_config"]
 
@@ -38,8 +47,9 @@ def nvs_rows(S: int, K: int, E: int, R: int, token_padding: int) -> int:
     return S * K + (token_padding - 1) * 2 * (E // R)
 
 
-def validate_config(S: int, H: int, K: int, E: int, R: int, B: int, token_padding: int) -> None:
-    """Raise ``MoonEPInputError`` naming the first violated bound of the contract."""
+def validate_config(S: int, H: int, K: int, E: int, R: int, B: int | None, token_padding: int) -> None:
+    """Raise ``MoonEPInputError`` naming the first violated bound of the contract (``B=None``,
+    an unfilled default, is refused like any other bad ``B``)."""
     checks = [
         (isinstance(S, int) and S > 0, f"S (tokens per rank) must be a positive int, got {S!r}"),
         (isinstance(H, int) and H > 0, f"H (hidden size) must be a positive int, got {H!r}"),
@@ -71,11 +81,12 @@ class Plan:
     global_plan: GlobalPlan = field(repr=False)
     owner: int = field(repr=False)  # id() of the Buffer that made it
     step: int = 0
-    send_order: torch.Tensor = field(default=None, repr=False)  # local flat entries, by (dest, row)
+    # the collective transport's bookkeeping (None with the symmetric transport)
+    send_order: torch.Tensor | None = field(default=None, repr=False)  # local flat entries, by (dest, row)
     send_splits: list[int] = field(default_factory=list, repr=False)
     recv_splits: list[int] = field(default_factory=list, repr=False)
-    recv_rows: torch.Tensor = field(default=None, repr=False)  # shard row of each received entry
-    cu_seqlens: torch.Tensor = field(default=None, repr=False)  # this rank's [E+B] int32
+    recv_rows: torch.Tensor | None = field(default=None, repr=False)  # shard row of each received entry
+    cu_seqlens: torch.Tensor | None = field(default=None, repr=False)  # this rank's [E+B] int32
 
     @property
     def slots_used(self) -> int:
@@ -145,17 +156,17 @@ class Buffer:
         num_sms: int | None = None,
         token_padding: int = 128,
         B: int | None = None,
-        group=None,
+        group: ProcessGroup | None = None,
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.bfloat16,
         check_inputs: bool = True,
         timeout_s: float | None = None,
         transport: str = "auto",
-        heap=None,
+        heap: SymmetricHeap | str | None = None,
         explicitly_destroy: bool = True,
-        **unknown,
-    ):
+        **unknown: object,
+    ) -> None:
         if unknown:
             raise MoonEPInputError(
                 f"Buffer got unknown keyword(s) {sorted(unknown)}; it takes S, H, K, E, num_ep_ranks, num_sms, "
@@ -167,6 +178,7 @@ class Buffer:
         if B is None and isinstance(E, int) and isinstance(R, int) and R > 0:
             B = default_num_slots(E, R)
         validate_config(S, H, K, E, R, B, token_padding)
+        assert B is not None  # validate_config refuses None
         if dtype not in (torch.bfloat16, torch.float32):
             raise MoonEPInputError(f"dtype must be torch.bfloat16 (or float32 for tests), got {dtype}")
         self.transport = CollectiveTransport(group, world_size=R, timeout_s=timeout_s)
@@ -184,10 +196,10 @@ class Buffer:
         self.check_inputs = check_inputs
         self.rank = self.transport.rank
         self.NvS = nvs_rows(S, K, E, R, token_padding)
-        self._ctx = {"NvS": self.NvS, "S": S, "H": H, "K": K, "E": E, "B": B, "R": R, "tp": token_padding}
+        self._ctx: dict[str, int] = {"NvS": self.NvS, "S": S, "H": H, "K": K, "E": E, "B": B, "R": R, "tp": token_padding}
         self._destroyed = False
         self._step = 0
-        self._sym = None
+        self._sym: SymmetricTransport | None = None
         # Construction is collective: every rank must agree on the shape of the buffer and the
         # transport; the host each rank runs on tells whether every peer is addressable.
         asked = TRANSPORTS.index(transport)
@@ -215,12 +227,14 @@ class Buffer:
                 raise
 
     # ------------------------------------------------------------------ helpers
-    def _make_symmetric(self, heap, group, num_sms):
+    def _make_symmetric(
+        self, heap: SymmetricHeap | str | None, group: ProcessGroup | None, num_sms: int | None
+    ) -> SymmetricTransport:
         from vllm_moonep.engine.heaps import SymmetricHeap, make_heap
         from vllm_moonep.engine.symmetric_transport import SymmetricTransport
 
         owns = not isinstance(heap, SymmetricHeap)
-        if owns:
+        if not isinstance(heap, SymmetricHeap):  # (owns; spelt out so the type narrows)
             kind = heap or "auto"
             # the host heap's staging mode hides owner writes until a barrier; the transport's
             # peers write into each other's buffers, so it maps the shared pages directly
@@ -258,10 +272,12 @@ class Buffer:
                 "destroy the buffers, pools and layouts, then the process group, and build a fresh set"
             )
 
-    def _check_dispatch_inputs(self, hidden, route_w, ids, tpe) -> None:
+    def _check_dispatch_inputs(
+        self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor
+    ) -> None:
         S, H, K, E = self.S, self.H, self.K, self.E
 
-        def need(cond, msg):
+        def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise MoonEPInputError("dispatch: " + msg)
 
@@ -290,7 +306,13 @@ class Buffer:
         need(bool((counts == tpe.to(torch.int64)).all()), "tokens_per_expert is not the bincount of topk_experts_sk")
 
     # ------------------------------------------------------------------ contract API
-    def dispatch(self, hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert):
+    def dispatch(
+        self,
+        hidden_sh: torch.Tensor,
+        route_weights_sk: torch.Tensor,
+        topk_experts_sk: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Plan]:
         """Plan and move rows. Returns ``(hidden_nvsh [NvS,H], route_weights_nvs [NvS], cu_seqlens [E+B] int32, plan)``."""
         self._alive("dispatch")
         self._check_dispatch_inputs(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)
@@ -356,7 +378,8 @@ class Buffer:
         self._step += 1
         return hidden_nvsh, route_nvs, cu, plan
 
-    def _check_plan(self, plan, what: str) -> None:
+    def _check_plan(self, plan: object, what: str) -> Plan:
+        """``plan``, once it is known to be this buffer's latest (else ``MoonEPStateError``)."""
         self._alive(what)
         if not isinstance(plan, Plan) or plan.owner != id(self):
             raise MoonEPStateError(f"Buffer.{what}: the plan was not made by this buffer's dispatch")
@@ -365,11 +388,19 @@ class Buffer:
                 f"Buffer.{what}: the plan is from dispatch #{plan.step}, but this buffer has dispatched since "
                 f"(latest #{self._step - 1}); a buffer holds one step in flight: combine before the next dispatch"
             )
+        return plan
 
-    def prefetch_weight(self, plan=None, full_gate_weight=None, full_up_weight=None, full_down_weight=None):
+    def prefetch_weight(
+        self,
+        plan: MoonEPPlan | None = None,
+        full_gate_weight: torch.Tensor | None = None,
+        full_up_weight: torch.Tensor | None = None,
+        full_down_weight: torch.Tensor | None = None,
+    ) -> None:
         """Slot row ``E+b`` of each ``[E+B, out, in]`` weight becomes a copy of row ``experts_to_copy[rank, b]``."""
-        self._check_plan(plan, "prefetch_weight")
+        mine = self._check_plan(plan, "prefetch_weight")
         weights = (("full_gate_weight", full_gate_weight), ("full_up_weight", full_up_weight), ("full_down_weight", full_down_weight))
+        checked: list[torch.Tensor] = []
         for name, w in weights:
             if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] != self.E + self.B:
                 shape = list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
@@ -381,11 +412,14 @@ class Buffer:
                     f"prefetch_weight: {name} must be a contiguous bf16 tensor, got {w.dtype}"
                     f"{'' if w.is_contiguous() else ' (not contiguous)'}"
                 )
-        copy_slots_from_rows(plan.experts_to_copy[self.rank], self.E, [w for _, w in weights])
+            checked.append(w)
+        copy_slots_from_rows(mine.experts_to_copy[self.rank], self.E, checked)
 
-    def combine(self, plan, hidden_nvsh, route_weights_nvs=None):
+    def combine(
+        self, plan: MoonEPPlan, hidden_nvsh: torch.Tensor, route_weights_nvs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         """Expert outputs back to their tokens; returns ``(hidden_sh [S,H], route_weights_sk or None, None)``."""
-        self._check_plan(plan, "combine")
+        mine = self._check_plan(plan, "combine")
         if not isinstance(hidden_nvsh, torch.Tensor) or hidden_nvsh.dim() != 2 or hidden_nvsh.shape[1] != self.H or hidden_nvsh.shape[0] < self.NvS:
             shape = list(hidden_nvsh.shape) if isinstance(hidden_nvsh, torch.Tensor) else type(hidden_nvsh).__name__
             raise MoonEPInputError(f"combine: hidden_nvsh must be [NvS={self.NvS}, H={self.H}], got {shape}")
@@ -407,22 +441,24 @@ class Buffer:
             out, rw = self._sym.combine(hidden_nvsh, route_weights_nvs)
             return out, rw, None
         tr = self.transport
-        tr.step = plan.step
+        tr.step = mine.step
+        recv_rows, send_order = mine.recv_rows, mine.send_order
+        assert recv_rows is not None and send_order is not None  # set by this buffer's collective dispatch
         back = tr.all_to_all(
-            hidden_nvsh.index_select(0, plan.recv_rows), plan.recv_splits, plan.send_splits, "combine: all_to_all(hidden)"
+            hidden_nvsh.index_select(0, recv_rows), mine.recv_splits, mine.send_splits, "combine: all_to_all(hidden)"
         )
         n = self.S * self.K
         acc = torch.empty(n, self.H, dtype=torch.float32, device=self.device)  # every entry comes back
-        acc.index_copy_(0, plan.send_order, back.float())
+        acc.index_copy_(0, send_order, back.float())
         out = acc.view(self.S, self.K, self.H).sum(dim=1).to(self.dtype)
         rw = None
         if route_weights_nvs is not None:
             wb = tr.all_to_all(
-                route_weights_nvs.index_select(0, plan.recv_rows), plan.recv_splits, plan.send_splits,
+                route_weights_nvs.index_select(0, recv_rows), mine.recv_splits, mine.send_splits,
                 "combine: all_to_all(route_weights)",
             )
             rw = torch.empty(n, dtype=torch.float32, device=self.device)
-            rw.index_copy_(0, plan.send_order, wb)
+            rw.index_copy_(0, send_order, wb)
             rw = rw.view(self.S, self.K)
         return out, rw, None
 
@@ -464,10 +500,16 @@ class Buffer:
         )
 
 
-def copy_slots_from_rows(slots: torch.Tensor, E: int, weights) -> None:
+def copy_slots_from_rows(slots: torch.Tensor, E: int, weights: Iterable[torch.Tensor]) -> None:
     """For every ``[E+B, ...]`` tensor: row ``E+b`` <- row ``slots[b]`` where ``slots[b] >= 0``;
     unused slots (``-1``) are not touched (copying them onto themselves would move every slot's
     weights every step, GBs per layer at full size). On CUDA the slot ids stay on the device
     (``row_copy``: no host read); on CPU only the used slots are read and copied."""
     for w in weights:
         copy_rows(slots, w[E:], src=w, rows_per_source=w.shape[0])
+
+
+if TYPE_CHECKING:  # the type checker verifies the class honours the protocol it is used through
+    from vllm_moonep.engine.protocol import MoonEPBuffer
+
+    _IS_A_MOONEP_BUFFER: type[MoonEPBuffer] = Buffer

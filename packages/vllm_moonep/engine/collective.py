@@ -84,7 +84,7 @@ class CollectiveTransport:
         if self.rank < 0:
             raise MoonEPInputError("this process is not a member of the given process group")
         self.timeout_s = collective_timeout_s(timeout_s)
-        self.step = None
+        self.step: int | None = None
         self.last_op = ""
         self._seq = 0
         self.board: ArrivalBoard | None = None

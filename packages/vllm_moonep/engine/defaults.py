@@ -14,9 +14,13 @@ these, so the places that fill in the same default cannot drift apart.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 from vllm_moonep.engine.errors import MoonEPInputError
 
@@ -40,7 +44,7 @@ def default_num_slots(num_experts: int, num_ep_ranks: int) -> int:
     return num_experts // num_ep_ranks
 
 
-def group_rank_world(group) -> tuple[int, int]:
+def group_rank_world(group: ProcessGroup | None) -> tuple[int, int]:
     """``(rank, world_size)`` in ``group`` (``None``: the default group); ``(0, 1)`` without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)

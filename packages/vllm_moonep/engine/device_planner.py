@@ -49,6 +49,8 @@ powers of two and masked. No kernel reads what another thread of its launch wrot
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -333,7 +335,7 @@ class DevicePlanner:
         big = max(self._R_P * self._R_P, n_p, rb * n_p, self._EPN_P * self._JC)
         self._plan_warps = plan_warps or (4 if big <= 4096 and n_p <= 1024 else 8 if big <= 8192 else 16)
 
-        i64 = dict(dtype=torch.int64, device=dev)
+        i64: dict[str, Any] = dict(dtype=torch.int64, device=dev)
         self._gp = GlobalPlan(
             tpe=torch.zeros(R, E, **i64),
             alloc=torch.zeros(E, R, **i64),

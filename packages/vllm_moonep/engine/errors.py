@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class MoonEPError(RuntimeError):
     """Base class of this project's errors."""
@@ -40,8 +42,9 @@ class MoonEPCollectiveTimeout(MoonEPError, TimeoutError):
     ``MoonEPStateError``; destroy them, then the process group.
     """
 
-    def __init__(self, message: str = "", *, op: str = "", step=None, rank: int = -1, world_size: int = 0,
-                 missing=(), timed_out: bool = True, elapsed_s: float = 0.0, timeout_s: float = 0.0, seq: int = 0):
+    def __init__(self, message: str = "", *, op: str = "", step: int | None = None, rank: int = -1,
+                 world_size: int = 0, missing: Iterable[int] = (), timed_out: bool = True, elapsed_s: float = 0.0,
+                 timeout_s: float = 0.0, seq: int = 0) -> None:
         super().__init__(message)
         self.op = op
         self.step = step

@@ -93,5 +93,5 @@ def dispatched_rows(buffer: MoonEPBuffer | Any) -> int:
     ``moonep`` package's ``_ctx["NvS"]`` (the only place it keeps it)."""
     rows = getattr(buffer, "num_dispatched_rows", None)
     if rows is None:
-        rows = buffer._ctx["NvS"]
+        rows = getattr(buffer, "_ctx")["NvS"]  # not MoonEPBuffer's: only the real package has it
     return int(rows)

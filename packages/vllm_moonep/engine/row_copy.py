@@ -11,7 +11,12 @@ slots move.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # imported where the kernel is made: CPU-only installs have no Triton
+    from vllm_moonep.engine.launch import Launcher
 
 __all__ = ["copy_rows", "address_table"]
 
@@ -59,7 +64,7 @@ def _kernel():
     return _copy_rows_kernel
 
 
-_copy_rows_kernel = None
+_copy_rows_kernel: Launcher | None = None
 
 
 def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | None = None,

@@ -13,6 +13,8 @@ the engine or the reason changes).
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -20,11 +22,12 @@ from vllm_moonep.engine.buffer import Buffer as BuiltinBuffer
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
 from vllm_moonep.engine.multicast import OPT_IN_VAR, multicast_opted_in
+from vllm_moonep.engine.protocol import MoonEPBuffer
 
 ENGINES = ("auto", "builtin", "moonep")
 
 
-def real_moonep_status() -> tuple[object | None, str]:
+def real_moonep_status() -> tuple[ModuleType | None, str]:
     """``(module, "")`` when the real ``moonep`` can run here, else ``(None, reason)``."""
     try:
         mod = importlib.import_module("moonep")
@@ -66,7 +69,7 @@ def resolve_engine(engine: str = "auto") -> tuple[str, str]:
     return "moonep", "the real moonep is installed and usable"
 
 
-def make_buffer(*args, engine: str = "auto", **kwargs):
+def make_buffer(*args: Any, engine: str = "auto", **kwargs: Any) -> MoonEPBuffer:
     """Build a MoonEP buffer with the contract's arguments on the selected engine.
 
     The engine used and the reason (for ``engine="auto"``, why the real ``moonep`` was or was
@@ -75,9 +78,12 @@ def make_buffer(*args, engine: str = "auto", **kwargs):
     name, why = resolve_engine(engine)
     say_once(f"MoonEP engine: {name} (engine={engine!r}: {why})")
     if name == "moonep":
-        mod, _ = real_moonep_status()
+        mod, why = real_moonep_status()
+        if mod is None:  # usable a moment ago (resolve_engine): its system check changed its mind
+            raise MoonEPUnavailableError(f"engine 'moonep' was selected but {why}")
         for k in ("device", "dtype", "check_inputs", "timeout_s", "transport", "heap"):
             kwargs.pop(k, None)
-        return mod.Buffer(*args, **kwargs)
+        real: MoonEPBuffer = mod.Buffer(*args, **kwargs)
+        return real
     return BuiltinBuffer(*args, **kwargs)
 

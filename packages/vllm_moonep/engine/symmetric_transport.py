@@ -50,7 +50,7 @@ except ImportError:  # CPU-only installs: the host executor needs no Triton
 from vllm_moonep.engine.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
 from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.engine.launch import Launcher
-from vllm_moonep.engine.planner import place_entries, plan_global
+from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 
 __all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS"]
 
@@ -145,14 +145,16 @@ class SymmetricTransport:
         self._closed = False
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor):
+    def dispatch(
+        self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GlobalPlan]:
         """Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], GlobalPlan)``. The owning
         ``Buffer`` checks the error board before calling (and marks the group broken)."""
         if self.on_gpu:
             return self._dispatch_gpu(hidden, route_w, ids, tpe)
         return self._dispatch_host(hidden, route_w, ids, tpe)
 
-    def combine(self, y: torch.Tensor, y_w: torch.Tensor | None):
+    def combine(self, y: torch.Tensor, y_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns ``(hidden_sh [S,H], route_weights [S,K] or None)``."""
         if self.on_gpu:
             return self._combine_gpu(y, y_w)

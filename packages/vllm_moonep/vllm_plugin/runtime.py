@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_moonep.vllm_plugin.checks import check_worker, resolve_heap, resolve_kernel
 from vllm_moonep.vllm_plugin.options import MoonEPOptions, options_from_vllm_config
+
+if TYPE_CHECKING:
+    from vllm_moonep.common.layout import WeightLayout
 
 # under the "vllm" logger so the lines show in vLLM's own log format and level
 log = logging.getLogger("vllm.vllm_moonep")
@@ -117,7 +120,7 @@ class _PluginState:
             o.destroy()
         for h in self.heaps.values():
             h.close()
-        self.__init__()
+        self.__init__()  # type: ignore[misc]  # reset in place: other modules hold STATE itself
 
 
 STATE = _PluginState()
@@ -384,7 +387,7 @@ def build_weight_layout(w13_local: torch.Tensor, w2_local: torch.Tensor, num_glo
     if opts.weight_layout == "replicated":
         from vllm_moonep.replicated import ReplicatedWeightLayout
 
-        layout = ReplicatedWeightLayout(w13_local.data, w2_local.data, num_global_experts, B, ep.device_group,
+        layout: WeightLayout = ReplicatedWeightLayout(w13_local.data, w2_local.data, num_global_experts, B, ep.device_group,
                                         keeps_local_params=False)
     else:
         from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout, make_heap
@@ -405,8 +408,10 @@ def build_weight_layout(w13_local: torch.Tensor, w2_local: torch.Tensor, num_glo
                                        num_slots=None if slot_pool is not None else B, group=group, heap=heap,
                                        slot_pool=slot_pool)
         layout.adopt_parameters(w13_local, w2_local, copy=False)
-        layout.full_gate_weight = w13_local.data  # vLLM rebinds the parameters to these: a no-op
-        layout.full_down_weight = w2_local.data
+        # vLLM rebinds the parameters to these: a no-op. Only vLLM reads them, so only the plugin
+        # sets them on the symmetric layout (the replicated one owns such tensors).
+        layout.full_gate_weight = w13_local.data  # type: ignore[attr-defined]  # for vLLM (above)
+        layout.full_down_weight = w2_local.data  # type: ignore[attr-defined]  # for vLLM (above)
     STATE.layouts.append(layout)
     log.debug("vllm-moonep: built %r", layout)
     return layout

@@ -31,6 +31,8 @@ only, so steps need no barrier.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -47,12 +49,17 @@ from vllm_moonep.engine import (
     resolve_device,
 )
 from vllm_moonep.engine.row_copy import address_table, copy_rows
-from vllm_moonep.engine.heaps import SymmetricHeap, make_heap
+from vllm_moonep.engine.heaps import HeapHandle, SymmetricHeap, make_heap
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["SharedSlotPool", "SymmetricWeightLayout", "destroy_in_order"]
 
 
-def _resolve_heap(heap, group, device) -> tuple[SymmetricHeap, bool]:
+def _resolve_heap(
+    heap: SymmetricHeap | str | None, group: ProcessGroup | None, device: torch.device
+) -> tuple[SymmetricHeap, bool]:
     """``(heap, owned)``: a heap object is used as is; a kind string (or None: auto) makes one."""
     if heap is None:
         heap = "auto"
@@ -67,6 +74,12 @@ def _resolve_heap(heap, group, device) -> tuple[SymmetricHeap, bool]:
         if world != heap.world_size:
             raise MoonEPInputError(f"the heap spans {heap.world_size} ranks, the EP group {world}")
     return heap, False
+
+
+def _rows(handle: HeapHandle) -> torch.Tensor:
+    """This rank's tensor of a live allocation (``None`` only once freed, after ``destroy``)."""
+    assert handle.tensor is not None, f"allocation {handle.describe()} was freed"
+    return handle.tensor
 
 
 def _check_device(heap: SymmetricHeap, device: torch.device, what: str) -> None:
@@ -91,9 +104,9 @@ class SharedSlotPool:
         device: where the slots live (default: CUDA if available, else CPU).
     """
 
-    def __init__(self, num_slots: int, hidden_size: int, intermediate_size: int, group=None, *,
-                 heap=None, device: torch.device | str | None = None, dtype: torch.dtype = torch.bfloat16,
-                 name: str = "slot_pool"):
+    def __init__(self, num_slots: int, hidden_size: int, intermediate_size: int, group: ProcessGroup | None = None, *,
+                 heap: SymmetricHeap | str | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.bfloat16, name: str = "slot_pool") -> None:
         if not isinstance(num_slots, int) or num_slots <= 0:
             raise MoonEPInputError(f"SharedSlotPool: num_slots must be a positive int, got {num_slots!r}")
         for nm, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
@@ -116,25 +129,25 @@ class SharedSlotPool:
             except Exception:
                 self.heap.free(self._w13)
                 raise
-            self._w13.tensor.zero_()
-            self._w2.tensor.zero_()
+            _rows(self._w13).zero_()
+            _rows(self._w2).zero_()
             self.heap.barrier()
         except Exception:
             if self._owns_heap:
                 self.heap.close(force=True)
             raise
-        self.holder = None  # the layout whose experts the slots hold
+        self.holder: SymmetricWeightLayout | None = None  # the layout whose experts the slots hold
         self._destroyed = False
 
     @property
     def w13(self) -> torch.Tensor:
         self._alive("w13")
-        return self._w13.tensor
+        return _rows(self._w13)
 
     @property
     def w2(self) -> torch.Tensor:
         self._alive("w2")
-        return self._w2.tensor
+        return _rows(self._w2)
 
     @property
     def first_index(self) -> int:
@@ -181,7 +194,8 @@ class SymmetricWeightLayout:
     kind = "symmetric"
 
     def __init__(self, w13_local: torch.Tensor, w2_local: torch.Tensor, num_experts: int, num_slots: int | None = None,
-                 group=None, *, heap=None, slot_pool: SharedSlotPool | None = None, name: str | None = None):
+                 group: ProcessGroup | None = None, *, heap: SymmetricHeap | str | None = None,
+                 slot_pool: SharedSlotPool | None = None, name: str | None = None) -> None:
         if not isinstance(w13_local, torch.Tensor) or not isinstance(w2_local, torch.Tensor):
             raise MoonEPInputError("w13_local and w2_local must be tensors")
         if slot_pool is not None:
@@ -230,7 +244,8 @@ class SymmetricWeightLayout:
         self._owns_heap = owns
 
     # ------------------------------------------------------------------ construction
-    def _build(self, w13_local, w2_local, E, B, epn, I, H, heap, slot_pool, name):
+    def _build(self, w13_local: torch.Tensor, w2_local: torch.Tensor, E: int, B: int, epn: int, I: int, H: int,
+               heap: SymmetricHeap, slot_pool: SharedSlotPool | None, name: str | None) -> None:
         self.heap = heap
         self.slot_pool = slot_pool
         self.num_experts, self.num_slots = E, B
@@ -248,16 +263,16 @@ class SymmetricWeightLayout:
         except Exception:
             heap.free(self._w13)
             raise
-        w13, w2 = self._w13.tensor, self._w2.tensor
+        w13, w2 = _rows(self._w13), _rows(self._w2)
         w13[:epn].copy_(w13_local)
         w2[:epn].copy_(w2_local)
         w13[epn:].zero_()
         w2[epn:].zero_()
         heap.barrier()  # publish the home rows
-        self._weights = self._make_grouped_weights()
+        self._weights: GroupedWeights | None = self._make_grouped_weights()  # None once destroyed
         # on GPUs whose peers are all addressable, prefetch reads the owners' rows through a
         # device table of their addresses (built once: graph capture cannot build it)
-        self._peer_tables = None
+        self._peer_tables: tuple[torch.Tensor, ...] | None = None
         if self.device.type == "cuda" and heap.peers_addressable:
             self._peer_tables = tuple(
                 address_table(heap.peer_view(h, r) for r in range(self.world_size)) for h in (self._w13, self._w2))
@@ -265,7 +280,7 @@ class SymmetricWeightLayout:
 
     def _make_grouped_weights(self) -> GroupedWeights:
         E, B, epn, I, rank = self.num_experts, self.num_slots, self.epn, self.intermediate_size, self.rank
-        w13s, w2s = [self._w13.tensor], [self._w2.tensor]
+        w13s, w2s = [_rows(self._w13)], [_rows(self._w2)]
         pool_of_rank = {rank: 0}
         overflow = B < epn and self.world_size > 1
         for r in range(self.world_size):
@@ -315,23 +330,23 @@ class SymmetricWeightLayout:
     def home_w13(self) -> torch.Tensor:
         """``[epn, 2I, H]`` view of this rank's home rows on the heap."""
         self._alive("home_w13")
-        return self._w13.tensor[: self.epn]
+        return _rows(self._w13)[: self.epn]
 
     @property
     def home_w2(self) -> torch.Tensor:
         self._alive("home_w2")
-        return self._w2.tensor[: self.epn]
+        return _rows(self._w2)[: self.epn]
 
     @property
     def slots_w13(self) -> torch.Tensor:
         """``[B, 2I, H]``: this layer's slot rows (the shared pool's when one is used)."""
         self._alive("slots_w13")
-        return self.slot_pool.w13 if self.slot_pool is not None else self._w13.tensor[self.epn:]
+        return self.slot_pool.w13 if self.slot_pool is not None else _rows(self._w13)[self.epn:]
 
     @property
     def slots_w2(self) -> torch.Tensor:
         self._alive("slots_w2")
-        return self.slot_pool.w2 if self.slot_pool is not None else self._w2.tensor[self.epn:]
+        return self.slot_pool.w2 if self.slot_pool is not None else _rows(self._w2)[self.epn:]
 
     @property
     def dense_weights(self) -> bool:
@@ -358,6 +373,7 @@ class SymmetricWeightLayout:
                 "SymmetricWeightLayout.grouped_weights: the shared slot pool holds another layer's experts "
                 "(a layer's expert compute must follow its own prefetch, with no other layer's prefetch between)"
             )
+        assert self._weights is not None  # cleared only by destroy (_alive)
         return self._weights
 
     def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan) -> None:
@@ -397,7 +413,7 @@ class SymmetricWeightLayout:
             for handle, slot_rows in ((self._w13, dst13), (self._w2, dst2)):
                 tmp = torch.empty((len(dst),) + tuple(slot_rows.shape[1:]), dtype=slot_rows.dtype, device=self.device)
                 if owner == self.rank:  # not planned by the contract, but harmless
-                    tmp.copy_(handle.tensor.index_select(0, s))
+                    tmp.copy_(_rows(handle).index_select(0, s))
                 else:
                     self.heap.copy_from_peer(tmp, handle, owner, s)
                 slot_rows.index_copy_(0, d, tmp)
@@ -440,7 +456,7 @@ class SymmetricWeightLayout:
         return symmetric_accounting(self.num_experts, self.world_size, B, self.hidden_size, self.intermediate_size,
                                     dtype=self.dtype)
 
-    def measured_bytes(self) -> dict:
+    def measured_bytes(self) -> dict[str, int]:
         """Measured: bytes of this layer's own heap allocations, and the process figures."""
         self._alive("measured_bytes")
         out = {"layout_bytes": self._w13.nbytes + self._w2.nbytes, "heap_live_bytes": self.heap.local_bytes()}
@@ -469,8 +485,14 @@ class SymmetricWeightLayout:
         )
 
 
-def destroy_in_order(*objs) -> None:
+def destroy_in_order(*objs: SymmetricWeightLayout | SharedSlotPool) -> None:
     """Destroy layouts and slot pools newest-first (what the LIFO heap needs); collective."""
     alive = [o for o in objs if not getattr(o, "_destroyed", True)]
     for o in sorted(alive, key=lambda o: o.first_index, reverse=True):
         o.destroy()
+
+
+if TYPE_CHECKING:  # the type checker verifies the class honours the protocol it is used through
+    from vllm_moonep.common.layout import WeightLayout
+
+    _IS_A_WEIGHT_LAYOUT: type[WeightLayout] = SymmetricWeightLayout

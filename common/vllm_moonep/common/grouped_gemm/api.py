@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -41,6 +42,7 @@ class GroupedWeights:
         key = str(device)
         t = self._device_copies.get(key)
         if t is None:
+            assert self.dense_groups is not None, "dense_groups_on: these weights are not dense"
             t = self._device_copies[key] = self.dense_groups.to(device)
         return t
 
@@ -95,7 +97,7 @@ def _triton_unusable(x: torch.Tensor) -> str | None:
     if x.device.type != "cuda":
         return f"the Triton kernels need a CUDA device, the rows are on {x.device}"
     try:
-        from vllm_moonep.common.grouped_gemm import triton_kernels  # noqa: F401
+        importlib.import_module("vllm_moonep.common.grouped_gemm.triton_kernels")  # the probe is the import
     except Exception as exc:
         return f"the Triton kernels do not import ({type(exc).__name__}: {exc})"
     return None
@@ -142,7 +144,8 @@ def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights) -> str:
     if impl == "auto":
         for cand in ("triton", "grouped_mm", "reference"):
             if cand in avail:
-                why = "the Triton kernels run here" if cand == "triton" else _triton_unusable(x)
+                # not triton: then _triton_unusable gives the reason (it is what left triton out)
+                why = "the Triton kernels run here" if cand == "triton" else str(_triton_unusable(x))
                 if cand == "reference":
                     why += "; torch._grouped_mm cannot take these rows or weights"
                 say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")

@@ -10,18 +10,26 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
 from vllm_moonep.engine.heaps.host import HostHeap
 
+if TYPE_CHECKING:  # what __getattr__ returns, for type checkers and editors
+    from torch.distributed import ProcessGroup
+
+    from vllm_moonep.engine.heaps.nvshmem_heap import NvshmemHeap
+    from vllm_moonep.engine.heaps.torch_symm import TorchSymmHeap
+
 HEAP_KINDS = ("auto", "host", "torch", "nvshmem")
 
 __all__ = ["HEAP_KINDS", "HeapHandle", "HostHeap", "NvshmemHeap", "SymmetricHeap", "TorchSymmHeap", "make_heap"]
 
 
-def __getattr__(name):  # lazy: the GPU heaps import their backends only when used
+def __getattr__(name: str) -> type[SymmetricHeap]:  # lazy: the GPU heaps import their backends only when used
     if name == "TorchSymmHeap":
         from vllm_moonep.engine.heaps.torch_symm import TorchSymmHeap
 
@@ -42,7 +50,9 @@ def resolve_heap_kind(kind: str, device: torch.device | str | None) -> str:
     return "torch" if dev.type == "cuda" else "host"
 
 
-def make_heap(kind: str = "auto", group=None, device: torch.device | str | None = None, **kwargs) -> SymmetricHeap:
+def make_heap(
+    kind: str = "auto", group: ProcessGroup | None = None, device: torch.device | str | None = None, **kwargs: Any
+) -> SymmetricHeap:
     """A heap of ``kind`` over ``group`` (collective). Extra keywords go to the heap class."""
     which = resolve_heap_kind(kind, device)
     if which == "host":

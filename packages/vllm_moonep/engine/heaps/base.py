@@ -30,7 +30,7 @@ Errors leave the heap usable: every check runs before anything changes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Self, Sequence
 
 import torch
 
@@ -38,10 +38,13 @@ from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.defaults import group_rank_world, resolve_device
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["HeapHandle", "SymmetricHeap", "cuda_heap_device", "group_rank_world"]
 
 
-def cuda_heap_device(heap_name: str, device) -> torch.device:
+def cuda_heap_device(heap_name: str, device: torch.device | str | None) -> torch.device:
     """The CUDA device a GPU heap allocates on (``None``: the current one), or why it cannot."""
     if not torch.cuda.is_available():
         raise MoonEPUnavailableError(f"{heap_name} needs a CUDA device and none is available")
@@ -62,7 +65,7 @@ class HeapHandle:
     dtype: torch.dtype
     tensor: torch.Tensor | None = field(repr=False)
     freed: bool = False
-    _peers: dict = field(default_factory=dict, repr=False)
+    _peers: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _impl: Any = field(default=None, repr=False)  # heap-specific state
 
     @property
@@ -82,7 +85,7 @@ class SymmetricHeap:
 
     kind = "abstract"
 
-    def __init__(self, group=None, device: torch.device | str = "cpu"):
+    def __init__(self, group: ProcessGroup | None = None, device: torch.device | str = "cpu") -> None:
         self.group = group
         self.rank, self.world_size = group_rank_world(group)
         self.device = torch.device(device)
@@ -106,7 +109,7 @@ class SymmetricHeap:
     def _local_only(self) -> bool:
         return self.world_size == 1 or self.__dict__.get("_teardown_local", False)
 
-    def _all_gather_object(self, obj) -> list:
+    def _all_gather_object(self, obj: Any) -> list[Any]:
         if self._local_only():
             return [obj] * self.world_size if self.world_size > 1 else [obj]
         return self._transport.all_gather_object(obj, f"{type(self).__name__} all_gather_object")
@@ -160,13 +163,13 @@ class SymmetricHeap:
         self._live.append(handle)
         return handle
 
-    def _check_handle(self, handle, what: str) -> None:
+    def _check_handle(self, handle: HeapHandle, what: str) -> None:
         if not isinstance(handle, HeapHandle):
             raise MoonEPInputError(f"heap.{what}: expected a HeapHandle, got {type(handle).__name__}")
         if handle.heap_id != self._id:
             raise MoonEPInputError(f"heap.{what}: allocation {handle.describe()} belongs to another heap ({handle.heap_id})")
 
-    def _check_live_peer(self, handle, rank, what: str) -> None:
+    def _check_live_peer(self, handle: HeapHandle, rank: int, what: str) -> None:
         """An open heap, a live allocation of it and a rank of the group (checked before any access)."""
         self._check_open(what)
         self._check_handle(handle, what)
@@ -179,6 +182,7 @@ class SymmetricHeap:
         """A tensor aliasing ``rank``'s memory of ``handle`` (this rank's own tensor for ``rank == self.rank``)."""
         self._check_live_peer(handle, rank, "peer_view")
         if rank == self.rank:
+            assert handle.tensor is not None  # live (checked above): freeing clears it
             return handle.tensor
         view = handle._peers.get(rank)
         if view is None:
@@ -254,10 +258,10 @@ class SymmetricHeap:
         if t is not None:
             t.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close(force=exc[0] is not None)
 
     def __repr__(self) -> str:

@@ -23,10 +23,15 @@ import os
 import re
 import uuid
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["HostHeap"]
 
@@ -71,7 +76,8 @@ class HostHeap(SymmetricHeap):
 
     kind = "host"
 
-    def __init__(self, group=None, *, staging: bool = True, shm_dir: str = "/dev/shm", device="cpu"):
+    def __init__(self, group: ProcessGroup | None = None, *, staging: bool = True, shm_dir: str = "/dev/shm",
+                 device: torch.device | str = "cpu") -> None:
         if torch.device(device).type != "cpu":
             raise MoonEPInputError(f"HostHeap holds host memory; device must be cpu, got {device}")
         super().__init__(group, "cpu")
@@ -114,7 +120,8 @@ class HostHeap(SymmetricHeap):
         handle._impl = {"shared": shared, "maps": maps}
 
     def _peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
-        return handle._impl["shared"][rank]
+        view: torch.Tensor = handle._impl["shared"][rank]
+        return view
 
     def _barrier(self) -> None:
         # 1) every rank finished the reads of the previous epoch; 2) publish; 3) visible to all

@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import importlib
 import os
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 from vllm_moonep.engine.multicast import check_multicast_off
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_device
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["FORCE_RMA_ENV", "NvshmemHeap", "nvshmem_status", "rma_chunks"]
 
@@ -47,7 +52,7 @@ RMA_SCRATCH_BYTES = 16 * 2**20
 _STATE = {"initialised_by_us": False, "users": 0}
 
 
-def nvshmem_status() -> tuple[object | None, str]:
+def nvshmem_status() -> tuple[ModuleType | None, str]:
     """``(nvshmem.core module, "")`` when nvshmem4py imports, else ``(None, reason)``."""
     try:
         core = importlib.import_module("nvshmem.core")
@@ -84,7 +89,7 @@ def rma_chunks(rows: list[int], row_bytes: int, scratch_bytes: int) -> list[list
     return batches
 
 
-def _cuda_core_device(index: int):
+def _cuda_core_device(index: int | None) -> Any:  # a cuda.core Device
     for modname in ("cuda.core", "cuda.core.experimental"):
         try:
             mod = importlib.import_module(modname)
@@ -108,8 +113,8 @@ class NvshmemHeap(SymmetricHeap):
 
     kind = "nvshmem"
 
-    def __init__(self, group=None, device: torch.device | str | None = None, *, force_rma: bool | None = None,
-                 rma_scratch_bytes: int = RMA_SCRATCH_BYTES):
+    def __init__(self, group: ProcessGroup | None = None, device: torch.device | str | None = None, *,
+                 force_rma: bool | None = None, rma_scratch_bytes: int = RMA_SCRATCH_BYTES) -> None:
         core, why = nvshmem_status()
         if core is None:
             raise MoonEPUnavailableError(f"NvshmemHeap: {why}")
@@ -122,14 +127,14 @@ class NvshmemHeap(SymmetricHeap):
         super().__init__(group, device)
         self._core = core
         self.force_rma = bool(force_rma)
-        self._scratch = None
+        self._scratch: torch.Tensor | None = None
         torch.cuda.set_device(device)
         self._init_nvshmem()
         _STATE["users"] += 1
         # which peers NVSHMEM can map directly (P2P / NVLink); others need RMA
         probe = self._core.tensor((1,), dtype=torch.uint8)
         try:
-            self._addressable = []
+            self._addressable: list[bool] = []
             for r in range(self.world_size):
                 if r == self.rank:
                     self._addressable.append(True)
@@ -154,7 +159,7 @@ class NvshmemHeap(SymmetricHeap):
         n_pes = getattr(core, "n_pes", None)
         already = False
         try:
-            already = n_pes is not None and int(n_pes()) > 0 and _STATE["initialised_by_us"]
+            already = n_pes is not None and int(n_pes()) > 0 and bool(_STATE["initialised_by_us"])
         except Exception:
             already = False
         if already:
@@ -179,7 +184,7 @@ class NvshmemHeap(SymmetricHeap):
     def addressable(self, rank: int) -> bool:
         return 0 <= rank < self.world_size and self._addressable[rank]
 
-    def _stream(self):
+    def _stream(self) -> Any:  # the stream wrapper nvshmem4py's collectives take, or None
         wrap = getattr(self._core, "NvshmemStream", None)
         if wrap is not None:
             return wrap(torch.cuda.current_stream(self.device))
@@ -200,7 +205,7 @@ class NvshmemHeap(SymmetricHeap):
         handle._impl = {"base": t}
 
     def _peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
-        view = self._core.get_peer_tensor(handle._impl["base"], rank)
+        view: torch.Tensor | None = self._core.get_peer_tensor(handle._impl["base"], rank)
         if view is None:
             raise MoonEPUnavailableError(f"NvshmemHeap: no peer mapping of rank {rank} from rank {self.rank}")
         return view if all(handle.shape) else view[:0].view(handle.shape)

@@ -18,6 +18,8 @@ device allocations, no peers.
 from __future__ import annotations
 
 import warnings
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,10 +28,13 @@ from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.engine.multicast import check_multicast_off
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_device
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["TorchSymmHeap"]
 
 
-def _symm_mem():
+def _symm_mem() -> ModuleType:
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except Exception as exc:  # pragma: no cover - builds without distributed
@@ -48,16 +53,18 @@ class TorchSymmHeap(SymmetricHeap):
 
     kind = "torch"
 
-    def __init__(self, group=None, device: torch.device | str | None = None, *, backend: str | None = "CUDA"):
+    def __init__(self, group: ProcessGroup | None = None, device: torch.device | str | None = None, *,
+                 backend: str | None = "CUDA") -> None:
         check_multicast_off("TorchSymmHeap")
         device = cuda_heap_device("TorchSymmHeap", device)
         super().__init__(group, device)
         self._local_mode = not (dist.is_available() and dist.is_initialized())
-        self._symm = None
+        self._symm: ModuleType | None = None  # torch's symmetric memory; None in local mode
         if not self._local_mode:
             symm_mem = _symm_mem()
             self._symm = symm_mem
             pg = group if group is not None else dist.group.WORLD
+            assert pg is not None  # the default group exists: torch.distributed is initialised
             self.group_name = pg.group_name
             if backend is not None and hasattr(symm_mem, "get_backend"):
                 current = symm_mem.get_backend(device)
@@ -71,8 +78,9 @@ class TorchSymmHeap(SymmetricHeap):
                             f"TorchSymmHeap: cannot select the {backend!r} symmetric-memory backend (current: {current!r}): {exc}"
                         ) from exc
 
-    def _rendezvous(self, t: torch.Tensor):
+    def _rendezvous(self, t: torch.Tensor) -> Any:  # torch's _SymmetricMemory handle
         symm = self._symm
+        assert symm is not None  # not in local mode (its allocations need no rendezvous)
         try:
             return symm.rendezvous(t, self.group_name)
         except Exception as first:
@@ -94,6 +102,7 @@ class TorchSymmHeap(SymmetricHeap):
             handle.tensor = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
             return
         shape = handle.shape if all(handle.shape) else None
+        assert self._symm is not None  # not in local mode (returned above)
         # a zero-size allocation still needs a symmetric buffer: use one element
         t = self._symm.empty(handle.shape if shape else (1,), dtype=handle.dtype, device=self.device)
         hdl = self._rendezvous(t)
@@ -118,7 +127,7 @@ class TorchSymmHeap(SymmetricHeap):
         if impl is None:  # local mode has no peers (world size 1)
             raise MoonEPUnavailableError("TorchSymmHeap in local mode has no peers")
         base = impl["base"]
-        view = impl["hdl"].get_buffer(rank, tuple(base.shape), handle.dtype, impl["offset"])
+        view: torch.Tensor = impl["hdl"].get_buffer(rank, tuple(base.shape), handle.dtype, impl["offset"])
         return view if all(handle.shape) else view[:0].view(handle.shape)
 
     def _barrier(self) -> None:
