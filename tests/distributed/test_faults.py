@@ -412,3 +412,42 @@ def test_symmetric_transport_wait_is_bounded_and_names_the_peer():
     assert "first rank 1" in r0["msg"] and "timed out" in r0["msg"]
     assert TIMEOUT_S <= r0["elapsed"] <= TIMEOUT_S + SLACK_S, r0
     assert r0["after"] in ("MoonEPStateError", "MoonEPCollectiveTimeout"), r0
+
+
+# ------------------------------------------------------------------------------ allocation refused
+def heap_allocation_refused_on_one_rank():
+    """Rank 1 runs under a real address-space limit, so its allocator refuses a 1 GiB allocation
+    that rank 0's accepts; then both ranks allocate something small and read each other's."""
+    import resource
+
+    from vllm_moonep.engine.heaps import make_heap
+
+    r = dist.get_rank()
+    heap = make_heap("host", staging=False)
+    if r == 1:
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+    out = {}
+    exc, out["elapsed"] = _timed(heap.allocate, (1 << 30,), torch.uint8, "too_big")
+    out["big"] = (type(exc).__name__, str(exc)) if exc else None
+    small = heap.allocate((4,), torch.int32, "small")
+    small.tensor.fill_(r + 1)
+    heap.barrier()
+    out["peer"] = heap.peer_view(small, 1 - r).tolist()
+    heap.free(small)
+    heap.close()
+    return out
+
+
+def test_heap_allocation_refused_on_one_rank_fails_on_every_rank_and_the_heap_stays_usable():
+    """A rank whose allocator refused left its peer in the publishing collective until a watchdog
+    killed the job (seen on 2 H200s: a 2-minute NCCL hang building a Kimi-K2 buffer); every rank
+    must raise one error naming the rank and the cause, promptly, and allocate again afterwards."""
+    res = _fresh(2, heap_allocation_refused_on_one_rank)
+    assert not any(isinstance(x, RankFailure) for x in res), res
+    for x in res:
+        assert x["big"] is not None and x["big"][0] == "MoonEPUnavailableError", x
+        assert "rank 1:" in x["big"][1] and "rank 0:" not in x["big"][1] and "'too_big'" in x["big"][1], x
+        assert x["elapsed"] < TIMEOUT_S, x
+    assert res[0]["peer"] == [2] * 4 and res[1]["peer"] == [1] * 4

@@ -158,6 +158,22 @@ class SymmetricHeap:
         if any(h.tag == tag for h in self._live):
             raise MoonEPInputError(f"heap.allocate: tag {tag!r} is already live on this heap; tags name allocations")
         handle = HeapHandle(self._id, self._next_index, tag, shape_t, dtype, None)
+        # the fallible local part first, then agreement: a rank whose allocator refuses must not
+        # leave its peers in the publishing collective (they would wait for it until a watchdog
+        # kills the job); every rank raises the same error and the heap stays usable
+        failed = None
+        try:
+            self._reserve(handle)
+        except (MemoryError, RuntimeError, OSError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
+        every = self._all_gather_object(failed)
+        if any(every):
+            self._unreserve(handle)
+            who = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every) if e)
+            raise MoonEPUnavailableError(
+                f"heap.allocate({tag!r}, {list(shape_t)} {dtype}, {handle.nbytes / 2**20:.1f} MiB per rank) failed: {who}. "
+                "No rank allocated it and the heap is still usable (free memory or ask for less)"
+            )
         self._allocate(handle)
         self._next_index += 1
         self._live.append(handle)
@@ -268,6 +284,15 @@ class SymmetricHeap:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device}, live={len(self._live)})"
 
     # ------------------------------------------------------------------ subclass hooks
+    def _reserve(self, handle: HeapHandle) -> None:
+        """The local part of an allocation that can fail (the allocator's call), before any
+        collective; ``allocate`` agrees on the outcome across ranks before ``_allocate``."""
+
+    def _unreserve(self, handle: HeapHandle) -> None:
+        """Undo ``_reserve`` on this rank (some rank failed its reservation)."""
+        handle.tensor = None
+        handle._impl = None
+
     def _allocate(self, handle: HeapHandle) -> None:  # sets handle.tensor (and handle._impl)
         raise NotImplementedError
 

@@ -95,14 +95,39 @@ class HostHeap(SymmetricHeap):
         tag = re.sub(r"[^A-Za-z0-9_.-]", "_", handle.tag)[:40]
         return os.path.join(self.shm_dir, f"{self.prefix}_a{handle.index}_{tag}_r{rank}")
 
+    def _reserve(self, handle: HeapHandle) -> None:
+        # this rank's file and mapping (a full tmpfs or an address-space limit fails here, before
+        # any collective); the staging copy too
+        own_path = self._path(handle, self.rank)
+        _PENDING.add(own_path)
+        try:
+            mm, raw = _map_file(own_path, handle.nbytes, create=True)
+            handle._impl = {"own": (mm, raw.view(handle.dtype).view(handle.shape))}
+            if self.staging:
+                handle.tensor = torch.zeros(handle.shape, dtype=handle.dtype)
+        except BaseException:
+            self._drop_file(own_path)
+            raise
+
+    def _unreserve(self, handle: HeapHandle) -> None:
+        handle.tensor = handle._impl = None
+        self._drop_file(self._path(handle, self.rank))
+
+    @staticmethod
+    def _drop_file(path: str) -> None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        _PENDING.discard(path)
+
     def _allocate(self, handle: HeapHandle) -> None:
         nbytes = handle.nbytes
         own_path = self._path(handle, self.rank)
-        _PENDING.add(own_path)
-        maps: dict[int, mmap.mmap] = {}
+        mm, own = handle._impl.pop("own")
+        maps: dict[int, mmap.mmap] = {self.rank: mm}
         try:
-            maps[self.rank], raw = _map_file(own_path, nbytes, create=True)
-            shared = {self.rank: raw.view(handle.dtype).view(handle.shape)}
+            shared = {self.rank: own}
             self._host_barrier()  # every file exists
             for r in range(self.world_size):
                 if r != self.rank:
@@ -110,13 +135,9 @@ class HostHeap(SymmetricHeap):
                     shared[r] = raw.view(handle.dtype).view(handle.shape)
             self._host_barrier()  # every rank mapped every file: the names can go
         finally:
-            try:
-                os.unlink(own_path)
-            except OSError:
-                pass
-            _PENDING.discard(own_path)
-        local = torch.zeros(handle.shape, dtype=handle.dtype) if self.staging else shared[self.rank]
-        handle.tensor = local
+            self._drop_file(own_path)
+        if not self.staging:
+            handle.tensor = shared[self.rank]
         handle._impl = {"shared": shared, "maps": maps}
 
     def _peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:

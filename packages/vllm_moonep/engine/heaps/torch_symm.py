@@ -97,14 +97,21 @@ class TorchSymmHeap(SymmetricHeap):
             except Exception as exc:
                 raise MoonEPUnavailableError(f"TorchSymmHeap: rendezvous failed: {exc}") from exc
 
-    def _allocate(self, handle: HeapHandle) -> None:
+    def _reserve(self, handle: HeapHandle) -> None:
+        # the allocator's call, before the rendezvous (a CUDA OOM here is agreed on by every rank)
         if self._local_mode:
             handle.tensor = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
             return
-        shape = handle.shape if all(handle.shape) else None
         assert self._symm is not None  # not in local mode (returned above)
         # a zero-size allocation still needs a symmetric buffer: use one element
-        t = self._symm.empty(handle.shape if shape else (1,), dtype=handle.dtype, device=self.device)
+        handle._impl = {"base": self._symm.empty(handle.shape if all(handle.shape) else (1,), dtype=handle.dtype,
+                                                 device=self.device)}
+
+    def _allocate(self, handle: HeapHandle) -> None:
+        if self._local_mode:
+            return
+        shape = handle.shape if all(handle.shape) else None
+        t = handle._impl["base"]
         hdl = self._rendezvous(t)
         el = t.element_size()
         off = getattr(hdl, "offset", None)
