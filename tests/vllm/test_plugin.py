@@ -14,7 +14,8 @@
 
 Not exercised here (no GPU): ``CudaCommunicator`` constructing our manager (on CPU the wrapped
 ``get_ep_all2all_manager`` attaches it instead), NCCL groups, the torch/NVSHMEM heaps, CUDA graphs
-(moonep forces eager anyway), ``vllm serve`` end to end (needs a model checkpoint).
+(whether vLLM keeps them is checked on config builds: ``test_plugin_cudagraphs.py``), ``vllm serve``
+end to end (needs a model checkpoint).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def _ensure_vllm_dist(cfg) -> None:
     _DIST["ready"] = True
 
 
-def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, I: int = 256, steps: int = 1):
+def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, I: int = 256, steps: int = 1,
+                  cfg=None):
+    """A vLLM MoE layer built, loaded and run under ``cfg`` (default: a config with ``additional``)."""
     import torch.distributed as dist
     from vllm.config import set_current_vllm_config
     from vllm.distributed import get_ep_group
@@ -67,14 +70,14 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
     from vllm.plugins import load_general_plugins
 
     from vllm_moonep.common.reference import dense_moe
-    from vllm_moonep.vllm_plugin import patches
+    from vllm_moonep.vllm_plugin import hooks, runtime
 
     W.set_threads()
     load_general_plugins()  # our entry point, as every vLLM process does
-    assert patches.patched(), "the moonep entry point was not loaded by load_general_plugins()"
+    assert hooks.patched(), "the moonep entry point was not loaded by load_general_plugins()"
     E, K = 32, 4
     rank, R = dist.get_rank(), dist.get_world_size()
-    cfg = _vllm_config(additional)
+    cfg = _vllm_config(additional) if cfg is None else cfg
     res = {}
     with set_current_vllm_config(cfg):
         _ensure_vllm_dist(cfg)
@@ -140,12 +143,12 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
         res["err"] = W.close(y, ref, f"vLLM layer rank={rank} layout={lay.kind}")
         res["cap"] = pf.last.capacity
         res["slots"] = int((pf.last.experts_to_copy >= 0).sum())
-        res["summary"] = patches.STATE.last_summary
+        res["summary"] = runtime.STATE.last_summary
         res["buffer_kwargs"] = {k: v for k, v in pf.buffer_pool.buffer_kwargs.items() if k != "group"}
-        res["step_stats"] = patches.STATE.stats.last
+        res["step_stats"] = runtime.STATE.stats.last
     # tear down this layer's MoonEP objects (collective), keep vLLM's groups for the next call
     get_ep_group().device_communicator.all2all_manager.destroy()
-    patches.STATE.reset()
+    runtime.STATE.reset()
     return res
 
 
@@ -153,15 +156,15 @@ def rk_seam_check():
     """verify_seams on the real vLLM passes; a missing seam fails naming version and seam."""
     import vllm.model_executor.layers.fused_moe.prepare_finalize.moonep as pfm
 
-    from vllm_moonep.vllm_plugin import patches
+    from vllm_moonep.vllm_plugin import seams
 
-    patches.verify_seams()
+    seams.verify_seams()
     saved = pfm.gather_moonep_weight_layout
     del pfm.gather_moonep_weight_layout
     try:
-        patches.verify_seams()
+        seams.verify_seams()
         return "no error"
-    except patches.MoonEPSeamError as e:
+    except seams.MoonEPSeamError as e:
         return str(e)
     finally:
         pfm.gather_moonep_weight_layout = saved
@@ -209,9 +212,10 @@ def rk_cli_options(extra: dict, bad_cases: list):
 
 
 def test_options_from_vllm_cli_parser():
+    """An option lost or mangled between vLLM's --additional-config and the plugin; a bad value accepted."""
     extra = {"moonep": {"weight_layout": "symmetric", "engine": "builtin", "transport": "collective",
                         "num_prefetch_slots": 8, "shared_slot_pool": True, "heap": "host", "token_padding": 64,
-                        "impl": "reference", "step_log_interval": 10}}
+                        "impl": "reference", "step_log_interval": 10, "cuda_graphs": "off"}}
     cases = [
         ({"moonep": {"weight_layot": "symmetric"}}, ["weight_layot", "weight_layout", "num_prefetch_slots"]),
         ({"moonep": {"weight_layout": "sharded"}}, ["replicated", "symmetric"]),
@@ -221,6 +225,7 @@ def test_options_from_vllm_cli_parser():
         ({"moonep": {"impl": "cutlass"}}, ["reference", "grouped_mm", "triton"]),
         ({"moonep": {"shared_slot_pool": True}}, ["symmetric"]),
         ({"moonep": {"shared_slot_pool": "maybe"}}, ["true or false"]),
+        ({"moonep": {"cuda_graphs": "on"}}, ["cuda_graphs", "auto, off"]),
     ]
     good, errors = ranks(2, rk_cli_options, extra, [c for c, _ in cases], env=CPU_ENV)[0]
     assert good == extra["moonep"]
@@ -252,6 +257,7 @@ def test_options_env_fallbacks_and_precedence():
 
 
 def test_seam_verification():
+    """A vLLM without a seam passed verification, or the error named neither the vLLM version nor the seam."""
     msg = ranks(2, rk_seam_check, env=CPU_ENV)[0]
     import vllm
 
@@ -261,6 +267,8 @@ def test_seam_verification():
 @pytest.mark.parametrize("layout,shared", [("replicated", False), ("symmetric", False), ("symmetric", True)],
                          ids=["replicated", "symmetric", "symmetric-shared-slots"])
 def test_vllm_layer_forward(layout, shared):
+    """A moonep vLLM MoE layer built vLLM's classes or another layout, kept a second copy of its experts, or
+    computed outputs other than the dense reference."""
     extra = {"moonep": {"weight_layout": layout, "engine": "builtin", "num_prefetch_slots": 4,
                         "impl": "reference", "shared_slot_pool": shared}}
     if layout == "symmetric":

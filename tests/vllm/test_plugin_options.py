@@ -136,7 +136,7 @@ def rk_env_registration():
     from vllm.platforms import current_platform
 
     from vllm_moonep.vllm_plugin import envs as our_envs
-    from vllm_moonep.vllm_plugin import patches, register
+    from vllm_moonep.vllm_plugin import hooks, register, seams
 
     res = {}
     ours = {"VLLM_MOONEP_WEIGHT_LAYOUT": "symmetric", "VLLM_MOONEP_TRANSPORT": "collective",
@@ -144,12 +144,12 @@ def rk_env_registration():
     saved_env = dict(os.environ)
     saved_table = {k: envs.environment_variables.pop(k) for k in our_envs.KNOWN_ENV_VARS
                    if k in envs.environment_variables}
-    patches.undo_patches()
+    seams.undo_seams()
     try:
         os.environ.update(ours)
         register()  # VLLM_MOONEP_PLUGIN=0: registers the names, hooks nothing
         res["registered"] = sorted(k for k in ours if k in envs.environment_variables)
-        res["patched_when_disabled"] = patches.patched()
+        res["patched_when_disabled"] = hooks.patched()
         res["getter"] = envs.environment_variables["VLLM_MOONEP_WEIGHT_LAYOUT"]()
         current_platform.validate_environ(True)  # what --fail-on-environ-validation runs
         res["strict_validation"] = "passed"
@@ -166,8 +166,8 @@ def rk_env_registration():
         os.environ.clear()
         os.environ.update(saved_env)
         envs.environment_variables.update(saved_table)
-        patches.undo_patches()
-        patches.apply_patches()
+        seams.undo_seams()
+        seams.apply_seams()
     return res
 
 
@@ -182,36 +182,36 @@ def rk_load_lines(model_dir: str):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from vllm_moonep.vllm_plugin import patches
+    from vllm_moonep.vllm_plugin import hooks, seams
 
     _configure_vllm_logging()  # so the INFO line is logged at load, not deferred to the first config
     res = {}
     try:
-        patches.undo_patches()
+        seams.undo_seams()
         with _Capture() as cap:
-            res["hooked"] = patches.apply_patches()
+            res["hooked"] = seams.apply_seams()
         res["load_info"] = cap.ours("INFO")
         res["load_warnings"] = cap.ours("WARNING")
 
-        patches.undo_patches()
+        seams.undo_seams()
         real_version = vllm.__version__
         vllm.__version__ = "0.34.0"  # an untested vLLM whose seams still verify
         try:
             with _Capture() as cap:
-                patches.apply_patches()
+                seams.apply_seams()
         finally:
             vllm.__version__ = real_version
         res["version_warnings"] = cap.ours("WARNING")
-        res["patched_on_untested"] = patches.patched()
+        res["patched_on_untested"] = hooks.patched()
 
-        patches.undo_patches()
+        seams.undo_seams()
         saved = pfm.gather_moonep_weight_layout
         del pfm.gather_moonep_weight_layout  # a vLLM that differs in one seam
         try:
             with _Capture() as cap:
-                patches.apply_patches()  # must not raise: every vLLM command goes through here
+                seams.apply_seams()  # must not raise: every vLLM command goes through here
             res["seam_warnings"] = cap.ours("WARNING")
-            res["patched_with_bad_seam"] = patches.patched()
+            res["patched_with_bad_seam"] = hooks.patched()
             EngineArgs.add_cli_args(FlexibleArgumentParser())  # what `vllm serve --help` builds
             res["help_parser"] = "built"
             _engine_config(model_dir, [], {})
@@ -224,8 +224,8 @@ def rk_load_lines(model_dir: str):
         finally:
             pfm.gather_moonep_weight_layout = saved
     finally:
-        patches.undo_patches()
-        patches.apply_patches()
+        seams.undo_seams()
+        seams.apply_seams()
     return res
 
 
@@ -261,6 +261,55 @@ def rk_worker_checks(additional: dict):
                "engine": getattr(mgr, "engine", None), "infos": cap.ours("INFO")}
         group.destroy()
     return out
+
+
+def rk_parse_once(model_dir: str, extra: dict):
+    """One engine config build through vLLM's parser and ``create_engine_config`` (on a platform that
+    captures graphs, so the graph rule reads the options too), then a worker's start on that config:
+    its EP group and our manager, a MoE layer built, loaded and run once (the start-up line). Counts
+    every call of ``options.parse_options``, however a plugin module reaches it."""
+    import sys
+
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.plugins import load_general_plugins
+
+    from tests.vllm import workers as W
+    from tests.vllm.test_plugin import _ensure_vllm_dist, rk_vllm_layer
+    from vllm_moonep.vllm_plugin import options
+
+    load_general_plugins()
+    rank, R = dist.get_rank(), dist.get_world_size()
+    parse = options.parse_options
+    calls: list[str] = []
+
+    def counted(*args, **kwargs):
+        calls.append("parse")
+        return parse(*args, **kwargs)
+
+    holders = [m for name, m in list(sys.modules.items())
+               if name.startswith("vllm_moonep.") and getattr(m, "parse_options", None) is parse]
+    for m in holders:
+        m.parse_options = counted
+    try:
+        with W.graph_capable_platform():
+            cfg = _engine_config(model_dir, MOONEP_ARGS + ["--additional-config", json.dumps(extra)], {})
+        res = {"front_end": len(calls), "cudagraph_mode": cfg.compilation_config.cudagraph_mode.name}
+        cfg.parallel_config.data_parallel_rank = rank  # what vLLM sets in each DP engine core
+        with set_current_vllm_config(cfg):
+            _ensure_vllm_dist(cfg)  # vLLM's world, DP and EP groups (once per process)
+            group = parallel_state.init_model_parallel_group([list(range(R))], rank, "gloo", group_name="ep",
+                                                             use_all2all=True)
+            res["manager"] = type(group.device_communicator.all2all_manager).__name__
+            group.destroy()
+        layer = rk_vllm_layer({}, [37, 150], 7, cfg=cfg)
+        res["summary"] = layer["summary"]
+        res["total"] = len(calls)
+    finally:
+        for m in holders:
+            m.parse_options = parse
+    return res
 
 
 # ---------------------------------------------------------------------------- tests
@@ -369,8 +418,10 @@ def test_plugin_load_lines_and_seam_mismatch(model_dir):
     import vllm
 
     res = ranks(2, rk_load_lines, model_dir, env=CPU_ENV)[0]
-    assert len(res["hooked"]) == 10, res["hooked"]
-    assert any(m.startswith(f"vllm-moonep 0.1.0 hooked vLLM {vllm.__version__} (10 seams:") for m in res["load_info"]), res
+    assert len(res["hooked"]) == 12, res["hooked"]
+    assert any(m.startswith(f"vllm-moonep 0.1.0 hooked vLLM {vllm.__version__} (12 seams:")
+               and "VllmConfig._set_compile_ranges, CompilationConfig.set_splitting_ops_for_v1)" in m
+               for m in res["load_info"]), res
     assert res["load_warnings"] == []
     assert any("tested with vLLM 0.33.x; this is vLLM 0.34.0" in m for m in res["version_warnings"]), res
     assert res["patched_on_untested"] is True
@@ -380,3 +431,16 @@ def test_plugin_load_lines_and_seam_mismatch(model_dir):
     assert res["help_parser"] == "built" and res["without_moonep"] == "ok"
     assert res["with_moonep"].startswith("MoonEPSeamError: vllm-moonep cannot hook vLLM"), res["with_moonep"]
     assert "gather_moonep_weight_layout" in res["with_moonep"]
+
+
+def test_options_parsed_once_per_config(model_dir):
+    """The moonep block and VLLM_MOONEP_* env were parsed again by every reader (graph rule, front-end check,
+    manager, each layer's experts, P/F and layout, the start-up line): five and more parses per config."""
+    extra = {"moonep": {"weight_layout": "symmetric", "heap": "host", "engine": "builtin", "impl": "reference",
+                        "num_prefetch_slots": 4}}
+    for r in ranks(2, rk_parse_once, model_dir, extra, env=CPU_ENV):
+        assert r["manager"] == "MoonEPAll2AllManager", r
+        # the worker used the parsed options: not a count of 1 because nothing read them
+        assert "weight_layout=symmetric" in r["summary"] and "heap=host (requested)" in r["summary"], r["summary"]
+        assert r["cudagraph_mode"] == "NONE", r  # impl='reference': the graph rule read the options and kept eager
+        assert r["front_end"] == 1 and r["total"] == 1, r

@@ -13,6 +13,7 @@ or doubled expert changes the output by O(1)).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -160,3 +161,37 @@ def dense_ref(o, x, ids, w, *, apply_on_input: bool = False):
 
 def set_threads() -> None:
     torch.set_num_threads(max(1, int(os.environ.get("VLLM_MOONEP_THREADS_PER_RANK", "1"))))
+
+
+# ---------------------------------------------------------------------------- a platform that captures
+@contextlib.contextmanager
+def graph_capable_platform():
+    """vLLM's current (CPU) platform, for the duration, as one that captures CUDA graphs.
+
+    vLLM's CPU platform never captures: ``support_static_graph_mode()`` is False (so
+    ``VllmConfig.__post_init__`` sets ``cudagraph_mode=NONE`` and computes no capture sizes) and
+    its ``check_and_update_config`` empties the capture sizes and lowers the compilation mode.
+    Here the platform object (the one every vLLM module holds) says it supports graph mode and
+    keeps the compilation mode and capture sizes that ``__post_init__`` computed, so a config
+    build chooses graphs as on a GPU platform. Only config builds are meant to run inside."""
+    from vllm.platforms import current_platform
+
+    base = type(current_platform)
+
+    class GraphCapable(base):
+        @classmethod
+        def support_static_graph_mode(cls) -> bool:
+            return True
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config) -> None:
+            cc = vllm_config.compilation_config
+            kept = (cc.mode, cc.cudagraph_capture_sizes)
+            super().check_and_update_config(vllm_config)
+            cc.mode, cc.cudagraph_capture_sizes = kept
+
+    current_platform.__class__ = GraphCapable
+    try:
+        yield
+    finally:
+        current_platform.__class__ = base

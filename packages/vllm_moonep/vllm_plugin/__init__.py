@@ -2,12 +2,14 @@
 
 vLLM loads ``register`` (entry point ``vllm.general_plugins: moonep``) in every process, workers
 included. It registers our ``VLLM_MOONEP_*`` variables with vLLM's environment validation
-(``envs.py``), then verifies and rebinds vLLM 0.33's seams (``patches.py``; a mismatch is a
-warning, and an error only for a run that asks for moonep). The options
+(``envs.py``), then verifies and rebinds vLLM 0.33's seams (``seams.py``; a mismatch is a
+warning, and an error only for a run that asks for moonep) to what ``hooks.py`` (the front-end
+check, the plugin's process state), ``cudagraphs.py`` (CUDA graphs kept where the step is
+graph-safe) and ``runtime.py`` (the worker's classes) provide. The options
 (``--additional-config '{"moonep": {...}}'`` or ``VLLM_MOONEP_*`` env vars, ``options.py``) are
-checked in the front end when the engine config is made and on each worker when its EP group is
-built (``checks.py``), and used when the layers' kernels and weight layouts are built
-(``runtime.py``). Set ``VLLM_MOONEP_PLUGIN=0`` to leave vLLM untouched.
+parsed once per process and config, checked in the front end when the engine config is made and
+on each worker when its EP group is built (``checks.py``), and used when the layers' kernels and
+weight layouts are built (``runtime.py``). Set ``VLLM_MOONEP_PLUGIN=0`` to leave vLLM untouched.
 """
 
 from __future__ import annotations
@@ -25,6 +27,6 @@ def register() -> None:
     register_env_vars()  # first: VLLM_MOONEP_PLUGIN=0 itself must not trip vLLM's validation
     if not plugin_enabled():
         return
-    from vllm_moonep.vllm_plugin.patches import apply_patches
+    from vllm_moonep.vllm_plugin.seams import apply_seams
 
-    apply_patches()
+    apply_seams()

@@ -2,7 +2,8 @@
 
 - ``check_engine_config(vllm_config)``: in the front-end process, right after vLLM's
   ``EngineArgs.create_engine_config`` built the config (before any engine core or worker starts).
-  With ``--all2all-backend moonep`` it parses the options (unknown keys, bad values, bounds), checks
+  With ``--all2all-backend moonep`` it takes the config's options (``options_from_vllm_config``:
+  parsed once, so unknown keys, bad values and bounds raise here if not already), checks
   them against the model (``E`` divisible by the EP size, ``num_prefetch_slots <= E``, the
   dispatch shard's row bound, ``impl='grouped_mm'`` with overflow reads) and logs every option
   with where its value came from. It warns when moonep is requested but will not run (no EP, DP
@@ -30,8 +31,7 @@ from vllm_moonep.vllm_plugin.options import (
     OPTION_NAMES,
     MoonEPOptions,
     MoonEPOptionsError,
-    option_sources,
-    parse_options,
+    options_from_vllm_config,
 )
 
 log = logging.getLogger("vllm.vllm_moonep")
@@ -162,8 +162,7 @@ def check_engine_config(vllm_config, seam_error: Exception | None = None) -> Moo
         return None
     if seam_error is not None:
         raise seam_error
-    opts = parse_options(extra)
-    sources = option_sources(extra)
+    opts = options_from_vllm_config(vllm_config)
     why_not = moonep_inactive_reason(vllm_config)
     if why_not is not None:
         _warn_once(
@@ -172,7 +171,7 @@ def check_engine_config(vllm_config, seam_error: Exception | None = None) -> Moo
         )
         return opts
     checked = _check_against_model(opts, vllm_config)
-    explicit = {k for k, s in sources.items() if s != "default"}
+    explicit = {k for k in OPTION_NAMES if opts.source(k) != "default"}
     if opts.weight_layout == "replicated" and "heap" in explicit:
         _warn_once(
             f"vllm-moonep: moonep option heap={opts.heap!r} has no effect with weight_layout='replicated' (the heap "
@@ -186,7 +185,7 @@ def check_engine_config(vllm_config, seam_error: Exception | None = None) -> Moo
     log.info(
         "vllm-moonep: --all2all-backend moonep for %s; options: %s. Each worker checks the engine, heap and "
         "kernel when its EP group is built and logs what it resolved at its first MoE step",
-        checked, ", ".join(f"{k}={v!r} ({sources[k]})" for k, v in opts.as_dict().items()),
+        checked, ", ".join(f"{k}={v!r} ({opts.source(k)})" for k, v in opts.as_dict().items()),
     )
     return opts
 

@@ -11,10 +11,16 @@
 | token_padding       | VLLM_MOONEP_TOKEN_PADDING        | int in [1, 4096]                        | 128          |
 | impl                | VLLM_MOONEP_IMPL                 | ``vllm_moonep.common.grouped_gemm.IMPLS``| auto        |
 | step_log_interval   | VLLM_MOONEP_STEP_LOG_INTERVAL    | int in [0, 1000000] (0: off)            | 0            |
+| cuda_graphs         | VLLM_MOONEP_CUDA_GRAPHS          | auto, off (``cudagraphs.py``)           | auto         |
 
 The choice lists are imported from the modules that own them; the defaults are the dataclass's.
-Unknown keys and bad values raise ``MoonEPOptionsError`` naming the valid ones. No vLLM import
-(``checks.py`` and ``envs.py`` are the vLLM-facing parts).
+Unknown keys and bad values raise ``MoonEPOptionsError`` naming the valid ones.
+
+The block and the env vars are parsed once per process and config: ``options_from_vllm_config``
+keeps each ``VllmConfig``'s ``MoonEPOptions`` (or its error) for as long as the config lives, and
+everyone who needs the options (the graph rule, the front-end check, the worker check, the layers,
+the start-up line) asks it; ``parse_options`` itself is the one parser. No vLLM import at module
+level (``checks.py`` and ``envs.py`` are the vLLM-facing parts).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+import threading
+import weakref
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from vllm_moonep.common.grouped_gemm import IMPLS
@@ -33,12 +41,12 @@ __all__ = [
     "BOUNDS",
     "CHOICES",
     "CONFIG_KEY",
+    "CUDA_GRAPHS",
     "ENV_VARS",
     "PLUGIN_ENV",
     "WEIGHT_LAYOUTS",
     "MoonEPOptions",
     "MoonEPOptionsError",
-    "option_sources",
     "options_from_vllm_config",
     "parse_options",
     "plugin_enabled",
@@ -49,12 +57,17 @@ CONFIG_KEY = "moonep"
 #: the plugin owns this list (the layouts are chosen only here)
 WEIGHT_LAYOUTS = ("replicated", "symmetric")
 
+#: ``auto``: keep the CUDA graphs vLLM 0.33 switches off for moonep when the step is graph-safe
+#: (the rule: ``cudagraphs.graph_rule``); ``off``: stay eager as vLLM's proof of concept does
+CUDA_GRAPHS = ("auto", "off")
+
 CHOICES = {
     "weight_layout": WEIGHT_LAYOUTS,
     "engine": ENGINES,
     "transport": TRANSPORTS,
     "heap": HEAP_KINDS,
     "impl": IMPLS,
+    "cuda_graphs": CUDA_GRAPHS,
 }
 
 #: inclusive bounds of the integer options
@@ -74,6 +87,7 @@ ENV_VARS = {
     "token_padding": "VLLM_MOONEP_TOKEN_PADDING",
     "impl": "VLLM_MOONEP_IMPL",
     "step_log_interval": "VLLM_MOONEP_STEP_LOG_INTERVAL",
+    "cuda_graphs": "VLLM_MOONEP_CUDA_GRAPHS",
 }
 
 #: ``VLLM_MOONEP_PLUGIN=0`` leaves vLLM untouched (the env vars are still registered)
@@ -102,12 +116,19 @@ class MoonEPOptions:
     token_padding: int = 128
     impl: str = "auto"
     step_log_interval: int = 0
+    cuda_graphs: str = "auto"
+    #: where each option's value came from: ``--additional-config``, its env var's name, or
+    #: ``default`` (not an option: not compared, not in ``as_dict``; empty when built directly)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: getattr(self, k) for k in OPTION_NAMES}
+
+    def source(self, key: str) -> str:
+        return self.sources.get(key, "default")
 
 
-OPTION_NAMES = tuple(f.name for f in fields(MoonEPOptions))
+OPTION_NAMES = tuple(f.name for f in fields(MoonEPOptions) if f.name != "sources")
 assert set(OPTION_NAMES) == set(ENV_VARS), "every option has exactly one env var"
 
 
@@ -172,32 +193,23 @@ def _section(config: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return section
 
 
-def option_sources(config: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Where each option's value comes from: ``--additional-config``, its env var's name, or ``default``."""
-    env = os.environ if env is None else env
-    section = _section(config)
-    out = {}
-    for key in OPTION_NAMES:
-        if key in section:
-            out[key] = "--additional-config"
-        elif env.get(ENV_VARS[key], "").strip() != "":
-            out[key] = ENV_VARS[key]
-        else:
-            out[key] = "default"
-    return out
-
-
 def parse_options(config: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> MoonEPOptions:
-    """Options from the ``moonep`` section of ``additional_config`` (``config``), then ``env``."""
+    """Options from the ``moonep`` section of ``additional_config`` (``config``), then ``env``, with
+    where each value came from (``MoonEPOptions.sources``). The one parser: under vLLM, ask
+    ``options_from_vllm_config``, which calls this once per config."""
     env = os.environ if env is None else env
     section = _section(config)
-    values = {}
+    values, sources = {}, {}
     for key in OPTION_NAMES:
         if key in section:
             values[key] = _coerce(key, section[key], "--additional-config")
+            sources[key] = "--additional-config"
         elif env.get(ENV_VARS[key], "").strip() != "":
             values[key] = _coerce(key, env[ENV_VARS[key]], ENV_VARS[key])
-    opts = MoonEPOptions(**values)
+            sources[key] = ENV_VARS[key]
+        else:
+            sources[key] = "default"
+    opts = MoonEPOptions(**values, sources=sources)
     if opts.shared_slot_pool and opts.weight_layout != "symmetric":
         raise MoonEPOptionsError("moonep option shared_slot_pool=true needs weight_layout='symmetric'")
     if opts.shared_slot_pool and opts.impl == "grouped_mm":
@@ -208,11 +220,51 @@ def parse_options(config: Mapping[str, Any] | None = None, env: Mapping[str, str
     return opts
 
 
+# ------------------------------------------------------------------------------------ once per config
+#: id(config) -> (weak reference to the config, its options or the MoonEPOptionsError it raised);
+#: ("env", values) -> the same for code that runs outside any vLLM config
+_parsed: dict[Any, tuple[Any, MoonEPOptions | MoonEPOptionsError]] = {}
+_parsed_lock = threading.RLock()  # re-entrant: a weak-reference callback may run during an update
+
+
+def _forget(key, ref) -> None:
+    with _parsed_lock:
+        if _parsed.get(key, (None,))[0] is ref:
+            del _parsed[key]
+
+
 def options_from_vllm_config(vllm_config=None) -> MoonEPOptions:
-    """Options of the current (or given) ``VllmConfig``'s ``additional_config``; env/defaults without one."""
+    """The options of ``vllm_config`` (default: vLLM's current config), parsed on the first call
+    for that config object and kept while it lives; a bad block raises the same
+    ``MoonEPOptionsError`` on every call. Without any config: the env vars and defaults (parsed
+    once per set of ``VLLM_MOONEP_*`` values)."""
     if vllm_config is None:
         from vllm.config import get_current_vllm_config_or_none
 
         vllm_config = get_current_vllm_config_or_none()
-    extra = getattr(vllm_config, "additional_config", None) if vllm_config is not None else None
-    return parse_options(extra if isinstance(extra, Mapping) else None)
+    if vllm_config is None:
+        key, ref, extra = ("env", tuple(os.environ.get(v) for v in ENV_VARS.values())), None, None
+    else:
+        key = id(vllm_config)
+        extra = getattr(vllm_config, "additional_config", None)
+        extra = extra if isinstance(extra, Mapping) else None
+    with _parsed_lock:
+        hit = _parsed.get(key)
+    if hit is not None and (vllm_config is None or hit[0]() is vllm_config):
+        result = hit[1]
+    else:
+        try:
+            result = parse_options(extra)
+        except MoonEPOptionsError as exc:
+            result = exc
+        if vllm_config is not None:
+            try:
+                ref = weakref.ref(vllm_config, lambda r, k=key: _forget(k, r))
+            except TypeError:  # not weak-referenceable: nothing to key a cache entry on safely
+                ref = None
+        if vllm_config is None or ref is not None:
+            with _parsed_lock:
+                _parsed[key] = (ref, result)
+    if isinstance(result, MoonEPOptionsError):
+        raise result
+    return result

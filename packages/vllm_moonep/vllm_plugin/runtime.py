@@ -1,9 +1,11 @@
-"""What the plugin puts in vLLM's place (``patches.py`` rebinds vLLM's names to these).
+"""What the plugin puts in vLLM's place on the workers (``seams.py`` rebinds vLLM's names to these).
 
 - ``MoonEPAll2AllManager``: the EP group's all2all manager; checks what only a worker can know
-  (engine, heap, kernel: ``checks.check_worker``) when it is built, that is when the EP group is
-  built, before weights load. On CUDA vLLM's ``CudaCommunicator`` builds it; on platforms whose
-  communicator has none (CPU) it is attached right after the EP group is made.
+  (engine, heap, kernel: ``checks.check_worker``; with CUDA graphs kept, that the engine and, at
+  the first step, the transport are the graph-safe ones: ``cudagraphs.check_worker_graphs``) when
+  it is built, that is when the EP group is built, before weights load. On CUDA vLLM's
+  ``CudaCommunicator`` builds it; on platforms whose communicator has none (CPU) it is attached
+  right after the EP group is made.
 - ``PluginBufferPool``: its handle; logs the start-up line at the first MoE step.
 - ``build_weight_layout``: the layer's replicated or symmetric layout after loading.
 - ``MoonEPExperts`` / ``MoonEPPrepareAndFinalize``: ``vllm_moonep.common.vllm_modular``'s classes
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_moonep.vllm_plugin.checks import check_worker, resolve_heap, resolve_kernel
+from vllm_moonep.vllm_plugin.cudagraphs import check_worker_graphs, graphs_mode
 from vllm_moonep.vllm_plugin.options import MoonEPOptions, options_from_vllm_config
 
 if TYPE_CHECKING:
@@ -217,6 +220,9 @@ def _layout_device() -> torch.device | None:
 def _log_summary_once(buffer=None) -> None:
     if STATE.summary_logged:
         return
+    if STATE.worker and buffer is not None:  # the first step: the transport the engine chose is known
+        check_worker_graphs(STATE.worker.get("cudagraphs"), getattr(getattr(buffer, "device", None), "type", None),
+                            transport=getattr(buffer, "transport_name", None))
     STATE.summary_logged = True
     STATE.last_summary = summary_line(buffer=buffer)
     log.info(STATE.last_summary)
@@ -239,6 +245,7 @@ def make_pool_class():
 
 
 def make_manager_class():
+    from vllm.config import get_current_vllm_config_or_none
     from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
 
     pool_cls = make_pool_class()
@@ -259,6 +266,8 @@ def make_manager_class():
             self.device = worker_device()
             resolved = check_worker(self.options, self.device)
             self.engine, self.engine_reason = resolved["engine"]
+            resolved["cudagraphs"] = graphs_mode(get_current_vllm_config_or_none())
+            check_worker_graphs(resolved["cudagraphs"], self.device.type, engine=self.engine)
             STATE.worker = resolved
             self.handle_cache = Cache()
             self._pools: list = []

@@ -1,4 +1,8 @@
-"""Every rebinding of vLLM 0.33's names, in one place, each checked before anything changes.
+"""vLLM 0.33's seams: each verified against the installed vLLM, then rebound, and restored.
+
+Every rebinding of vLLM's names happens here, each checked before anything changes; what the
+names are rebound to lives elsewhere (``runtime.py``: the worker's classes; ``hooks.py``: the
+front-end check and the plugin's process state; ``cudagraphs.py``: the graph rule's hooks).
 
 vLLM 0.33 has no registry for all2all backends; ``--all2all-backend moonep`` is wired by name to
 in-tree classes. We keep the flag value and rebind the names vLLM looks up *at call time*:
@@ -20,9 +24,14 @@ vllm.model_executor.layers.fused_moe.prepare_finalize.moonep.gather_moonep_weigh
                                                                                         weight layout after loading
 vllm.engine.arg_utils.EngineArgs.create_engine_config                                  the front end builds the VllmConfig (ours
                                                                                         checks the moonep options right after)
+vllm.config.vllm.VllmConfig._set_compile_ranges                                         VllmConfig.__post_init__, right before its
+                                                                                        moonep switch to eager (ours notes the mode)
+vllm.config.compilation.CompilationConfig.set_splitting_ops_for_v1                      VllmConfig.__post_init__, right after that
+                                                                                        switch (ours puts the mode back where the
+                                                                                        step is graph-safe: ``cudagraphs.py``)
 =====================================================================================  ==============================================
 
-``apply_patches()`` never raises (vLLM calls it in every process, ``vllm serve --help`` included):
+``apply_seams()`` never raises (vLLM calls it in every process, ``vllm serve --help`` included):
 
 - it verifies the MoonEP seams (the attribute exists, and the vLLM function that uses it still
   reads it by that name). On a mismatch it patches none of them and logs a WARNING naming the vLLM
@@ -30,30 +39,33 @@ vllm.engine.arg_utils.EngineArgs.create_engine_config                           
   fails in the front end with that same error (``MoonEPSeamError``) when its config is made.
 - the config seam is verified and hooked on its own; without it the options are checked on the
   workers only (a WARNING says so).
+- the two graph seams are verified (``verify_graph_seams``: vLLM's moonep switch is the only write
+  of ``cudagraph_mode`` between them) and hooked together, after the MoonEP seams; without them
+  vLLM's eager-only switch for moonep stands (a WARNING says so).
 - it logs one INFO line: our version, vLLM's version and the seams hooked; and a WARNING when
   vLLM is not the tested 0.33.x. In the front end vLLM configures logging only when it builds
   the engine config, so the INFO line is logged then.
 
-It is idempotent; ``undo_patches()`` restores vLLM's originals (tests).
+It is idempotent; ``undo_seams()`` restores vLLM's originals (tests). What was hooked, and why not,
+is recorded in ``hooks.LOAD``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import logging
+import re
 import threading
 from typing import Any
 
 from vllm_moonep.engine import MoonEPError
-from vllm_moonep.vllm_plugin.checks import check_engine_config
-from vllm_moonep.vllm_plugin.runtime import STATE, summary_line  # noqa: F401  (re-exported)
+from vllm_moonep.vllm_plugin.hooks import LOAD, emit_load_line, hook_create_engine_config
 
 log = logging.getLogger("vllm.vllm_moonep")
 
-__all__ = ["MoonEPSeamError", "SEAMS", "CONFIG_SEAM", "TESTED_VLLM", "apply_patches", "patched", "seam_error",
-           "undo_patches", "verify_config_seam", "verify_seams", "vllm_version"]
+__all__ = ["CONFIG_SEAM", "GRAPH_SEAMS", "MoonEPSeamError", "SEAMS", "TESTED_VLLM", "apply_seams", "hooked_names",
+           "undo_seams", "verify_config_seam", "verify_graph_seams", "verify_seams", "vllm_version"]
 
 #: the vLLM minor series this plugin is tested with
 TESTED_VLLM = "0.33"
@@ -66,6 +78,8 @@ PF_MOONEP = "vllm.model_executor.layers.fused_moe.prepare_finalize.moonep"
 ORACLE = "vllm.model_executor.layers.fused_moe.oracle.unquantized"
 PARALLEL_STATE = "vllm.distributed.parallel_state"
 ARG_UTILS = "vllm.engine.arg_utils"
+VLLM_CONFIG = "vllm.config.vllm"
+COMPILATION = "vllm.config.compilation"
 
 #: (module, attribute) pairs this plugin rebinds for the MoonEP path (all or none)
 SEAMS = [
@@ -81,10 +95,14 @@ SEAMS = [
 ]
 #: the front-end check's seam (a method of vLLM's EngineArgs)
 CONFIG_SEAM = (ARG_UTILS, "EngineArgs.create_engine_config")
+#: the graph rule's seams (methods VllmConfig.__post_init__ calls around its moonep switch; both or none)
+GRAPH_SEAMS = [
+    (VLLM_CONFIG, "VllmConfig._set_compile_ranges"),
+    (COMPILATION, "CompilationConfig.set_splitting_ops_for_v1"),
+]
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {"applied": False, "config_hooked": False, "seam_error": None, "config_seam_error": None,
-                          "load_line": None}
+#: (module, attribute path) -> vLLM's original, for undo_seams
 _originals: dict[tuple[str, str], Any] = {}
 
 
@@ -150,7 +168,7 @@ def verify_seams() -> dict:
     for cls in ("FusedMoEPrepareAndFinalizeModular", "FusedMoEExpertsModular"):
         if not hasattr(mk, cls):
             raise _fail(f"{mk.__name__}.{cls}", "is missing")
-    if not inspect.isclass(getattr(mods[A2A], "MoonEPAll2AllManager", None)) and not _state["applied"]:
+    if not inspect.isclass(getattr(mods[A2A], "MoonEPAll2AllManager", None)) and not LOAD.applied:
         raise _fail(f"{A2A}.MoonEPAll2AllManager", "is missing")
     _need_names(mods[CUDA_COMM].CudaCommunicator.__init__, ["MoonEPAll2AllManager", '"moonep"'],
                 f"{A2A}.MoonEPAll2AllManager")
@@ -190,37 +208,87 @@ def verify_config_seam():
     fn = getattr(cls, "create_engine_config", None)
     if not callable(fn):
         raise _fail(seam, "is missing")
-    orig = getattr(fn, "__wrapped__", fn) if getattr(fn, "__vllm_moonep__", False) else fn
-    _need_names(orig, ["VllmConfig(", "additional_config=", "parallel_config="], seam)
+    _need_names(_unwrapped(fn), ["VllmConfig(", "additional_config=", "parallel_config="], seam)
     return cls
 
 
-# ------------------------------------------------------------------------------------ logging
-def _logging_ready() -> bool:
-    return logging.getLogger("vllm").hasHandlers()
+def _unwrapped(fn):
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "__vllm_moonep__", False) else fn
 
 
-def _emit_load_line() -> None:
-    msg = _state["load_line"]
-    if msg and _logging_ready():
-        _state["load_line"] = None
-        log.info(msg)
+def _flat(src: str) -> str:
+    return " ".join(src.split())
 
 
-def _hook_create_engine_config(orig):
-    @functools.wraps(orig)
-    def create_engine_config(self, *args, **kwargs):
-        config = orig(self, *args, **kwargs)
-        _emit_load_line()  # vLLM has configured its logging by now
-        check_engine_config(config, seam_error=_state["seam_error"])
-        return config
+#: vLLM 0.33's switch to eager for moonep, inside VllmConfig.__post_init__ (whitespace collapsed)
+MOONEP_EAGER_SWITCH = (
+    'if self.parallel_config.all2all_backend == "moonep":',
+    "self.parallel_config.use_all2all and self.compilation_config.cudagraph_mode != CUDAGraphMode.NONE",
+    "self.compilation_config.cudagraph_mode = CUDAGraphMode.NONE",
+)
 
-    create_engine_config.__vllm_moonep__ = True
-    return create_engine_config
+
+def verify_graph_seams() -> tuple[type, type]:
+    """vLLM's ``VllmConfig`` and ``CompilationConfig`` when ``VllmConfig.__post_init__`` calls
+    ``self._set_compile_ranges()`` once, then switches moonep to eager (``MOONEP_EAGER_SWITCH``),
+    then calls ``self.compilation_config.set_splitting_ops_for_v1(``, with no other write of
+    ``cudagraph_mode`` in between; raises ``MoonEPSeamError`` otherwise."""
+    vcfg, comp = _module(VLLM_CONFIG), _module(COMPILATION)
+    seam = f"{VLLM_CONFIG}.VllmConfig._set_compile_ranges"
+    cls, ccls = getattr(vcfg, "VllmConfig", None), getattr(comp, "CompilationConfig", None)
+    for owner, (mod, path) in ((cls, GRAPH_SEAMS[0]), (ccls, GRAPH_SEAMS[1])):
+        if not callable(getattr(owner, path.split(".")[1], None)):
+            raise _fail(f"{mod}.{path}", "is missing")
+    if getattr(getattr(comp, "CUDAGraphMode", None), "NONE", None) is None:
+        raise _fail(f"{COMPILATION}.CUDAGraphMode.NONE", "is missing")
+    src = _flat(_source(_unwrapped(cls.__post_init__), seam))
+    first, last = "self._set_compile_ranges()", "self.compilation_config.set_splitting_ops_for_v1("
+    if src.count(first) != 1 or src.count(last) != 1:
+        raise _fail(seam, f"is not called the way 0.33 calls it (VllmConfig.__post_init__ calls {first} "
+                          f"{src.count(first)} time(s) and {last}...) {src.count(last)} time(s), once each expected)")
+    a, b = src.index(first), src.index(last)
+    window = src[a:b]
+    at = [window.find(part) for part in MOONEP_EAGER_SWITCH]
+    if a > b or -1 in at or at != sorted(at):
+        raise _fail(seam, "no longer frames vLLM's moonep switch to eager the way 0.33 does (VllmConfig.__post_init__ "
+                          f"does not read {MOONEP_EAGER_SWITCH} between {first} and {last}...))")
+    writes = re.findall(r"cudagraph_mode\s*=(?!=)", window)
+    if len(writes) != 1:
+        raise _fail(seam, f"is followed by {len(writes)} writes of cudagraph_mode before {last}...) (0.33 has one: "
+                          "its moonep switch to eager)")
+    return cls, ccls
 
 
 # ------------------------------------------------------------------------------------ apply / undo
-def _apply_moonep_seams() -> list[str]:
+def _rebind(module: str, path: str, value) -> None:
+    """Set ``module.path`` (``path``: an attribute, or ``Class.attribute``) to ``value``, keeping vLLM's
+    original for ``undo_seams``."""
+    owner = importlib.import_module(module)
+    *outer, attr = path.split(".")
+    for name in outer:
+        owner = getattr(owner, name)
+    if (module, path) not in _originals:
+        _originals[(module, path)] = owner.__dict__.get(attr) if outer else getattr(owner, attr, None)
+    setattr(owner, attr, value)
+
+
+def _restore(keys) -> None:
+    for module, path in keys:
+        if (module, path) not in _originals:
+            continue
+        value = _originals.pop((module, path))
+        owner = importlib.import_module(module)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name)
+        if value is None:
+            if attr in vars(owner):
+                delattr(owner, attr)
+        else:
+            setattr(owner, attr, value)
+
+
+def _apply_moonep_seams() -> None:
     mods = verify_seams()
     from vllm_moonep.common.vllm_modular import MoonEPExperts, MoonEPPrepareAndFinalize
     from vllm_moonep.vllm_plugin import runtime
@@ -242,28 +310,35 @@ def _apply_moonep_seams() -> list[str]:
     }
     assert set(new) == set(SEAMS)
     for (m, a), value in new.items():
-        mod = mods[m]
-        _originals[(m, a)] = getattr(mod, a, None)
-        setattr(mod, a, value)
-    return [f"{m}.{a}" for m, a in SEAMS]
+        _rebind(m, a, value)
 
 
-def _apply_config_seam() -> str:
+def _apply_config_seam() -> None:
     cls = verify_config_seam()
-    fn = cls.__dict__.get("create_engine_config")
-    if getattr(fn, "__vllm_moonep__", False):
-        return f"{ARG_UTILS}.{CONFIG_SEAM[1]}"
-    _originals[CONFIG_SEAM] = fn
-    cls.create_engine_config = _hook_create_engine_config(fn)
-    return f"{ARG_UTILS}.{CONFIG_SEAM[1]}"
+    if not getattr(cls.__dict__.get("create_engine_config"), "__vllm_moonep__", False):
+        _rebind(*CONFIG_SEAM, hook_create_engine_config(cls.__dict__["create_engine_config"]))
 
 
-def apply_patches() -> list[str]:
+def _apply_graph_seams() -> None:
+    from vllm_moonep.vllm_plugin.cudagraphs import hook_set_compile_ranges, hook_set_splitting_ops
+
+    cls, ccls = verify_graph_seams()
+    for (m, path), owner, hook in zip(GRAPH_SEAMS, (cls, ccls), (hook_set_compile_ranges, hook_set_splitting_ops)):
+        fn = owner.__dict__[path.split(".")[1]]
+        if not getattr(fn, "__vllm_moonep__", False):
+            _rebind(m, path, hook(fn))
+
+
+def _as_seam_error(exc: Exception, seam: str) -> MoonEPSeamError:
+    return exc if isinstance(exc, MoonEPSeamError) else _fail(seam, f"could not be hooked ({exc!r})")
+
+
+def apply_seams() -> list[str]:
     """Verify then rebind every seam (idempotent, never raises: see the module doc). Returns the
     ``module.attribute`` names hooked."""
     with _lock:
-        if _state["applied"] or _state["seam_error"] is not None:
-            return _hooked_names()
+        if LOAD.applied or LOAD.seam_error is not None:
+            return hooked_names()
         version = vllm_version()
         if not version.startswith(TESTED_VLLM + "."):
             log.warning(
@@ -273,70 +348,56 @@ def apply_patches() -> list[str]:
             )
         try:
             _apply_config_seam()
-            _state["config_hooked"] = True
+            LOAD.config_hooked = True
         except Exception as exc:
-            err = exc if isinstance(exc, MoonEPSeamError) else _fail(CONFIG_SEAM[1], f"could not be hooked ({exc!r})")
-            _state["config_seam_error"] = err
+            LOAD.config_seam_error = _as_seam_error(exc, CONFIG_SEAM[1])
             log.warning("%s The moonep options are then checked on the workers only, not when the config is made.",
-                        err)
+                        LOAD.config_seam_error)
         try:
             _apply_moonep_seams()
-            _state["applied"] = True
+            LOAD.applied = True
         except Exception as exc:
-            err = exc if isinstance(exc, MoonEPSeamError) else _fail("(applying)", f"failed ({exc!r})")
-            _undo_moonep_seams()
-            _state["seam_error"] = err
+            _restore([s for s in _originals if s in SEAMS])
+            LOAD.seam_error = _as_seam_error(exc, "(applying)")
             log.warning(
                 "%s vLLM runs unchanged; a run with --all2all-backend moonep fails with this error when its config "
-                "is made.", err)
-            return _hooked_names()
-        names = [a.split(".")[-1] for _, a in SEAMS if not a.startswith("MOONEP_DEFAULT_")]
+                "is made.", LOAD.seam_error)
+            return hooked_names()
+        try:
+            _apply_graph_seams()
+            LOAD.graphs_hooked = True
+        except Exception as exc:
+            _restore(GRAPH_SEAMS)
+            LOAD.graph_seam_error = _as_seam_error(exc, GRAPH_SEAMS[0][1])
+            log.warning("%s vLLM's switch to eager for --all2all-backend moonep then stands (no CUDA graphs).",
+                        LOAD.graph_seam_error)
+        names = [a for _, a in hooked_names_pairs() if not a.startswith("MOONEP_DEFAULT_")]
         names.insert(names.index("MoonEPExperts"), "MOONEP_DEFAULT_*")
-        if _state["config_hooked"]:
-            names.append(CONFIG_SEAM[1])
-        _state["load_line"] = (
-            f"vllm-moonep {our_version()} hooked vLLM {version} ({len(_hooked_names())} seams: {', '.join(names)}); "
+        LOAD.load_line = (
+            f"vllm-moonep {our_version()} hooked vLLM {version} ({len(hooked_names())} seams: {', '.join(names)}); "
             "--all2all-backend moonep builds vllm-moonep's classes"
         )
-        _emit_load_line()
-        return _hooked_names()
+        emit_load_line()
+        return hooked_names()
 
 
-def _hooked_names() -> list[str]:
-    out = [f"{m}.{a}" for m, a in SEAMS] if _state["applied"] else []
-    if _state["config_hooked"]:
-        out.append(f"{ARG_UTILS}.{CONFIG_SEAM[1]}")
+def hooked_names_pairs() -> list[tuple[str, str]]:
+    """``(module, attribute path)`` of every seam hooked now."""
+    out = list(SEAMS) if LOAD.applied else []
+    if LOAD.config_hooked:
+        out.append(CONFIG_SEAM)
+    if LOAD.graphs_hooked:
+        out.extend(GRAPH_SEAMS)
     return out
 
 
-def patched() -> bool:
-    """Whether the MoonEP seams are hooked."""
-    return _state["applied"]
+def hooked_names() -> list[str]:
+    """``module.attribute`` of every seam hooked now."""
+    return [f"{m}.{a}" for m, a in hooked_names_pairs()]
 
 
-def seam_error() -> MoonEPSeamError | None:
-    """The seam mismatch found at load (``None``: every MoonEP seam is hooked or none was tried)."""
-    return _state["seam_error"]
-
-
-def _undo_moonep_seams() -> None:
-    for (m, a), value in list(_originals.items()):
-        if (m, a) == CONFIG_SEAM:
-            continue
-        mod = importlib.import_module(m)
-        if value is None:
-            if hasattr(mod, a):
-                delattr(mod, a)
-        else:
-            setattr(mod, a, value)
-        del _originals[(m, a)]
-
-
-def undo_patches() -> None:
+def undo_seams() -> None:
     """Restore vLLM's originals and forget what was found at load (tests only)."""
     with _lock:
-        _undo_moonep_seams()
-        if CONFIG_SEAM in _originals:
-            cls = importlib.import_module(ARG_UTILS).EngineArgs
-            cls.create_engine_config = _originals.pop(CONFIG_SEAM)
-        _state.update(applied=False, config_hooked=False, seam_error=None, config_seam_error=None, load_line=None)
+        _restore(list(_originals))
+        LOAD.reset()
