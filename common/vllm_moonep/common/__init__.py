@@ -6,7 +6,9 @@ vLLM) is imported on first access to either name, so ``import vllm_moonep.common
 vLLM.
 """
 
-import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
+from vllm_moonep.engine.multicast import disable_multicast_by_default
+
+disable_multicast_by_default()  # first: NVLink multicast off before any library loads
 
 from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
 from vllm_moonep.common.layout import WEIGHT_TILE, WeightLayout, check_local_experts

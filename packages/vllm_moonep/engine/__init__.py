@@ -6,7 +6,9 @@ real ``moonep`` when it is installed and usable. Callers hold either engine's bu
 ``defaults.py``. Depends on torch only.
 """
 
-import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
+from vllm_moonep.engine.multicast import disable_multicast_by_default
+
+disable_multicast_by_default()  # first: NVLink multicast off before any library loads
 
 from vllm_moonep.engine.buffer import Buffer, Plan, copy_slots_from_rows, nvs_rows, validate_config
 from vllm_moonep.engine.defaults import current_cuda_device, default_num_slots, group_rank_world, resolve_device

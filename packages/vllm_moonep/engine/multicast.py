@@ -46,8 +46,3 @@ def check_multicast_off(what: str) -> None:
             f"vllm-moonep never uses multicast; set {OPT_IN_VAR}=1 to start anyway."
         )
 
-
-# NVLink multicast (NVLS) is never used by this project: every library loaded after any
-# vllm_moonep package agrees, unless the user set the variables otherwise (each package's
-# __init__ imports this module first).
-disable_multicast_by_default()

@@ -14,7 +14,9 @@ weight layouts are built (``runtime.py``). Set ``VLLM_MOONEP_PLUGIN=0`` to leave
 
 from __future__ import annotations
 
-import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
+from vllm_moonep.engine.multicast import disable_multicast_by_default
+
+disable_multicast_by_default()  # first: NVLink multicast off before any library loads
 
 __all__ = ["register"]
 

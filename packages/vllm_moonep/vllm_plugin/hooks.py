@@ -43,7 +43,7 @@ class LoadState:
     load_line: str | None = None  # the INFO line, until vLLM's logging is configured
 
     def reset(self) -> None:
-        self.__init__()
+        vars(self).update(vars(type(self)()))
 
 
 LOAD = LoadState()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import functools
 import os
 import threading
 import weakref
@@ -242,6 +243,7 @@ def options_from_vllm_config(vllm_config=None) -> MoonEPOptions:
         from vllm.config import get_current_vllm_config_or_none
 
         vllm_config = get_current_vllm_config_or_none()
+    key: object
     if vllm_config is None:
         key, ref, extra = ("env", tuple(os.environ.get(v) for v in ENV_VARS.values())), None, None
     else:
@@ -259,7 +261,7 @@ def options_from_vllm_config(vllm_config=None) -> MoonEPOptions:
             result = exc
         if vllm_config is not None:
             try:
-                ref = weakref.ref(vllm_config, lambda r, k=key: _forget(k, r))
+                ref = weakref.ref(vllm_config, functools.partial(_forget, key))
             except TypeError:  # not weak-referenceable: nothing to key a cache entry on safely
                 ref = None
         if vllm_config is None or ref is not None:

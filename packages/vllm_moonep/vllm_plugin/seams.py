@@ -239,9 +239,10 @@ def verify_graph_seams() -> tuple[type, type]:
     for owner, (mod, path) in ((cls, GRAPH_SEAMS[0]), (ccls, GRAPH_SEAMS[1])):
         if not callable(getattr(owner, path.split(".")[1], None)):
             raise _fail(f"{mod}.{path}", "is missing")
+    assert isinstance(cls, type) and isinstance(ccls, type)  # callable members found above
     if getattr(getattr(comp, "CUDAGraphMode", None), "NONE", None) is None:
         raise _fail(f"{COMPILATION}.CUDAGraphMode.NONE", "is missing")
-    src = _flat(_source(_unwrapped(cls.__post_init__), seam))
+    src = _flat(_source(_unwrapped(getattr(cls, "__post_init__")), seam))
     first, last = "self._set_compile_ranges()", "self.compilation_config.set_splitting_ops_for_v1("
     if src.count(first) != 1 or src.count(last) != 1:
         raise _fail(seam, f"is not called the way 0.33 calls it (VllmConfig.__post_init__ calls {first} "

@@ -6,7 +6,9 @@
 ``SharedSlotPool`` lets every layer of a model share one set of slots.
 """
 
-import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
+from vllm_moonep.engine.multicast import disable_multicast_by_default
+
+disable_multicast_by_default()  # first: NVLink multicast off before any library loads
 
 from vllm_moonep.engine.heaps import HEAP_KINDS, HeapHandle, HostHeap, SymmetricHeap, make_heap
 from vllm_moonep.symmetric.layout import SharedSlotPool, SymmetricWeightLayout, destroy_in_order
