@@ -13,8 +13,8 @@ import torch.distributed as dist
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import MemoryReport, expert_bytes
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.launch import launched_world_size
 from vllm_moonep.tools import ab
-from vllm_moonep.tools.launch import launched_world_size
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="the A/B tool spawns its own ranks")
 

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from tests.conftest import ranks
 from tests.reference_planner import reference_placement, reference_plan
-from vllm_moonep.common.routing import route
 from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPStateError
+from vllm_moonep.testing.routing import route
 
 
 def _device():

@@ -24,12 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.arrival_board import ArrivalBoard
 from vllm_moonep.replicated import ReplicatedWeightLayout
-from vllm_moonep.tools.launch import RankFailure, launched_world_size, run_on_ranks
+from vllm_moonep.testing.launch import RankFailure, launched_world_size, run_on_ranks
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="fault injection needs spawned ranks")
 

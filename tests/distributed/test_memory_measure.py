@@ -10,10 +10,11 @@ import pytest
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import global_weights, local_experts
+from tests.moe_fixtures import global_weights
 from vllm_moonep.common.memory import MiB, release_freed_memory, resident_bytes
 from vllm_moonep.symmetric import HostHeap, SharedSlotPool, SymmetricWeightLayout, destroy_in_order
-from vllm_moonep.tools.launch import launched_world_size
+from vllm_moonep.testing.launch import launched_world_size
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="measures in fresh spawned rank processes")
 

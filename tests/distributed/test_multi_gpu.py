@@ -28,12 +28,13 @@ import torch.distributed as dist
 
 from tests.conftest import ranks
 from tests.distributed.test_engine import traceable_rows
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import (MiB, held_tensor_bytes, measured_bytes, release_freed_memory,
                                        resident_bytes)
-from vllm_moonep.common.reference import dense_moe, relative_error
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.reference import dense_moe, relative_error
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -369,8 +370,8 @@ def test_ab_shares_gpus_only_when_asked(tmp_path):
     """With fewer GPUs than ranks the tools shared GPUs silently; now only --share-gpus does, over gloo, and says so."""
     n = _gpus()
     _need(2)
+    from vllm_moonep.testing.launch import resolve_launch
     from vllm_moonep.tools import ab
-    from vllm_moonep.tools.launch import resolve_launch
 
     R = 2 * n if 32 % (2 * n) == 0 else None
     if R is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_moonep.tools.launch import launched_world_size
+from vllm_moonep.testing.launch import launched_world_size
 from vllm_moonep.tools.soak import DEFAULTS, pool_capacities, run, step_schedule
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="the soak spawns its own ranks")

@@ -4,7 +4,8 @@ outputs, empty groups, segment lengths that are not tile multiples."""
 import pytest
 import torch
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, available_impls, expert_ffn, expert_ffn_float64
+from vllm_moonep.common.grouped_gemm import GroupedWeights, available_impls, expert_ffn
+from vllm_moonep.testing.reference import expert_ffn_float64
 
 pytestmark = pytest.mark.gpu
 

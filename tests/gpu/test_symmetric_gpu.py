@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -69,9 +70,9 @@ def test_torch_symm_heap_peer_views(R):
 def layout_prefetch_and_steps(E, B, sigma, seed):
     from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
     from vllm_moonep.common.grouped_gemm import available_impls
+    from vllm_moonep.engine.heaps import TorchSymmHeap
     from vllm_moonep.replicated import ReplicatedWeightLayout
     from vllm_moonep.symmetric import SymmetricWeightLayout
-    from vllm_moonep.engine.heaps import TorchSymmHeap
 
     dev = _device()
     r, R = dist.get_rank(), dist.get_world_size()

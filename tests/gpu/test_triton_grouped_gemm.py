@@ -51,7 +51,8 @@ def _inputs(lens, H, gen, pad_to=None, extra=7, dev="cuda"):
 
 
 def _check(x, rw, cu, w, total, impl_cmp=True):
-    from vllm_moonep.common.grouped_gemm import expert_ffn, expert_ffn_float64
+    from vllm_moonep.common.grouped_gemm import expert_ffn
+    from vllm_moonep.testing.reference import expert_ffn_float64
 
     tk = _triton()
     out = torch.full_like(x, float("nan"))
@@ -133,7 +134,7 @@ def test_multi_pool_pointer_table():
 
 
 def test_cuda_graph_capture_replay():
-    from vllm_moonep.common.grouped_gemm import expert_ffn_float64
+    from vllm_moonep.testing.reference import expert_ffn_float64
 
     tk = _triton()
     gen = torch.Generator(device="cuda").manual_seed(6)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, expert_ffn_float64
+from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
 from vllm_moonep.engine import MoonEPInputError
+from vllm_moonep.testing.reference import expert_ffn_float64
 
 
 def _weights(G, I, H, seed):

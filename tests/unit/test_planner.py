@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.reference_planner import reference_placement, reference_plan
-from vllm_moonep.common.routing import route
 from vllm_moonep.engine import nvs_rows, place_entries, plan_global
+from vllm_moonep.testing.routing import route
 
 
 def _routing(R, S, E, K, sigma, seed):

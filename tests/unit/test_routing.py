@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_moonep.common.routing import expert_popularity, maxvio, route, sample_topk, sigma_for_maxvio
+from vllm_moonep.testing.routing import expert_popularity, maxvio, route, sample_topk, sigma_for_maxvio
 
 
 def test_maxvio_definition():

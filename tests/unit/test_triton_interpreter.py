@@ -105,8 +105,8 @@ CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "
 def _child_main() -> None:
     import torch
 
-    from vllm_moonep.common.grouped_gemm import expert_ffn_float64
     from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton, interpreting
+    from vllm_moonep.testing.reference import expert_ffn_float64
 
     assert interpreting()
     report = {}

@@ -14,9 +14,9 @@ import torch
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE, capacity_for, pad_to_capacity, sanitize_routing
 from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
 from vllm_moonep.common.padding import tokens_per_expert
-from vllm_moonep.common.routing import route
 from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPStateError
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.routing import route
 
 S, H, K, E, B, TP = 16, 8, 2, 8, 2, 4
 
@@ -281,7 +281,7 @@ def test_moe_forward_rejects_then_works():
     for name, (args, kw, exc, needle) in cases.items():
         with pytest.raises(exc, match=needle):
             moe.forward(*args, **kw)
-    from vllm_moonep.common.reference import dense_moe
+    from vllm_moonep.testing.reference import dense_moe
 
     out = moe.forward(x, ids, w)
     ref = dense_moe(x, ids, w, w13, w2)

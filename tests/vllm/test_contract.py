@@ -63,7 +63,7 @@ def rk_contract(m: int, seed: int):
                  explicitly_destroy=True, device="cpu"), max_tokens_per_rank=512)
         opool = W.make_pool(R, H, K, E, B, 512)
         cfg = W.moe_config(E, K, H, I, R, rank, 512)
-        holder_v, holder_o = W.Holder(vlay), W.Holder(ours)
+        holder_v, holder_o = W.LayoutHolder(vlay), W.LayoutHolder(ours)
 
         def vllm_pf():
             return vpf.MoonEPPrepareAndFinalize(buffer_pool=vpool, max_tokens_per_rank=512, num_dispatchers=R,

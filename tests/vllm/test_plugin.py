@@ -66,7 +66,7 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
     from vllm.forward_context import set_forward_context
     from vllm.plugins import load_general_plugins
 
-    from vllm_moonep.common.reference import dense_moe
+    from vllm_moonep.testing.reference import dense_moe
     from vllm_moonep.vllm_plugin import patches
 
     W.set_threads()

@@ -42,13 +42,13 @@ from vllm_moonep.common.grouped_gemm import IMPLS, GroupedWeights, available_imp
 from vllm_moonep.common.memory import (EXPLAIN_ABOVE, MemoryReport, expert_bytes, explain_difference,
                                        held_tensor_bytes, measured_bytes, peak_rss, release_freed_memory,
                                        replicated_accounting, reset_peak, resident_bytes)
-from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
-from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.common.timing import PHASES, PhaseTimer
 from vllm_moonep.engine import current_cuda_device, default_num_slots
 from vllm_moonep.engine.heaps import HEAP_KINDS
-from vllm_moonep.tools.launch import (add_launch_arguments, comm_device, finish_launched_group, init_launched_group,
-                                      is_driver, launched_world_size, resolve_launch, run_on_ranks, shutdown_pools)
+from vllm_moonep.testing.launch import (add_launch_arguments, comm_device, finish_launched_group, init_launched_group,
+                                        is_driver, launched_world_size, resolve_launch, run_on_ranks, shutdown_pools)
+from vllm_moonep.testing.reference import dense_moe, random_expert_weights, relative_error
+from vllm_moonep.testing.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.tools.memory_projection import MODELS, projection_rows, render
 
 GiB = 1024**3

@@ -23,11 +23,11 @@ import textwrap
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.engine import Buffer, current_cuda_device
+from vllm_moonep.testing.launch import (add_launch_arguments, finish_launched_group, is_driver, launched_world_size,
+                                        resolve_launch, run_on_ranks, shutdown_pools)
+from vllm_moonep.testing.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.tools.cli import positive
-from vllm_moonep.tools.launch import (add_launch_arguments, finish_launched_group, is_driver, launched_world_size,
-                                      resolve_launch, run_on_ranks, shutdown_pools)
 
 
 def _rank_balance(S, H, K, E, B, sigma, seed, device_kind="cpu"):

@@ -42,11 +42,11 @@ from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import measured_bytes
 from vllm_moonep.engine import current_cuda_device
 from vllm_moonep.engine.heaps import HEAP_KINDS
-from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
-from vllm_moonep.common.routing import route
 from vllm_moonep.replicated import ReplicatedWeightLayout
-from vllm_moonep.tools.launch import (BACKENDS, finish_launched_group, is_driver, launched_world_size, resolve_launch,
-                                      run_on_ranks)
+from vllm_moonep.testing.launch import (BACKENDS, finish_launched_group, is_driver, launched_world_size, resolve_launch,
+                                        run_on_ranks)
+from vllm_moonep.testing.reference import dense_moe, random_expert_weights, relative_error
+from vllm_moonep.testing.routing import route
 
 __all__ = ["DEFAULTS", "main", "pool_capacities", "soak_rank", "step_schedule", "summarize"]
 
