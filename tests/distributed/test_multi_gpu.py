@@ -32,7 +32,7 @@ from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import (MiB, held_tensor_bytes, measured_bytes, release_freed_memory,
                                        resident_bytes)
-from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.layouts import build_layouts
 from vllm_moonep.testing.reference import dense_moe, relative_error
 from vllm_moonep.testing.weights import local_experts
 
@@ -78,14 +78,8 @@ def step_both_layouts(layout_kind, B):
     E, H, I, K = 8 * R, 256, 512, 4
     w13, w2 = global_weights(E, H, I, 2)
     lw13, lw2 = (t.to(dev) for t in local_experts(w13, w2, r, R))
-    heap = None
-    if layout_kind == "replicated":
-        layout = ReplicatedWeightLayout(lw13, lw2, E, B)
-    else:
-        from vllm_moonep.symmetric import SymmetricWeightLayout, make_heap
-
-        heap = make_heap("torch", device=dev)
-        layout = SymmetricWeightLayout(lw13, lw2, E, B, heap=heap)
+    layouts = build_layouts(layout_kind, [(lw13, lw2)], E, B, heap_kind="torch")
+    layout = layouts.layouts[0]
     pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, device=dev), 512, engine="builtin")
     moe = MoonEPMoE(pool, layout, impl="auto")
     slots = 0
@@ -95,9 +89,7 @@ def step_both_layouts(layout_kind, B):
         check_against_dense(out.cpu(), x, ids, w, w13, w2)
         slots += int((moe.last.experts_to_copy >= 0).sum())
     pool.destroy()
-    layout.destroy()
-    if heap is not None:
-        heap.close()
+    layouts.destroy()
     return slots
 
 
@@ -132,8 +124,6 @@ RMA_SCRATCH = 30 * 1024  # smaller than an expert row: prefetch gets rows in chu
 def _run_case(heap, layout, B, dev):
     """Build ``LAYERS`` layers on ``heap`` (measuring the device memory they take), run the MoE step
     on 1, 100 and 512 tokens per rank; figures for the test to check."""
-    from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout, destroy_in_order
-
     r, R = dist.get_rank(), dist.get_world_size()
     E = E_PER_RANK * R
     full = [global_weights(E, H, I, 10 + l) for l in range(LAYERS)]
@@ -141,14 +131,14 @@ def _run_case(heap, layout, B, dev):
     dist.barrier()
     release_freed_memory(dev)
     before, base = measured_bytes(dev), resident_bytes(dev)
-    pool = SharedSlotPool(B, H, I, heap=heap, device=dev) if layout == "symmetric-shared" else None
-    lays = [SymmetricWeightLayout(a, b, E, B, heap=heap, slot_pool=pool) for a, b in local]
+    layouts = build_layouts(layout, local, E, B, heap=heap)
+    lays = layouts.layouts
     dist.barrier()
     release_freed_memory(dev)
     grown = resident_bytes(dev) - base
     reserved = measured_bytes(dev).get("reserved", 0) - before.get("reserved", 0)
-    held = held_tensor_bytes(*lays, *([pool] if pool else []))
-    accounted = sum(lay.memory_report().resident for lay in lays) + (pool.memory_report().resident if pool else 0)
+    held = held_tensor_bytes(*lays, *layouts.slot_pools.values())
+    accounted = layouts.memory_report().resident
     bufs = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, device=dev), 512, engine="builtin")
     moes = [MoonEPMoE(bufs, lay, impl="auto") for lay in lays]
     errs, slots = [], 0
@@ -167,7 +157,7 @@ def _run_case(heap, layout, B, dev):
         "peers_addressable": heap.peers_addressable,
     }
     bufs.destroy()
-    destroy_in_order(*lays, *([pool] if pool else []))
+    layouts.destroy()
     release_freed_memory(dev)
     return res
 

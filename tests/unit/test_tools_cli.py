@@ -19,7 +19,7 @@ def _error(capsys, fn, argv) -> str:
 
 @pytest.mark.parametrize("argv,needles", [
     (["--configs", "symetric"], ["unknown configuration 'symetric'", "did you mean 'symmetric'?"]),
-    (["--configs", "replicated", "no_such_module:fn"], ["'no_such_module:fn' is not an importable module:function"]),
+    (["--configs", "replicated", "tests.layouts:broken"], ["unknown configuration 'tests.layouts:broken'"]),
     (["--impl", "cutlass"], ["invalid choice: 'cutlass'", "'grouped_mm'"]),
     (["--ranks", "3"], ["--ranks 3 does not divide the tiny preset's 32 experts", "2, 4, 8, 16, 32"]),
     (["--ranks", "0"], ["--ranks must be a positive integer"]),

@@ -36,8 +36,7 @@ def rk_matrix(kind, m, H, I, sigma, seed):
     err_k = W.close(W.run_kernel(o, x, ids, w), ref, f"FusedMoEKernel m={m} rank={rank}")
     slots_k = int((o["pf"].last.experts_to_copy >= 0).sum())
     assert not o["pf"].pending
-    o["pool"].destroy()
-    o["layout"].destroy()
+    W.teardown(o)
     return dict(err=max(err_bare, err_k), slots=(slots_bare, slots_k), cap=o["pf"].last.capacity)
 
 
@@ -60,7 +59,7 @@ def rk_top1(kind, m, H, I, seed):
     out = W.run_kernel(o, x, bad, w, apply_on_input=True)
     assert float(out[::4].float().abs().max()) == 0.0, "an invalid id produced output"
     W.close(out[1::4], ref[1::4], "top-1 valid rows beside invalid ones")
-    o["pool"].destroy()
+    W.teardown(o)
     return slots
 
 
@@ -76,7 +75,7 @@ def rk_steps(kind, counts, seed):
         W.close(run(o, x, ids, w), W.dense_ref(o, x, ids, w), f"step {step} n={n}")
         caps.append(o["pf"].last.capacity)
     nbuf = len(o["pool"].buffers)
-    o["pool"].destroy()
+    W.teardown(o)
     return caps, nbuf
 
 
@@ -100,7 +99,7 @@ def rk_dp(kind, local_counts, seed):
         cap_b = o["pf"].last.capacity
     W.close(out_k, ref, f"dp kernel rank={rank} n={n}")
     W.close(out_b, ref, f"dp bare rank={rank} n={n}")
-    o["pool"].destroy()
+    W.teardown(o)
     return n, cap_k, cap_b
 
 
@@ -202,7 +201,7 @@ def rk_bad_inputs(kind, seed):
     except MoonEPInputError as e:
         assert "divisible" in str(e)
     W.close(W.run_kernel(o, x, ids, w), ref, "final step")
-    o["pool"].destroy()
+    W.teardown(o)
     return sorted(msgs)
 
 
@@ -240,7 +239,7 @@ def rk_matrix_e(m, H, I, seed):
     W.close(W.run_bare(o, x, ids, w), ref, "R=3 bare")
     W.close(W.run_kernel(o, x, ids, w), ref, "R=3 kernel")
     s = int((o["pf"].last.experts_to_copy >= 0).sum())
-    o["pool"].destroy()
+    W.teardown(o)
     return dict(slots=(s, s))
 
 

@@ -72,16 +72,11 @@ def make_pool(R: int, H: int, K: int, E: int, B: int, max_tokens: int, tp: int =
     )
 
 
-def make_layout(kind: str, w13_local, w2_local, E: int, B: int):
-    if kind == "replicated":
-        from vllm_moonep.replicated import ReplicatedWeightLayout
+def make_layouts(kind: str, w13_local, w2_local, E: int, B: int):
+    """A one-layer ``LayoutSet`` of ``kind`` (symmetric kinds on the host heap)."""
+    from vllm_moonep.layouts import build_layouts
 
-        return ReplicatedWeightLayout(w13_local, w2_local, E, B)
-    if kind == "symmetric":
-        from vllm_moonep.symmetric import SymmetricWeightLayout
-
-        return SymmetricWeightLayout(w13_local, w2_local, E, num_slots=B, heap="host")
-    raise ValueError(kind)
+    return build_layouts(kind, [(w13_local, w2_local)], E, B, heap_kind="host")
 
 
 def moe_config(E: int, K: int, H: int, I: int, R: int, rank: int, max_tokens: int):
@@ -105,14 +100,22 @@ def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, se
     w13, w2 = global_weights(E, H, I, seed)
     w13_l, w2_l = local_rows(w13, rank, R), local_rows(w2, rank, R)
     pool = make_pool(R, H, K, E, B, max_tokens)
-    layout = make_layout(kind, w13_l, w2_l, E, B)
+    layouts = make_layouts(kind, w13_l, w2_l, E, B)
+    layout = layouts.layouts[0]
     pf = MoonEPPrepareAndFinalize(pool, max_tokens_per_rank=max_tokens, num_dispatchers=R, num_global_experts=E)
     experts = MoonEPExperts(moe_config(E, K, H, I, R, rank, max_tokens), FUSED_MOE_UNQUANTIZED_CONFIG)
     ensure_workspace()
     kernel = mk.FusedMoEKernel(pf, experts)  # calls pf.post_init_setup(experts)
     experts.process_weights_after_loading(LayoutHolder(layout))
-    return dict(w13=w13, w2=w2, w13_l=w13_l, w2_l=w2_l, pool=pool, layout=layout, pf=pf, experts=experts,
-                kernel=kernel, E=E, K=K, H=H, I=I, R=R, rank=rank)
+    return dict(w13=w13, w2=w2, w13_l=w13_l, w2_l=w2_l, pool=pool, layouts=layouts, layout=layout, pf=pf,
+                experts=experts, kernel=kernel, E=E, K=K, H=H, I=I, R=R, rank=rank)
+
+
+def teardown(o) -> None:
+    """Free what ``build`` made, in the documented order: the buffer pool, then the layouts (collective
+    for the symmetric kinds: every rank calls it)."""
+    o["pool"].destroy()
+    o["layouts"].destroy()
 
 
 def run_bare(o, x, ids, w, *, apply_on_input: bool = False, wr=None):

@@ -19,7 +19,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.common.memory import MemoryReport, replicated_accounting
+from vllm_moonep.common.memory import replicated_accounting
 from vllm_moonep.common.moe_step import StepInfo
 from vllm_moonep.common.timing import NullTimer
 from vllm_moonep.engine import Buffer
@@ -99,7 +99,9 @@ def import_poc() -> None:
 
 
 def build_poc(shape: dict, local, device: torch.device):
-    """``moonep-ab`` builder: runners, pool, layouts, extra objects, accounted memory."""
+    """``moonep-ab``'s ``vllm-poc`` configuration on this rank (an ``ab.Built``)."""
+    from vllm_moonep.tools.ab import Built
+
     import_poc()
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -132,9 +134,10 @@ def build_poc(shape: dict, local, device: torch.device):
         runner = PocRunner(kernel, pf, layout, layout.full_gate_weight, layout.full_down_weight, E)
         _record_plan(runner)
         runners.append(runner)
-        layouts.append(_PocLayout(layout))
+        layouts.append(layout)
     report = replicated_accounting(E, R, B, H, I, layers=len(local))
-    return runners, _PocPool(pool), layouts, [], report
+    # vLLM's layout objects have no methods: dropping them (and the runners) frees them
+    return Built(moes=runners, pool=pool, report=report, held=layouts, heaps=[], destroy_layouts=layouts.clear)
 
 
 def _record_plan(runner: PocRunner) -> None:
@@ -150,26 +153,3 @@ def _record_plan(runner: PocRunner) -> None:
         return res
 
     pf.prepare = prepare
-
-
-class _PocLayout:
-    """Teardown and memory for vLLM's layout tuple (it has no methods of its own)."""
-
-    kind = "vllm-poc"
-
-    def __init__(self, layout):
-        self.layout = layout
-
-    def memory_report(self) -> MemoryReport:
-        return MemoryReport()
-
-    def destroy(self) -> None:
-        self.layout = None
-
-
-class _PocPool:
-    def __init__(self, pool):
-        self.pool = pool
-
-    def destroy(self) -> None:
-        self.pool.destroy()
