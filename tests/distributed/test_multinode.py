@@ -27,6 +27,8 @@ def launched_topology():
 
 
 def test_two_agents_form_one_group():
+    """The ranks of two torchrun agents forming two groups, or all coming from one agent (no multi-node launch
+    tested)."""
     info = ranks(2, launched_topology)
     assert [i["rank"] for i in info] == [0, 1]
     assert sorted(i["node"] for i in info) == [0, 1], "each rank must come from its own torchrun agent"
@@ -48,5 +50,6 @@ def moe_step_across_nodes():
 
 
 def test_moe_step_across_nodes():
+    """A MoE step across nodes differing from the dense reference, or its ranks disagreeing on the plan."""
     used = ranks(2, moe_step_across_nodes)
     assert used[0] == used[1] and used[0] > 0

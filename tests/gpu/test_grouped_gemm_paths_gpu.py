@@ -30,6 +30,8 @@ def _case(lens, I, H, seed):
     ([0, 0, 0, 4096], 512, 1024),
 ])
 def test_path_matches_float64(impl, lens, I, H):
+    """A grouped GEMM path on the GPU drifting from float64 or leaving rows of a segment unwritten (NaN-poisoned
+    output)."""
     x, rw, cu, w = _case(lens, I, H, seed=len(lens) + I)
     if impl not in available_impls(x, w):
         pytest.skip(f"{impl} is not available here")

@@ -64,6 +64,8 @@ def heap_peer_views():
 
 @pytest.mark.parametrize("R", [1, 2])
 def test_torch_symm_heap_peer_views(R):
+    """Peer views of PyTorch symmetric memory aliasing the wrong rank or stale after a barrier, or a free out of LIFO
+    order accepted."""
     assert all(ranks(R, heap_peer_views, env=ENV))
 
 
@@ -140,14 +142,19 @@ def layout_prefetch_and_steps(E, B, sigma, seed):
 
 
 def test_symmetric_layout_world_of_one_on_gpu():
+    """The symmetric layout on one GPU rank (no peers) adopting, prefetching or stepping unlike the replicated layout
+    and the dense MoE."""
     ranks(1, layout_prefetch_and_steps, 4, 4, 1.0, 3, env=ENV)
 
 
 def test_symmetric_layout_two_processes_one_gpu_dense_path():
+    """Prefetch through peer views of PyTorch symmetric memory copying the wrong expert (B >= E/R: slots only, no
+    overflow)."""
     slots, overflow = ranks(2, layout_prefetch_and_steps, 8, 4, 2.5, 7, env=ENV)[0]
     assert slots > 0 and overflow == 0
 
 
 def test_symmetric_layout_two_processes_one_gpu_overflow_reads():
+    """With B < E/R, a remote expert without a slot read from the wrong row of its owner's memory, or not at all."""
     slots, overflow = ranks(2, layout_prefetch_and_steps, 8, 1, -1.0, 5, env=ENV)[0]
     assert slots > 0 and overflow > 0

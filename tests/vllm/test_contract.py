@@ -113,6 +113,8 @@ def rk_contract(m: int, seed: int):
 
 @pytest.mark.parametrize("m", [37, 300])
 def test_vllm_in_tree_classes_on_builtin_engine(m):
+    """vLLM's own in-tree MoonEP classes (alone and mixed with ours) off the dense MoE on our engine: a contract it
+    does not honour."""
     res = ranks(2, rk_contract, m, 11)
     for r in res:
         assert set(r) >= {"vllm+vllm", "vllm_pf+our_experts", "our_pf+vllm_experts"}

@@ -169,6 +169,7 @@ def rk_seam_check():
 
 # ---------------------------------------------------------------------------- tests
 def test_entry_point_declared():
+    """The vllm.general_plugins entry point missing or pointing elsewhere, so vLLM never loads the plugin."""
     from importlib.metadata import entry_points
 
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
@@ -209,6 +210,8 @@ def rk_cli_options(extra: dict, bad_cases: list):
 
 
 def test_options_from_vllm_cli_parser():
+    """--additional-config from vLLM's own CLI parser not reaching the options, or a bad option accepted without
+    naming the choices."""
     extra = {"moonep": {"weight_layout": "symmetric", "engine": "builtin", "transport": "collective",
                         "num_prefetch_slots": 8, "shared_slot_pool": True, "heap": "host", "token_padding": 64,
                         "impl": "reference", "step_log_interval": 10}}
@@ -231,6 +234,7 @@ def test_options_from_vllm_cli_parser():
 
 
 def test_options_env_fallbacks_and_precedence():
+    """A VLLM_MOONEP_* variable ignored or winning over --additional-config, or a malformed value accepted."""
     from vllm_moonep.vllm_plugin.options import MoonEPOptions, MoonEPOptionsError, parse_options
 
     assert parse_options(None, env={}) == MoonEPOptions()
@@ -252,6 +256,7 @@ def test_options_env_fallbacks_and_precedence():
 
 
 def test_seam_verification():
+    """A vLLM whose seams differ patched anyway, or refused without naming the version and the seam."""
     msg = ranks(2, rk_seam_check, env=CPU_ENV)[0]
     import vllm
 
@@ -261,6 +266,8 @@ def test_seam_verification():
 @pytest.mark.parametrize("layout,shared", [("replicated", False), ("symmetric", False), ("symmetric", True)],
                          ids=["replicated", "symmetric", "symmetric-shared-slots"])
 def test_vllm_layer_forward(layout, shared):
+    """A MoE layer built by vLLM not getting our classes and layout, its parameters not adopted, or its step off the
+    dense MoE."""
     extra = {"moonep": {"weight_layout": layout, "engine": "builtin", "num_prefetch_slots": 4,
                         "impl": "reference", "shared_slot_pool": shared}}
     if layout == "symmetric":
