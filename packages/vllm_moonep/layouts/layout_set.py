@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.common.memory import MemoryReport
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.heaps import HEAP_KINDS, SymmetricHeap, make_heap
@@ -33,6 +32,9 @@ __all__ = ["LAYOUT_KINDS", "LayoutSet", "build_layouts", "layout_kind"]
 
 #: the configurations a set can hold
 LAYOUT_KINDS = ("replicated", "symmetric", "symmetric-shared")
+
+#: what a set holds per layer (both implement ``vllm_moonep.common.layout.WeightLayout``)
+Layout = ReplicatedWeightLayout | SymmetricWeightLayout
 
 
 def layout_kind(weight_layout: str, shared_slot_pool: bool = False) -> str:
@@ -80,7 +82,7 @@ class LayoutSet:
     keeps_local_params: bool = True
     adopt_parameters: bool = False
     timeout_s: float | None = None
-    layouts: list[WeightLayout] = field(default_factory=list, init=False)
+    layouts: list[Layout] = field(default_factory=list, init=False)
     slot_pools: dict[tuple[int, int], SharedSlotPool] = field(default_factory=dict, init=False)
     owns_heap: bool = field(default=False, init=False)
     device: torch.device | None = field(default=None, init=False)
@@ -106,7 +108,7 @@ class LayoutSet:
         return self.kind != "replicated"
 
     # ------------------------------------------------------------------ building
-    def add_layer(self, w13_local: torch.Tensor, w2_local: torch.Tensor, num_experts: int | None = None) -> WeightLayout:
+    def add_layer(self, w13_local: torch.Tensor, w2_local: torch.Tensor, num_experts: int | None = None) -> Layout:
         """The next layer's layout from this rank's ``w13 [E/R, 2I, H]`` and ``w2 [E/R, H, I]``
         (tensors or ``torch.nn.Parameter``; read, not kept, unless ``adopt_parameters``).
         Collective: every rank adds its layers in the same order."""
@@ -117,7 +119,7 @@ class LayoutSet:
         if self.device is None:
             self.device = w13.device
         if self.kind == "replicated":
-            layout: WeightLayout = ReplicatedWeightLayout(w13, w2, E, self.num_slots, self.group,
+            layout: Layout = ReplicatedWeightLayout(w13, w2, E, self.num_slots, self.group,
                                                           keeps_local_params=self.keeps_local_params,
                                                           timeout_s=self.timeout_s)
         else:
