@@ -37,6 +37,8 @@ from vllm_moonep.tools.cli import positive
 
 #: the engine's padding of every expert segment (vLLM's proof of concept uses the same)
 TOKEN_PADDING = 128
+#: untimed runs of each expert compute before the timed ones
+WARMUP_RUNS = 3
 
 
 def home_rows_cu(tpe_all: torch.Tensor, rank: int, num_slots: int, token_padding: int) -> torch.Tensor:
@@ -53,7 +55,8 @@ def home_rows_cu(tpe_all: torch.Tensor, rank: int, num_slots: int, token_padding
 
 def time_expert_compute(x: torch.Tensor, route_w: torch.Tensor, cu: torch.Tensor, weights: GroupedWeights, impl: str,
                         repeats: int) -> float:
-    """Median seconds of ``expert_ffn`` over ``repeats`` runs after one warm-up (device-synchronized)."""
+    """Median seconds of ``expert_ffn`` over ``repeats`` runs after ``WARMUP_RUNS`` untimed ones
+    (device-synchronized): the first runs in a process pay for allocation and cold caches."""
     out = torch.empty_like(x)
 
     def run() -> None:
@@ -61,7 +64,8 @@ def time_expert_compute(x: torch.Tensor, route_w: torch.Tensor, cu: torch.Tensor
         if x.device.type == "cuda":
             torch.cuda.synchronize(x.device)
 
-    run()
+    for _ in range(WARMUP_RUNS):
+        run()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
