@@ -46,14 +46,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def _close_rank_pools():
     yield
-    from vllm_moonep.tools.launch import shutdown_pools
+    from vllm_moonep.testing.launch import shutdown_pools
 
     shutdown_pools()
 
 
 def ranks(world_size: int, fn, *args, **kwargs):
     """Run ``fn(*args)`` on ``world_size`` ranks; skip when launched with another world size."""
-    from vllm_moonep.tools.launch import launched_world_size, run_on_ranks
+    from vllm_moonep.testing.launch import launched_world_size, run_on_ranks
 
     launched = launched_world_size()
     if launched is not None and launched != world_size:

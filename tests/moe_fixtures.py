@@ -1,5 +1,6 @@
-"""Shared inputs for end-to-end MoE tests: global expert weights from a seed, local slices,
-per-rank routing, and the comparison against the dense float32 reference.
+"""Shared inputs for end-to-end MoE tests: global expert weights from a seed, per-rank routing,
+and the comparison against the dense float32 reference (a rank's slice of the weights:
+``vllm_moonep.testing.weights.local_experts``).
 
 How close a MoonEP step must come to the dense reference (``check_against_dense``):
 
@@ -27,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
-from vllm_moonep.common.routing import route
+from vllm_moonep.testing.reference import dense_moe, random_expert_weights, relative_error
+from vllm_moonep.testing.routing import route
 
 #: bf16 keeps 8 significant bits: one round-to-nearest moves a value by at most 2**-8 of its size
 BF16_UNIT_ROUNDOFF = 2.0**-8
@@ -41,11 +42,6 @@ ROW_SLACK = 1.0
 def global_weights(E: int, H: int, I: int, seed: int = 0):
     """``w13 [E, 2I, H]`` (gate rows first) and ``w2 [E, H, I]`` in bf16, scaled so outputs are O(1)."""
     return random_expert_weights(E, H, I, seed)
-
-
-def local_experts(w13, w2, rank: int, world: int):
-    epn = w13.shape[0] // world
-    return w13[rank * epn:(rank + 1) * epn].clone(), w2[rank * epn:(rank + 1) * epn].clone()
 
 
 def rank_inputs(num_tokens: int, E: int, K: int, H: int, *, sigma: float, seed: int, rank: int):

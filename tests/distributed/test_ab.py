@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
-from vllm_moonep.common.memory import MemoryReport, expert_bytes
+from vllm_moonep.common.memory import expert_bytes
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.launch import launched_world_size, resolve_launch, run_on_ranks, shutdown_pools
+from vllm_moonep.testing.routing import sigma_for_maxvio
 from vllm_moonep.tools import ab
-from vllm_moonep.tools.launch import launched_world_size
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="the A/B tool spawns its own ranks")
 
@@ -37,26 +38,23 @@ class KeepsGatheredCopy(ReplicatedWeightLayout):
         self.gathered_w13 = torch.cat([self.full_gate_weight[:E], self.full_up_weight[:E]], dim=1)
 
 
-def _pool(shape, device):
-    R = dist.get_world_size()
-    return MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=shape["experts"], num_ep_ranks=R,
-                                 B=shape["slots"], token_padding=128, device=device),
-                            max_tokens_per_rank=shape["max_tokens"], engine="builtin")
-
-
-def broken_layout(shape, local, device, impl):
-    E, B = shape["experts"], shape["slots"]
-    pool = _pool(shape, device)
-    layouts = [SkipsPrefetch(w13, w2, E, B) for w13, w2 in local]
-    return [MoonEPMoE(pool, lay, impl=impl) for lay in layouts], pool, layouts, [], MemoryReport()
-
-
-def leaky_layout(shape, local, device, impl):
-    E, B = shape["experts"], shape["slots"]
-    pool = _pool(shape, device)
-    layouts = [KeepsGatheredCopy(w13, w2, E, B) for w13, w2 in local]
+def _built(shape, local, device, layout_cls):
+    """An ``ab.Built`` of ``layout_cls`` per layer (all replicated-style, local teardown)."""
+    R, E, B = dist.get_world_size(), shape["experts"], shape["slots"]
+    pool = MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=E, num_ep_ranks=R, B=B, token_padding=128,
+                                 device=device), max_tokens_per_rank=shape["max_tokens"], engine="builtin")
+    layouts = [layout_cls(w13, w2, E, B) for w13, w2 in local]
     report = sum((lay.memory_report() for lay in layouts[1:]), layouts[0].memory_report())
-    return [MoonEPMoE(pool, lay, impl=impl) for lay in layouts], pool, layouts, [], report
+    return ab.Built(moes=[MoonEPMoE(pool, lay, impl="reference") for lay in layouts], pool=pool, report=report,
+                    held=layouts, heaps=[], destroy_layouts=lambda: [lay.destroy() for lay in layouts])
+
+
+WRONG = {"broken_layout": SkipsPrefetch, "leaky_layout": KeepsGatheredCopy}
+
+
+def rank_build_wrong(name, shape, seed):
+    """moonep-ab's own measurement (``ab.measure_build``) of a deliberately wrong layout."""
+    return ab.measure_build(name, lambda local, device: _built(shape, local, device, WRONG[name]), shape, seed, "cpu")
 
 
 SMALL = dict(preset="tiny", ranks=2, layers=2, tokens=(8, 32), maxvios=(0.0, 3.0), steps=2, warmup=1, check_steps=1,
@@ -71,10 +69,25 @@ def ours(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def wrong(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ab-wrong")
-    cfgs = ["replicated", f"{__name__}:broken_layout", f"{__name__}:leaky_layout"]
-    return ab.run_ab(configs=cfgs, out_dir=str(out), plots=False, **dict(SMALL, tokens=(32,), maxvios=(3.0,)))
+def wrong():
+    """Each wrong layout through moonep-ab's own rank steps (build and measure, one point, teardown)
+    in fresh rank processes, as ``run_ab`` runs a configuration."""
+    launch = resolve_launch("cpu", 2)
+    shape = ab.scaled_shape(ab.PRESETS["tiny"], 2, 2, int(SMALL["budget_gb"] * ab.GiB), None)
+    shape["max_tokens"] = 32
+    sigma = sigma_for_maxvio(3.0, shape["experts"], shape["topk"], 32 * 2)
+    out = {"shape": shape}
+    for name in WRONG:
+        tag = f"test_ab {name}"
+        try:
+            mem = run_on_ranks(2, rank_build_wrong, name, shape, 0, tag=tag, **ab.spawn_options(launch))
+            res = run_on_ranks(2, ab.rank_point, name, 32, sigma, 2, 1, 1, 0, tag=tag, **ab.spawn_options(launch))
+            run_on_ranks(2, ab.rank_teardown, name, tag=tag, **ab.spawn_options(launch))
+        finally:
+            shutdown_pools(tag)
+        out[name] = {"memory": mem, "memory_check": [ab.memory_check(m, "cpu") for m in mem],
+                     "point": ab.summarize_point(res, tokens=32, maxvio=3.0, sigma=sigma)}
+    return out
 
 
 def test_ab_writes_complete_json_and_plots(ours):
@@ -150,20 +163,20 @@ def test_measured_memory_matches_the_accounting_or_says_why(ours):
 
 
 def test_ab_fails_a_wrong_layout(wrong):
-    """A layout that skips prefetch (stale slots) must fail the run's reference check."""
-    res = wrong
-    assert res["failures"], "a layout that skips prefetch must fail the reference check"
-    assert all("broken_layout" in f for f in res["failures"])
-    assert not any(f.startswith("replicated") or "leaky_layout" in f for f in res["failures"])
+    """A layout that skips prefetch (stale slots) must fail the run's reference check, and one whose
+    output is right (it only holds an extra copy) must pass it."""
+    broken, leaky = wrong["broken_layout"]["point"], wrong["leaky_layout"]["point"]
+    assert broken["slots_used_per_step"] > 0, "the skewed routing must use slots, or skipping prefetch is harmless"
+    assert not broken["ref_rel_err"] <= ab.MAX_REF_ERR, broken["ref_rel_err"]
+    assert leaky["ref_rel_err"] <= ab.MAX_REF_ERR, leaky["ref_rel_err"]
 
 
 def test_measurement_catches_a_copy_the_accounting_leaves_out(wrong):
     """Comparing a layout's memory report with the formula that produced it could never see a copy
     the layout holds but does not report; the fresh-process measurement does, and names it."""
-    res = wrong
-    shape = res["shape"]
+    shape = wrong["shape"]
     extra = shape["layers"] * shape["experts"] * expert_bytes(shape["hidden"], shape["intermediate"]) * 2 // 3
-    entry = res["configs"][f"{__name__}:leaky_layout"]
+    entry = wrong["leaky_layout"]
     for m, chk in zip(entry["memory"], entry["memory_check"]):
         assert m["measured_resident"] - m["accounted"]["resident"] >= 0.9 * extra, (m, extra)
         assert chk["why"] is not None and ab.WHY_TENSORS in chk["why"], chk

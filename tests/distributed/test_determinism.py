@@ -10,10 +10,11 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import Buffer
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.weights import local_experts
 
 try:
     from vllm_moonep.symmetric import SymmetricWeightLayout
@@ -83,6 +84,8 @@ def bitwise_repeatable(E, with_symmetric):
 
 @pytest.mark.parametrize("R", [2, 3])
 def test_same_inputs_bitwise_identical(R):
+    """Output that depends on what ran before (stale slots, reused buffers, step order) or on the layout: the same
+    inputs must give the same bits again, backwards, on fresh objects and with the symmetric layout."""
     E = 12 if R == 3 else 16
     res = ranks(R, bitwise_repeatable, E, SymmetricWeightLayout is not None)
     for x in res:
@@ -113,4 +116,5 @@ def engine_bitwise():
 
 
 def test_engine_bitwise_across_fresh_buffers():
+    """Dispatch or combine depending on a buffer's uninitialized memory: two fresh buffers must give the same bits."""
     assert ranks(2, engine_bitwise) == [True, True]

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from tests.conftest import ranks
 from tests.reference_planner import reference_placement, reference_plan
-from vllm_moonep.common.routing import route
 from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPStateError
+from vllm_moonep.testing.routing import route
 
 
 def _device():
@@ -144,6 +144,7 @@ def test_per_expert_scale_matches_dense(R, env):
 @pytest.mark.parametrize("env", [GPU_ENV, GPU_COLL_ENV], ids=["symmetric", "collective"])
 @pytest.mark.parametrize("R", [2, 4])
 def test_per_expert_scale_matches_dense_cuda(R, env):
+    """The same on CUDA: an output row combined into the wrong token, or an expert applied to another's rows."""
     slots = ranks(R, per_expert_scale, 40, 32, 3, 16, 16 // R, 16, 3.0, 5, env=env)
     assert slots[0] > 0
 
@@ -179,6 +180,7 @@ def prefetch_slots(R_unused, sigma):
 @pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "symmetric"])
 @pytest.mark.parametrize("R", [2, 4])
 def test_prefetch_copies_used_slots_and_leaves_unused(R, env):
+    """prefetch_weight copying the wrong expert into a slot, or writing an unused (-1) slot or a home row."""
     used = ranks(R, prefetch_slots, R, 3.0, env=env)
     assert sum(used) > 0
     assert any(u < 4 for u in used), "some slot must stay unused to check the sentinel"
@@ -186,6 +188,7 @@ def test_prefetch_copies_used_slots_and_leaves_unused(R, env):
 
 @pytest.mark.gpu
 def test_prefetch_copies_used_slots_and_leaves_unused_cuda():
+    """The same on CUDA: a slot filled with the wrong expert, or an unused slot or a home row written."""
     used = ranks(2, prefetch_slots, 2, 3.0, env=GPU_ENV)
     assert sum(used) > 0
 
@@ -249,6 +252,7 @@ def config_mismatch():
 
 
 def test_config_mismatch_across_ranks_is_reported():
+    """Ranks whose buffers differ in shape exchanging rows anyway instead of being told which setting differs."""
     msgs = ranks(2, config_mismatch)
     assert all("differs across ranks" in m for m in msgs)
 
@@ -260,6 +264,7 @@ def world_size_mismatch():
 
 
 def test_world_size_mismatch():
+    """A num_ep_ranks that is not the process group's size accepted (rows planned for ranks that do not exist)."""
     assert ranks(2, world_size_mismatch) == [True, True]
 
 
@@ -287,6 +292,7 @@ def combine_accumulates_in_fp32(S, H, K, E):
 @pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "symmetric"])
 @pytest.mark.parametrize("R", [2, 3])
 def test_combine_accumulates_in_fp32_and_rounds_once(R, env):
+    """combine summing a token's K bf16 rows in bf16 (rounding every partial sum) instead of in fp32, rounded once."""
     res = ranks(R, combine_accumulates_in_fp32, 64, 64, 3, 6 * R, env=env)
     assert all(exact for exact, _ in res), "combine is not an fp32 sum rounded once to bf16"
     assert any(distinguishing for _, distinguishing in res)

@@ -24,12 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.arrival_board import ArrivalBoard
 from vllm_moonep.replicated import ReplicatedWeightLayout
-from vllm_moonep.tools.launch import RankFailure, launched_world_size, run_on_ranks
+from vllm_moonep.testing.launch import RankFailure, launched_world_size, run_on_ranks
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="fault injection needs spawned ranks")
 
@@ -140,6 +141,8 @@ def gloo_wait_semantics():
 
 
 def test_gloo_wait_timeout_semantics_and_late_peer_within_bound():
+    """The bounded wait relying on gloo semantics it does not have (a timed-out wait dropping its work), or failing a
+    peer late but within the bound."""
     res = _fresh(2, gloo_wait_semantics)
     assert not any(isinstance(x, RankFailure) for x in res), res
     r0 = res[0]
@@ -184,6 +187,8 @@ def rank_dies_mid_step(victim, at_step):
 
 
 def test_rank_exit_mid_step_survivors_name_it():
+    """A rank that dies mid-step hanging the survivors, or their error not naming the dead rank, the operation and the
+    step."""
     res = _fresh(3, rank_dies_mid_step, 2, 2)
     assert isinstance(res[2], RankFailure) and res[2].status == "died" and res[2].exitcode == 17, res[2]
     for r in (0, 1):
@@ -232,6 +237,8 @@ def rank_stops_calling_then_rebuild(port):
 
 
 def test_rank_stops_calling_then_teardown_and_recreate():
+    """A rank that stops calling leaving its peer waiting forever, or a group rebuilt after teardown computing other
+    bits or leaking arrival boards."""
     res = _fresh(2, rank_stops_calling_then_rebuild, _free_port())
     assert not any(isinstance(x, RankFailure) for x in res), res
     o = res[1]["fail"]  # the rank that kept calling
@@ -281,6 +288,8 @@ def load_and_input_faults(port1, port2):
 
 
 def test_load_time_and_bad_input_faults_then_recreate():
+    """A peer missing at weight load, or one that rejected its input and skipped the step, leaving the others hanging
+    without naming it."""
     res = _fresh(2, load_and_input_faults, _free_port(), _free_port())
     assert not any(isinstance(x, RankFailure) for x in res), res
     load = res[0]["load"]
@@ -309,6 +318,8 @@ def store_host_dies():
 
 
 def test_store_host_dies_survivor_raises_promptly():
+    """The survivor hanging when the rank that hosts the rendezvous store dies, instead of raising promptly and saying
+    so."""
     res = _fresh(2, store_host_dies)
     assert isinstance(res[0], RankFailure) and res[0].exitcode == 19
     o = res[1]
@@ -320,6 +331,7 @@ def test_store_host_dies_survivor_raises_promptly():
 
 # ------------------------------------------------------------------------------ configuration
 def test_timeout_configuration_is_validated(monkeypatch):
+    """A zero, negative, non-finite or non-numeric timeout (argument or VLLM_MOONEP_COLLECTIVE_TIMEOUT_S) accepted."""
     from vllm_moonep.engine.timeouts import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
 
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
@@ -365,6 +377,7 @@ def symmetric_load_peer_missing(port):
 
 
 def test_symmetric_heap_collectives_are_bounded():
+    """A symmetric heap's collectives waiting forever for a peer that never builds its layout."""
     res = _fresh(2, symmetric_load_peer_missing, _free_port())
     assert not any(isinstance(x, RankFailure) for x in res), res
     load = res[0]["load"]

@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.weights import local_experts
 
 SHARED_GPU_ENV = {"VLLM_MOONEP_TEST_DEVICE": "cuda", "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1",
                   "VLLM_MOONEP_COLLECTIVE_TIMEOUT_S": "60"}
@@ -169,7 +170,7 @@ def device_wait_times_out():
 @pytest.mark.gpu
 def test_device_wait_is_bounded_and_names_the_peer():
     """A spin-wait that hangs the GPU when a peer stops calling, or an error that does not name it."""
-    from vllm_moonep.tools.launch import run_on_ranks
+    from vllm_moonep.testing.launch import run_on_ranks
 
     res = run_on_ranks(2, device_wait_times_out, env=SHARED_GPU_ENV, fresh=True, allow_failures=True, timeout_s=120)
     r0 = res[0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.tools.launch import RankPool, comm_device, launched_world_size, resolve_launch
+from vllm_moonep.testing.launch import RankPool, comm_device, launched_world_size, resolve_launch
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="these tests launch their own ranks")
 

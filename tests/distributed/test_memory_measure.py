@@ -10,10 +10,12 @@ import pytest
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import global_weights, local_experts
+from tests.moe_fixtures import global_weights
 from vllm_moonep.common.memory import MiB, release_freed_memory, resident_bytes
-from vllm_moonep.symmetric import HostHeap, SharedSlotPool, SymmetricWeightLayout, destroy_in_order
-from vllm_moonep.tools.launch import launched_world_size
+from vllm_moonep.layouts import build_layouts
+from vllm_moonep.symmetric import HostHeap, SymmetricWeightLayout
+from vllm_moonep.testing.launch import launched_world_size
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="measures in fresh spawned rank processes")
 
@@ -34,18 +36,16 @@ def measure_symmetric(shared: bool, E: int, B: int, H: int, I: int, L: int):
     base = resident_bytes("cpu")
     local = [local_experts(w13, w2, r, R) for w13, w2 in full]
     heap = HostHeap(staging=False)
-    pool = SharedSlotPool(B, H, I, heap=heap) if shared else None
-    lays = []
-    for lw13, lw2 in local:
-        lay = SymmetricWeightLayout(lw13, lw2, E, B, heap=heap, slot_pool=pool)
-        lay.adopt_parameters(lw13, lw2, copy=False)  # the parameters are the heap's home rows now
-        lays.append(lay)
+    # adopted: the parameters are the heap's home rows now
+    layouts = build_layouts("symmetric-shared" if shared else "symmetric", local, E, B, heap=heap,
+                            adopt_parameters=True)
     dist.barrier()
     release_freed_memory("cpu")
     grown = resident_bytes("cpu") - base
-    accounted = sum(lay.memory_report().resident for lay in lays) + (pool.memory_report().resident if pool else 0)
+    accounted = layouts.memory_report().resident
     live = heap.local_bytes()
-    destroy_in_order(*lays, *([pool] if pool else []))
+    layouts.destroy()
+    assert heap.live() == [] and not heap.closed, "the set frees what it allocated and leaves the caller's heap open"
     heap.close()
     return grown, accounted, live
 

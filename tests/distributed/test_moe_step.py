@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import MoonEPInputError
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.weights import local_experts
 
 
 def _setup(E, H, I, K, B, max_tokens, seed=0, tp=128, device="cpu", impl="reference"):

@@ -9,9 +9,10 @@ import pytest
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.multi_node
 
@@ -26,6 +27,8 @@ def launched_topology():
 
 
 def test_two_agents_form_one_group():
+    """The ranks of two torchrun agents forming two groups, or all coming from one agent (no multi-node launch
+    tested)."""
     info = ranks(2, launched_topology)
     assert [i["rank"] for i in info] == [0, 1]
     assert sorted(i["node"] for i in info) == [0, 1], "each rank must come from its own torchrun agent"
@@ -47,5 +50,6 @@ def moe_step_across_nodes():
 
 
 def test_moe_step_across_nodes():
+    """A MoE step across nodes differing from the dense reference, or its ranks disagreeing on the plan."""
     used = ranks(2, moe_step_across_nodes)
     assert used[0] == used[1] and used[0] > 0

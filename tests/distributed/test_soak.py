@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_moonep.tools.launch import launched_world_size
+from vllm_moonep.testing.launch import launched_world_size
 from vllm_moonep.tools.soak import DEFAULTS, pool_capacities, run, step_schedule
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="the soak spawns its own ranks")
@@ -19,6 +19,8 @@ CFG = dict(steps=600, ranks=2, layers=2, experts=8, hidden=128, intermediate=128
 
 
 def test_schedule_covers_every_capacity_one_token_and_the_maximum():
+    """A soak schedule that skips a pool capacity, 1 token or the maximum, or keeps one skew, so its checks never see
+    them."""
     caps = pool_capacities(CFG["max_tokens"], CFG["min_capacity"])
     assert caps == [8, 16, 32, 64, 128, 256]
     sched = [step_schedule({**DEFAULTS, **CFG}, s) for s in range(CFG["steps"])]
@@ -33,6 +35,8 @@ def test_schedule_covers_every_capacity_one_token_and_the_maximum():
 
 
 def test_short_soak_bounded_pools_flat_memory():
+    """What shows only over hundreds of steps: a wrong or unrepeatable output, buffers made without bound, memory
+    growing after warm-up."""
     s = run(CFG)
     assert s["errors"] == 0, s["error_samples"]
     assert s["steps"] == CFG["steps"] and not s["ranks_lost"]

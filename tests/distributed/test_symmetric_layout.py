@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import HostHeap, SharedSlotPool, SymmetricWeightLayout, destroy_in_order
+from vllm_moonep.testing.weights import local_experts
 
 H, I, K = 128, 128, 2
 

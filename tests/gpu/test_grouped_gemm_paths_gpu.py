@@ -4,7 +4,8 @@ outputs, empty groups, segment lengths that are not tile multiples."""
 import pytest
 import torch
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, available_impls, expert_ffn, expert_ffn_float64
+from vllm_moonep.common.grouped_gemm import GroupedWeights, available_impls, expert_ffn
+from vllm_moonep.testing.reference import expert_ffn_float64
 
 pytestmark = pytest.mark.gpu
 
@@ -29,6 +30,8 @@ def _case(lens, I, H, seed):
     ([0, 0, 0, 4096], 512, 1024),
 ])
 def test_path_matches_float64(impl, lens, I, H):
+    """A grouped GEMM path on the GPU drifting from float64 or leaving rows of a segment unwritten (NaN-poisoned
+    output)."""
     x, rw, cu, w = _case(lens, I, H, seed=len(lens) + I)
     if impl not in available_impls(x, w):
         pytest.skip(f"{impl} is not available here")

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import ranks
-from tests.moe_fixtures import check_against_dense, global_weights, local_experts, rank_inputs
+from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -63,15 +64,17 @@ def heap_peer_views():
 
 @pytest.mark.parametrize("R", [1, 2])
 def test_torch_symm_heap_peer_views(R):
+    """Peer views of PyTorch symmetric memory aliasing the wrong rank or stale after a barrier, or a free out of LIFO
+    order accepted."""
     assert all(ranks(R, heap_peer_views, env=ENV))
 
 
 def layout_prefetch_and_steps(E, B, sigma, seed):
     from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
     from vllm_moonep.common.grouped_gemm import available_impls
+    from vllm_moonep.engine.heaps import TorchSymmHeap
     from vllm_moonep.replicated import ReplicatedWeightLayout
     from vllm_moonep.symmetric import SymmetricWeightLayout
-    from vllm_moonep.engine.heaps import TorchSymmHeap
 
     dev = _device()
     r, R = dist.get_rank(), dist.get_world_size()
@@ -139,14 +142,19 @@ def layout_prefetch_and_steps(E, B, sigma, seed):
 
 
 def test_symmetric_layout_world_of_one_on_gpu():
+    """The symmetric layout on one GPU rank (no peers) adopting, prefetching or stepping unlike the replicated layout
+    and the dense MoE."""
     ranks(1, layout_prefetch_and_steps, 4, 4, 1.0, 3, env=ENV)
 
 
 def test_symmetric_layout_two_processes_one_gpu_dense_path():
+    """Prefetch through peer views of PyTorch symmetric memory copying the wrong expert (B >= E/R: slots only, no
+    overflow)."""
     slots, overflow = ranks(2, layout_prefetch_and_steps, 8, 4, 2.5, 7, env=ENV)[0]
     assert slots > 0 and overflow == 0
 
 
 def test_symmetric_layout_two_processes_one_gpu_overflow_reads():
+    """With B < E/R, a remote expert without a slot read from the wrong row of its owner's memory, or not at all."""
     slots, overflow = ranks(2, layout_prefetch_and_steps, 8, 1, -1.0, 5, env=ENV)[0]
     assert slots > 0 and overflow > 0

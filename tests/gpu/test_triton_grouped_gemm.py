@@ -51,7 +51,8 @@ def _inputs(lens, H, gen, pad_to=None, extra=7, dev="cuda"):
 
 
 def _check(x, rw, cu, w, total, impl_cmp=True):
-    from vllm_moonep.common.grouped_gemm import expert_ffn, expert_ffn_float64
+    from vllm_moonep.common.grouped_gemm import expert_ffn
+    from vllm_moonep.testing.reference import expert_ffn_float64
 
     tk = _triton()
     out = torch.full_like(x, float("nan"))
@@ -74,6 +75,7 @@ def _check(x, rw, cu, w, total, impl_cmp=True):
 
 @pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
 def test_random_ragged_realistic(H, I):
+    """The Triton kernels at real model shapes drifting from float64 or skipping rows of ragged, non-tile segments."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     lens = [3, 0, 130, 1, 0, 77, 512, 0, 35, 200, 0, 0, 9, 1000, 64, 5]
     w = _weights(len(lens), H, I, gen)
@@ -82,6 +84,8 @@ def test_random_ragged_realistic(H, I):
 
 
 def test_moonep_padded_segments_and_empty_groups():
+    """Padding rows (weight 0) of 128-padded segments not exactly zero, or empty groups between segments mis-
+    scheduled."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     H, I = 2048, 768
     lens = [1, 0, 0, 2, 130, 0, 900, 17, 0, 0, 64, 128, 129, 3] + [0] * 10 + [40, 1]
@@ -91,6 +95,7 @@ def test_moonep_padded_segments_and_empty_groups():
 
 
 def test_one_huge_group():
+    """A persistent tile schedule dropping or repeating rows of one group much larger than the grid."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     H, I = 2048, 768
     lens = [0] * 20 + [20000] + [0] * 11
@@ -100,6 +105,7 @@ def test_one_huge_group():
 
 
 def test_all_groups_empty():
+    """The Triton kernels faulting or hanging on a step where every group is empty."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     H, I = 512, 256
     w = _weights(8, H, I, gen)
@@ -133,7 +139,9 @@ def test_multi_pool_pointer_table():
 
 
 def test_cuda_graph_capture_replay():
-    from vllm_moonep.common.grouped_gemm import expert_ffn_float64
+    """A captured expert compute that keeps the capture-time segment lengths: replays on new cu_seqlens must match
+    float64."""
+    from vllm_moonep.testing.reference import expert_ffn_float64
 
     tk = _triton()
     gen = torch.Generator(device="cuda").manual_seed(6)

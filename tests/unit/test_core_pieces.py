@@ -23,6 +23,8 @@ from vllm_moonep.engine import (
 
 
 def test_capacity_is_power_of_two_with_floor_and_cap():
+    """A capacity below the token count, off the power-of-two ladder or above the maximum, or a count over the maximum
+    accepted."""
     assert capacity_for(0, 4096) == 128
     assert capacity_for(1, 4096) == 128
     assert capacity_for(128, 4096) == 128
@@ -35,6 +37,8 @@ def test_capacity_is_power_of_two_with_floor_and_cap():
 
 
 def test_pool_makes_buffers_lazily_and_reuses_them():
+    """A pool that makes buffers up front or one per token count (without bound), or whose destroy leaves buffers
+    alive."""
     pool = MoonEPBufferPool(dict(H=128, K=2, E=8, num_ep_ranks=1, B=2, device="cpu"), max_tokens_per_rank=1024, engine="builtin")
     assert pool.buffers == {}
     for n in (1, 100, 128, 129, 700, 1024, 5, 300):
@@ -49,6 +53,8 @@ def test_pool_makes_buffers_lazily_and_reuses_them():
 
 
 def test_sanitize_and_pad():
+    """A negative id (or its weight) kept, padding rows that are not zeros, or tokens_per_expert that misses the
+    padded rows."""
     ids = torch.tensor([[1, -1], [2, 3]])
     w = torch.tensor([[0.5, 0.5], [0.3, 0.7]], dtype=torch.float64)
     sid, sw = sanitize_routing(ids, w)
@@ -66,6 +72,8 @@ def test_sanitize_and_pad():
 
 
 def test_engine_selection():
+    """engine='auto' taking a moonep package that is absent, or engine='moonep' silently falling back to the built-in
+    engine."""
     assert resolve_engine("builtin")[0] == "builtin"
     name, why = resolve_engine("auto")
     assert name == "builtin" and "moonep" in why  # the real package is not installed here
@@ -93,6 +101,7 @@ def test_core_imports_without_vllm(tmp_path):
 
 
 def test_multicast_policy(monkeypatch):
+    """A GPU heap starting with NVLink multicast turned back on without the user's opt-in."""
     from vllm_moonep.engine.multicast import check_multicast_off
 
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
@@ -135,6 +144,7 @@ def test_dispatched_rows_from_either_engine():
 
 
 def test_layout_and_pool_must_agree_before_any_collective():
+    """A layout and a buffer pool that disagree on E or B found only inside a collective, after a buffer was made."""
     from tests.moe_fixtures import global_weights
     from vllm_moonep.common import MoonEPMoE
     from vllm_moonep.replicated import ReplicatedWeightLayout

@@ -19,8 +19,8 @@ import torch
 
 from tests.interpreter_child import interpreter_report
 
-from vllm_moonep.common.routing import route
 from vllm_moonep.engine.planner import place_entries, plan_global
+from vllm_moonep.testing.routing import route
 
 
 def _routing(R, S, E, K, sigma, seed):

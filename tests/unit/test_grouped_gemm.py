@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, expert_ffn_float64
+from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
 from vllm_moonep.engine import MoonEPInputError
+from vllm_moonep.testing.reference import expert_ffn_float64
 
 
 def _weights(G, I, H, seed):
@@ -21,6 +22,8 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("lens", [[5, 0, 0, 17, 3], [0, 0, 64, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 40]])
 def test_reference_matches_float64(lens):
+    """The reference expert compute drifting from float64, leaving rows of a segment unwritten, or writing past the
+    last segment."""
     G, I, H = len(lens), 32, 48
     gate, up, down = _weights(G, I, H, 1)
     cu = torch.tensor(lens).cumsum(0).to(torch.int32)
@@ -38,6 +41,8 @@ def test_reference_matches_float64(lens):
 
 
 def test_pointer_table_rows_from_several_tensors():
+    """A group reading the wrong pool or row of a multi-pool row table, or rows for a group with no weights (-1)
+    accepted."""
     I, H = 16, 32
     pools = [_weights(3, I, H, s) for s in (10, 11)]
     # group 0 -> pool 1 row 2; group 1 -> empty/no weights; group 2 -> pool 0 row 0; group 3 -> pool 1 row 0
@@ -58,6 +63,8 @@ def test_pointer_table_rows_from_several_tensors():
 
 
 def test_expert_ffn_validation():
+    """expert_ffn accepting rows, route weights, cu_seqlens, an impl or a dtype it would compute wrong, or grouped_mm
+    without one dense tensor."""
     gate, up, down = _weights(3, 16, 32, 0)
     w = GroupedWeights.contiguous(gate, up, down)
     x = torch.randn(8, 32).to(torch.bfloat16)

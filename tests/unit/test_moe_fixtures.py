@@ -17,8 +17,8 @@ from tests.moe_fixtures import (
     rank_inputs,
 )
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
-from vllm_moonep.common.reference import dense_moe, relative_error
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.reference import dense_moe, relative_error
 
 E, H, I, K, B = 16, 128, 256, 4, 4
 TOKENS = 96

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.reference_planner import reference_placement, reference_plan
-from vllm_moonep.common.routing import route
 from vllm_moonep.engine import nvs_rows, place_entries, plan_global
+from vllm_moonep.testing.routing import route
 
 
 def _routing(R, S, E, K, sigma, seed):
@@ -58,6 +58,8 @@ def _check_invariants(gp, ids, S, K, E, R, B, tp):
 @pytest.mark.parametrize("R", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("sigma", [0.0, 0.5, 1.0, 2.0, 5.0])
 def test_invariants_and_reference_agreement(R, sigma):
+    """The vectorized planner departing from the contract's loop-by-loop planner (alloc, slots, cu_seqlens, placement)
+    or its invariants."""
     E, K, S, tp = 8 * R if R != 3 else 12, 4, 24, 8
     B = E // R
     ids, tpe = _routing(R, S, E, K, sigma, seed=int(sigma * 10) + R)
@@ -75,6 +77,7 @@ def test_invariants_and_reference_agreement(R, sigma):
 
 
 def test_skew_uses_slots_and_balances():
+    """Under skew, a plan that uses no slot or leaves a rank with other than S*K real rows."""
     R, E, K, S = 4, 32, 4, 64
     ids, tpe = _routing(R, S, E, K, 2.0, seed=3)
     gp = plan_global(tpe, S, K, E // R, 128)
@@ -87,6 +90,7 @@ def test_skew_uses_slots_and_balances():
 
 @pytest.mark.parametrize("B", [1, 3, 8])
 def test_fewer_slots_than_needed_overflow(B):
+    """With fewer slots than remote experts, the overflow rows lost or given a slot row that does not exist."""
     R, E, K, S = 2, 16, 4, 32
     ids, tpe = _routing(R, S, E, K, 3.0, seed=11)
     gp = plan_global(tpe, S, K, B, 16)
@@ -104,6 +108,7 @@ def _plan_from_ids(ids_by_rank, E, S, K, B, tp):
 
 
 def test_hand_worked_single_sender():
+    """A wrong quota, split or row placement in the simplest case: one full home sends to one rank (by hand)."""
     # R=2, E=4 (epn 2), S=4, K=1 (CAP 4), tp=1, B=2.
     # counts e0=6, e1=1, e2=1 -> groups [7, 1] -> balance [3, -3] -> z[0,1] = 3.
     # home 0 splits its quota: e0 (largest remaining) gives 3 rows to rank 1.
@@ -118,6 +123,7 @@ def test_hand_worked_single_sender():
 
 
 def test_hand_worked_tie_break_and_overshooting_sender():
+    """A tie broken towards the larger rank, or a sender whose quota overshot not sending again (worked by hand)."""
     # R=3, E=3 (epn 1), S=4, K=1 (CAP 4), tp=1, B=1.
     # counts e0=6, e1=6, e2=0 -> balance [2, 2, -4].
     # round 1: h=0 (tie with 1, smallest wins), u=2: z[0,2]=4, balance [-2, 2, 0] (0 overshoots)
@@ -134,6 +140,8 @@ def test_hand_worked_tie_break_and_overshooting_sender():
 
 
 def test_hand_worked_slot_order_ties_and_overflow():
+    """Slots given in the wrong order on a tie, or the expert left without a slot not kept in its own segment (worked
+    by hand)."""
     # R=2, E=8 (epn 4), S=4, K=1, tp=1. counts e0..e3 = 2 -> balance [4, -4] -> z[0,1] = 4.
     # home 0: remaining [2,2,2,2]; le=e0 takes 2, then le=e1 takes 2 -> alloc e0, e1 on rank 1 = 2 each.
     # Slots on rank 1 by (alloc, e) descending: e1 before e0.
@@ -149,11 +157,13 @@ def test_hand_worked_slot_order_ties_and_overflow():
 
 
 def test_token_padding_pads_each_segment():
+    """Padding applied to the whole shard instead of to each non-empty segment, or to empty segments."""
     gp, _ = _plan_from_ids([[0, 0, 0, 0], [0, 0, 1, 2]], E=4, S=4, K=1, B=2, tp=128)
     assert gp.cu_seqlens.tolist() == [[128, 256, 256, 256, 256, 256], [0, 0, 128, 128, 256, 256]]
 
 
 def test_single_token_single_k():
+    """An off-by-one at the smallest step (S=1, K=1): one expert's two rows not split over the two ranks."""
     gp, placed = _plan_from_ids([[3], [3]], E=4, S=1, K=1, B=2, tp=1)
     # e3 (home 1) has 2 rows, CAP 1 each: rank 0 takes one in a slot
     assert gp.experts_to_copy.tolist() == [[3, -1], [-1, -1]]
@@ -161,6 +171,7 @@ def test_single_token_single_k():
 
 
 def test_all_tokens_to_one_expert():
+    """Every token on one expert: the plan not splitting it over all ranks, S rows each."""
     R, E, S, K = 4, 8, 16, 1
     ids = [[5] * S for _ in range(R)]
     gp, placed = _plan_from_ids(ids, E=E, S=S, K=K, B=2, tp=4)

@@ -62,3 +62,24 @@ def test_vllm_classes_import_from_common():
 
     assert MoonEPPrepareAndFinalize is vllm_modular.MoonEPPrepareAndFinalize
     assert MoonEPExperts is vllm_modular.MoonEPExperts
+
+
+def test_product_packages_do_not_import_test_helpers():
+    """The product shipped test fixtures: the dense reference and the routing generator lived in
+    vllm_moonep.common, and nothing stopped a product module importing vllm_moonep.testing or the tools."""
+    code = (
+        "import importlib, sys\n"
+        "for m in ('vllm_moonep.engine', 'vllm_moonep.common', 'vllm_moonep.replicated', 'vllm_moonep.symmetric',\n"
+        "          'vllm_moonep.layouts', 'vllm_moonep.vllm_plugin.runtime', 'vllm_moonep.vllm_plugin.seams',\n"
+        "          'vllm_moonep.vllm_plugin.hooks'):\n"
+        "    importlib.import_module(m)\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('vllm_moonep.testing', 'vllm_moonep.tools')))\n"
+        "assert not bad, bad\n"
+        "from importlib.machinery import PathFinder\n"
+        "import vllm_moonep.common as c\n"
+        "left = [n for n in ('reference', 'routing') if PathFinder.find_spec(n, list(c.__path__)) is not None]\n"
+        "assert not left, f'vllm_moonep.common still ships {left}'\n"
+        "print('ok')\n"
+    )
+    out = _run(code)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from vllm_moonep.common.routing import expert_popularity, maxvio, route, sample_topk, sigma_for_maxvio
+from vllm_moonep.testing.routing import expert_popularity, maxvio, route, sample_topk, sigma_for_maxvio
 
 
 def test_maxvio_definition():
+    """maxvio computed per rank instead of over the summed counts, or off by its -1."""
     assert maxvio(torch.tensor([2, 2, 2, 2])) == 0.0
     assert maxvio(torch.tensor([4, 2, 1, 1])) == pytest.approx(4 / 2 - 1)
     # per-rank rows are summed first
@@ -14,6 +15,7 @@ def test_maxvio_definition():
 
 
 def test_route_shapes_and_without_replacement():
+    """A token routed twice to one expert, ids out of range, or router weights not positive or not summing to 1."""
     ids, w = route(50, 16, 4, sigma=2.0, seed=1, rank=3)
     assert ids.shape == (50, 4) and ids.dtype == torch.int32 and w.dtype == torch.float32
     assert all(len(set(row)) == 4 for row in ids.tolist())
@@ -23,6 +25,7 @@ def test_route_shapes_and_without_replacement():
 
 
 def test_route_is_deterministic_and_per_rank():
+    """Routing that changes between runs of one seed, or is the same on every rank."""
     a = route(32, 16, 2, sigma=1.0, seed=5, rank=0)
     b = route(32, 16, 2, sigma=1.0, seed=5, rank=0)
     c = route(32, 16, 2, sigma=1.0, seed=5, rank=1)
@@ -31,6 +34,7 @@ def test_route_is_deterministic_and_per_rank():
 
 
 def test_hot_experts_line_up_across_ranks():
+    """Each rank drawing its own expert popularity, so hot experts do not line up across ranks as in real traffic."""
     E = 64
     pop = expert_popularity(E, 2.0, seed=9)
     hot = int(pop.argmax())
@@ -42,6 +46,7 @@ def test_hot_experts_line_up_across_ranks():
 
 @pytest.mark.parametrize("target", [0.5, 1.0, 2.0])
 def test_sigma_for_maxvio_hits_target(target):
+    """The skew inversion missing the requested maxvio by more than 0.1."""
     E, K, n = 64, 4, 4096
     sigma = sigma_for_maxvio(target, E, K, n, seed=0)
     ids = sample_topk(n, K, expert_popularity(E, sigma, 0), 12345)
@@ -50,6 +55,7 @@ def test_sigma_for_maxvio_hits_target(target):
 
 
 def test_sigma_for_maxvio_edges():
+    """A negative maxvio or a top-k above E accepted, or a zero target not giving sigma 0."""
     assert sigma_for_maxvio(0.0, 32, 4, 1024) == 0.0
     with pytest.raises(ValueError):
         sigma_for_maxvio(-1.0, 32, 4, 1024)

@@ -24,6 +24,8 @@ def _files(heap: HostHeap) -> list[str]:
 
 
 def test_ledger_lifo_double_free_leak_and_usable_after_errors():
+    """The host heap freeing out of LIFO order, closing over live allocations, reusing a live tag or freeing another
+    heap's allocation."""
     heap = HostHeap()
     a = heap.allocate((2, 3), torch.float32, "a")
     b = heap.allocate((4,), torch.bfloat16, "b")
@@ -60,6 +62,7 @@ def test_ledger_lifo_double_free_leak_and_usable_after_errors():
 
 
 def test_close_force_frees_everything_lifo_and_leaves_no_files():
+    """A forced close leaving allocations live or /dev/shm files behind."""
     heap = HostHeap()
     hs = [heap.allocate((8,), torch.float32, f"t{i}") for i in range(3)]
     assert _files(heap) == []  # unlinked as soon as every rank mapped them
@@ -68,6 +71,7 @@ def test_close_force_frees_everything_lifo_and_leaves_no_files():
 
 
 def test_context_manager_and_zero_size_allocation():
+    """A zero-size allocation that cannot be made or freed, or a heap left open after its with block."""
     with HostHeap() as heap:
         z = heap.allocate((0, 4), torch.float32, "empty")
         assert z.tensor.shape == (0, 4)
@@ -76,6 +80,7 @@ def test_context_manager_and_zero_size_allocation():
 
 
 def test_atexit_cleanup_removes_pending_files(tmp_path):
+    """/dev/shm files of a process that exits before unlinking them left behind."""
     path = tmp_path / "vllm_moonep_pending"
     path.write_bytes(b"x")
     host_mod._PENDING.add(str(path))
@@ -84,6 +89,8 @@ def test_atexit_cleanup_removes_pending_files(tmp_path):
 
 
 def test_staging_hides_writes_until_barrier_even_alone():
+    """Host-heap writes visible to peers before the barrier (staging models the real heaps' ordering), even in a world
+    of one."""
     heap = HostHeap()
     h = heap.allocate((3,), torch.float32, "s")
     h.tensor.fill_(5.0)
@@ -96,6 +103,7 @@ def test_staging_hides_writes_until_barrier_even_alone():
 
 
 def test_make_heap_kinds_and_refusals(monkeypatch):
+    """make_heap accepting an unknown kind or a device it cannot serve, or a GPU heap starting with multicast on."""
     heap = make_heap("auto", device="cpu")
     assert isinstance(heap, HostHeap)
     heap.close()
@@ -115,11 +123,14 @@ def test_make_heap_kinds_and_refusals(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("nvshmem") is not None, reason="nvshmem4py is installed here")
 def test_nvshmem_heap_unavailable_names_the_extra():
+    """Asking for the NVSHMEM heap without nvshmem4py failing without naming the extra to install."""
     with pytest.raises(MoonEPUnavailableError, match=r"nvshmem4py does not import.*vllm-moonep\[nvshmem\]"):
         make_heap("nvshmem")
 
 
 def test_layout_world_of_one_matches_dense_and_replicated():
+    """The symmetric layout in a world of one differing from the replicated layout or the dense MoE, holding other
+    than it accounts, or usable after destroy."""
     E, K, B = 4, 2, 2
     w13, w2 = global_weights(E, H, I, seed=9)
     lay = SymmetricWeightLayout(w13.clone(), w2.clone(), E, B, heap="host")  # owns its heap
@@ -144,6 +155,8 @@ def test_layout_world_of_one_matches_dense_and_replicated():
 
 
 def test_adopt_parameters_makes_parameters_heap_memory():
+    """adopt_parameters leaving the parameters on their own storage (a second copy), or taking a parameter of the
+    wrong shape."""
     E = 2
     w13, w2 = global_weights(E, H, I, seed=4)
     heap = HostHeap()
@@ -162,6 +175,8 @@ def test_adopt_parameters_makes_parameters_heap_memory():
 
 
 def test_slot_pool_validation():
+    """A shared slot pool with no slots or a non-tile size, or serving a layer of another shape; its destroy not
+    idempotent."""
     heap = HostHeap()
     with pytest.raises(MoonEPInputError, match="num_slots must be a positive int"):
         SharedSlotPool(0, H, I, heap=heap)

@@ -19,7 +19,7 @@ def _error(capsys, fn, argv) -> str:
 
 @pytest.mark.parametrize("argv,needles", [
     (["--configs", "symetric"], ["unknown configuration 'symetric'", "did you mean 'symmetric'?"]),
-    (["--configs", "replicated", "no_such_module:fn"], ["'no_such_module:fn' is not an importable module:function"]),
+    (["--configs", "replicated", "tests.layouts:broken"], ["unknown configuration 'tests.layouts:broken'"]),
     (["--impl", "cutlass"], ["invalid choice: 'cutlass'", "'grouped_mm'"]),
     (["--ranks", "3"], ["--ranks 3 does not divide the tiny preset's 32 experts", "2, 4, 8, 16, 32"]),
     (["--ranks", "0"], ["--ranks must be a positive integer"]),
@@ -125,17 +125,22 @@ def test_project_own_model_from_flags_and_hf_configs(capsys, tmp_path):
 
 def test_balance_reports_requested_and_achieved_skew(capsys):
     """moonep-balance showed 0.38 for a requested 0 without the request, and never defined maxvio."""
-    rows = [{"target_maxvio": 0.0, "maxvio": 0.38, "imbalance_without_plan": 1.05, "imbalance_with_plan": 1.0,
+    rows = [{"target_maxvio": 0.0, "maxvio": 0.38, "imbalance_without_plan": 1.05, "padded_imbalance_with_plan": 1.02,
+             "expert_time_imbalance_without_plan": 1.07, "expert_time_imbalance_with_plan": 1.01,
+             "slowest_expert_s_without_plan": 2.5e-3, "slowest_expert_s_with_plan": 2.0e-3, "impl": "reference",
              "slots_used": 1, "slots_total": 16}]
     text = balance.format_report(rows, 2, 64, 16, 4)
     header, row = text.splitlines()[1:3]
     assert "maxvio requested" in header and "achieved" in header
     assert row.split()[:2] == ["0.00", "0.38"]
+    assert row.split()[2:6] == ["1.05", "1.02", "1.07", "1.01"] and "2.50 -> 2.00" in row
     assert "max/mean tokens per" in text and "requested / achieved maxvio" in text
+    assert "S*K" not in header and "cu_seqlens[-1]" in text, "the MoonEP column is measured, not S*K by construction"
     with pytest.raises(SystemExit):
         balance.main(["--help"])
     out = capsys.readouterr().out
     assert "maxvio (the skew) = max over experts" in out
     assert [a.option_strings for a in balance.build_parser()._actions if a.option_strings and not a.help] == []
     assert "--ranks 3 does not divide --experts 64" in _error(capsys, balance.main, ["--ranks", "3"])
+    assert "--intermediate 100 is not a multiple of 128" in _error(capsys, balance.main, ["--intermediate", "100"])
     assert "must be >= 0" in _error(capsys, balance.main, ["--maxvio", "-1"])

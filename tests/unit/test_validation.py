@@ -14,9 +14,9 @@ import torch
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE, capacity_for, pad_to_capacity, sanitize_routing
 from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
 from vllm_moonep.common.padding import tokens_per_expert
-from vllm_moonep.common.routing import route
 from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPStateError
 from vllm_moonep.replicated import ReplicatedWeightLayout
+from vllm_moonep.testing.routing import route
 
 S, H, K, E, B, TP = 16, 8, 2, 8, 2, 4
 
@@ -54,6 +54,7 @@ BUFFER_CASES = {
 
 @pytest.mark.parametrize("case", list(BUFFER_CASES))
 def test_buffer_construction_rejects(case):
+    """A Buffer built with a shape or setting the engine cannot honour, instead of a MoonEPInputError naming it."""
     kw, needle = BUFFER_CASES[case]
     args = dict(S=S, H=H, K=K, E=E, R=1, B=B, token_padding=TP)
     args.update(kw)
@@ -89,6 +90,7 @@ def _dispatch_cases():
 
 @pytest.mark.parametrize("case", list(_dispatch_cases()))
 def test_dispatch_rejects_then_next_step_works(case):
+    """dispatch accepting a bad argument, or a rejected call leaving the buffer unable to run the next valid step."""
     args, needle = _dispatch_cases()[case]
     buf = _buf()
     with pytest.raises(MoonEPInputError, match=needle):
@@ -107,6 +109,8 @@ def _weights(dtype=torch.bfloat16):
 
 
 def test_prefetch_weight_rejects():
+    """prefetch_weight before dispatch, or on weights of the wrong shape, dtype, layout or device, writing instead of
+    refusing."""
     buf = _buf()
     x, w, ids, tpe = _inputs()
     gate, up, down = _weights()
@@ -127,6 +131,7 @@ def test_prefetch_weight_rejects():
 
 
 def test_combine_rejects_and_calling_order():
+    """combine accepting bad rows or route weights, another buffer's plan, no plan or a stale one."""
     buf, other = _buf(), _buf()
     x, w, ids, tpe = _inputs()
     xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
@@ -161,6 +166,7 @@ def test_combine_rejects_and_calling_order():
 
 # ------------------------------------------------------------------------------ pool, padding, routing
 def test_pool_get_rejects():
+    """A buffer pool accepting a token count over capacity, negative or not an int, or used after destroy."""
     pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=1, B=B, token_padding=TP, device="cpu"),
                             max_tokens_per_rank=64, engine="builtin", min_capacity=16)
     with pytest.raises(MoonEPInputError, match="capacity exceeded"):  # pool_capacity_exceeded
@@ -181,6 +187,7 @@ def test_pool_get_rejects():
 
 
 def test_padding_and_sanitizing_reject():
+    """Padding or sanitizing accepting mismatched shapes, float ids or out-of-range ids."""
     x, w, ids, _ = _inputs()
     with pytest.raises(MoonEPInputError, match="same shape"):  # sanitize_shape_mismatch
         sanitize_routing(ids, w[:, :1])
@@ -198,6 +205,8 @@ def test_padding_and_sanitizing_reject():
 
 # ------------------------------------------------------------------------------ expert_ffn
 def test_expert_ffn_rejects():
+    """expert_ffn accepting rows, route weights, cu_seqlens, dtypes, devices, an impl or an out buffer it would
+    compute wrong."""
     G, Hh, Ii, N = 3, 8, 4, 12
     g = torch.Generator().manual_seed(0)
     gw = GroupedWeights.contiguous(torch.randn(G, Ii, Hh, generator=g), torch.randn(G, Ii, Hh, generator=g),
@@ -234,6 +243,8 @@ def _layer(E_=8, Hh=128, Ii=128, Kk=2, Bb=2, max_tokens=32):
 
 
 def test_replicated_layout_rejects_single_rank():
+    """The replicated layout accepting local weights of the wrong dtype, count, shape or device (or a bad timeout), or
+    used after destroy."""
     g = torch.Generator().manual_seed(0)
     w13 = torch.randn(8, 256, 128, generator=g).to(torch.bfloat16)
     w2 = torch.randn(8, 128, 128, generator=g).to(torch.bfloat16)
@@ -260,6 +271,7 @@ def test_replicated_layout_rejects_single_rank():
 
 
 def test_moe_forward_rejects_then_works():
+    """MoonEPMoE.forward accepting a bad input, or a rejected step breaking the next valid one."""
     moe, w13, w2 = _layer()
     ids, w = route(10, 8, 2, sigma=1.0, seed=1, rank=0)
     x = torch.randn(10, 128).to(torch.bfloat16)
@@ -281,7 +293,7 @@ def test_moe_forward_rejects_then_works():
     for name, (args, kw, exc, needle) in cases.items():
         with pytest.raises(exc, match=needle):
             moe.forward(*args, **kw)
-    from vllm_moonep.common.reference import dense_moe
+    from vllm_moonep.testing.reference import dense_moe
 
     out = moe.forward(x, ids, w)
     ref = dense_moe(x, ids, w, w13, w2)

@@ -63,7 +63,7 @@ def rk_contract(m: int, seed: int):
                  explicitly_destroy=True, device="cpu"), max_tokens_per_rank=512)
         opool = W.make_pool(R, H, K, E, B, 512)
         cfg = W.moe_config(E, K, H, I, R, rank, 512)
-        holder_v, holder_o = W.Holder(vlay), W.Holder(ours)
+        holder_v, holder_o = W.LayoutHolder(vlay), W.LayoutHolder(ours)
 
         def vllm_pf():
             return vpf.MoonEPPrepareAndFinalize(buffer_pool=vpool, max_tokens_per_rank=512, num_dispatchers=R,
@@ -113,6 +113,8 @@ def rk_contract(m: int, seed: int):
 
 @pytest.mark.parametrize("m", [37, 300])
 def test_vllm_in_tree_classes_on_builtin_engine(m):
+    """vLLM's own in-tree MoonEP classes (alone and mixed with ours) off the dense MoE on our engine: a contract it
+    does not honour."""
     res = ranks(2, rk_contract, m, 11)
     for r in res:
         assert set(r) >= {"vllm+vllm", "vllm_pf+our_experts", "our_pf+vllm_experts"}

@@ -36,8 +36,7 @@ def rk_matrix(kind, m, H, I, sigma, seed):
     err_k = W.close(W.run_kernel(o, x, ids, w), ref, f"FusedMoEKernel m={m} rank={rank}")
     slots_k = int((o["pf"].last.experts_to_copy >= 0).sum())
     assert not o["pf"].pending
-    o["pool"].destroy()
-    o["layout"].destroy()
+    W.teardown(o)
     return dict(err=max(err_bare, err_k), slots=(slots_bare, slots_k), cap=o["pf"].last.capacity)
 
 
@@ -60,7 +59,7 @@ def rk_top1(kind, m, H, I, seed):
     out = W.run_kernel(o, x, bad, w, apply_on_input=True)
     assert float(out[::4].float().abs().max()) == 0.0, "an invalid id produced output"
     W.close(out[1::4], ref[1::4], "top-1 valid rows beside invalid ones")
-    o["pool"].destroy()
+    W.teardown(o)
     return slots
 
 
@@ -76,7 +75,7 @@ def rk_steps(kind, counts, seed):
         W.close(run(o, x, ids, w), W.dense_ref(o, x, ids, w), f"step {step} n={n}")
         caps.append(o["pf"].last.capacity)
     nbuf = len(o["pool"].buffers)
-    o["pool"].destroy()
+    W.teardown(o)
     return caps, nbuf
 
 
@@ -100,7 +99,7 @@ def rk_dp(kind, local_counts, seed):
         cap_b = o["pf"].last.capacity
     W.close(out_k, ref, f"dp kernel rank={rank} n={n}")
     W.close(out_b, ref, f"dp bare rank={rank} n={n}")
-    o["pool"].destroy()
+    W.teardown(o)
     return n, cap_k, cap_b
 
 
@@ -202,25 +201,29 @@ def rk_bad_inputs(kind, seed):
     except MoonEPInputError as e:
         assert "divisible" in str(e)
     W.close(W.run_kernel(o, x, ids, w), ref, "final step")
-    o["pool"].destroy()
+    W.teardown(o)
     return sorted(msgs)
 
 
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("m,H,I", MATRIX, ids=[f"m{m}-H{h}-I{i}" for m, h, i in MATRIX])
 def test_matrix_world2(m, H, I):
+    """Our prepare/finalize and experts in vLLM's modular kernel (bare and FusedMoEKernel) off the dense MoE on vLLM's
+    test matrix."""
     res = ranks(2, rk_matrix, "replicated", m, H, I, SKEW, 1)
     assert all(r["slots"][0] > 0 and r["slots"][1] > 0 for r in res), f"skew did not fill a prefetch slot: {res}"
     assert len({r["cap"] for r in res}) == 1
 
 
 def test_matrix_uniform_routing():
+    """Even routing (few or no slots used) computed wrong through the vLLM classes."""
     # no skew: still correct (padding rows to expert 0 may or may not use slots)
     ranks(2, rk_matrix, "replicated", 100, 256, 512, 0.0, 2)
 
 
 @pytest.mark.parametrize("R", [3, 4])
 def test_matrix_more_ranks(R):
+    """The vLLM classes right at 2 ranks only: 3 ranks (E=30) and 4 ranks against the dense MoE."""
     # R=4: E=32 as in vLLM's test; R=3: E must divide by R, so E=30 (rk_matrix_e)
     if R == 3:
         res = ranks(3, rk_matrix_e, 37, 256, 256, 3)
@@ -240,16 +243,19 @@ def rk_matrix_e(m, H, I, seed):
     W.close(W.run_bare(o, x, ids, w), ref, "R=3 bare")
     W.close(W.run_kernel(o, x, ids, w), ref, "R=3 kernel")
     s = int((o["pf"].last.experts_to_copy >= 0).sum())
-    o["pool"].destroy()
+    W.teardown(o)
     return dict(slots=(s, s))
 
 
 def test_top1_apply_router_weight_on_input():
+    """Top-1 with apply_router_weight_on_input applying the router weight twice or not at all, or an invalid id giving
+    output."""
     slots = ranks(2, rk_top1, "replicated", 100, 256, 256, 5)
     assert max(slots) > 0
 
 
 def test_steps_switch_capacity():
+    """Capacity not following each step's token count, or buffers made without bound, as steps change size."""
     counts = [1, 300, 37, 1024, 129, 600, 5]
     res = ranks(2, rk_steps, "replicated", counts, 6)
     caps, nbuf = res[0]
@@ -259,6 +265,7 @@ def test_steps_switch_capacity():
 
 
 def test_dp_ranks_different_token_counts():
+    """DP ranks with different token counts picking different capacities, not the one vLLM's DP metadata gives."""
     counts = [3, 200, 77, 129]
     res = ranks(4, rk_dp, "replicated", counts, 7)
     for n, cap_k, cap_b in res:
@@ -266,6 +273,7 @@ def test_dp_ranks_different_token_counts():
 
 
 def test_bad_inputs_then_valid_step():
+    """A bad input to the vLLM classes accepted, or a pending step left behind that breaks the next valid one."""
     names = ranks(2, rk_bad_inputs, "replicated", 8)[0]
     for want in ("fp16", "quantized prepare", "quantized experts", "over capacity", "prepare twice",
                  "wrong weight-and-reduce", "E % R", "H % 128", "I % 128"):
@@ -273,5 +281,6 @@ def test_bad_inputs_then_valid_step():
 
 
 def test_matrix_symmetric_layout():
+    """The symmetric layout through vLLM's modular kernel off the dense MoE."""
     res = ranks(2, rk_matrix, "symmetric", 100, 512, 1024, SKEW, 9)
     assert all(r["slots"][0] > 0 for r in res), res

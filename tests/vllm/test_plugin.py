@@ -69,7 +69,7 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
     from vllm.forward_context import set_forward_context
     from vllm.plugins import load_general_plugins
 
-    from vllm_moonep.common.reference import dense_moe
+    from vllm_moonep.testing.reference import dense_moe
     from vllm_moonep.vllm_plugin import hooks, runtime
 
     W.set_threads()
@@ -172,6 +172,7 @@ def rk_seam_check():
 
 # ---------------------------------------------------------------------------- tests
 def test_entry_point_declared():
+    """The vllm.general_plugins entry point missing or pointing elsewhere, so vLLM never loads the plugin."""
     from importlib.metadata import entry_points
 
     eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
@@ -236,6 +237,7 @@ def test_options_from_vllm_cli_parser():
 
 
 def test_options_env_fallbacks_and_precedence():
+    """A VLLM_MOONEP_* variable ignored or winning over --additional-config, or a malformed value accepted."""
     from vllm_moonep.vllm_plugin.options import MoonEPOptions, MoonEPOptionsError, parse_options
 
     assert parse_options(None, env={}) == MoonEPOptions()

@@ -19,25 +19,24 @@ import os
 import torch
 import torch.distributed as dist
 
+from vllm_moonep.testing.vllm_harness import LayoutHolder, vllm_moe_config
+from vllm_moonep.testing.vllm_harness import ensure_workspace as ensure_workspace_on
+from vllm_moonep.testing.weights import local_rows
+
 ATOL = RTOL = 2e-2
 
 
 # ---------------------------------------------------------------------------- data
 def global_weights(E: int, H: int, I: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded ``w13 [E, 2I, H]`` (gate rows first) and ``w2 [E, H, I]`` in bf16, same on every rank."""
-    from vllm_moonep.common.reference import random_expert_weights
+    from vllm_moonep.testing.reference import random_expert_weights
 
     return random_expert_weights(E, H, I, 1000 + seed)
 
 
-def local_rows(w: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    epn = w.shape[0] // world
-    return w[rank * epn:(rank + 1) * epn].clone()
-
-
 def tokens(n: int, H: int, E: int, K: int, *, sigma: float, seed: int, rank: int):
     """This rank's ``(x [n,H] bf16, ids [n,K] int32, weights [n,K] fp32)``."""
-    from vllm_moonep.common.routing import route
+    from vllm_moonep.testing.routing import route
 
     ids, w = route(n, E, K, sigma=sigma, seed=seed, rank=rank)
     g = torch.Generator().manual_seed(77 + 131 * seed + rank)
@@ -74,37 +73,21 @@ def make_pool(R: int, H: int, K: int, E: int, B: int, max_tokens: int, tp: int =
     )
 
 
-def make_layout(kind: str, w13_local, w2_local, E: int, B: int):
-    if kind == "replicated":
-        from vllm_moonep.replicated import ReplicatedWeightLayout
+def make_layouts(kind: str, w13_local, w2_local, E: int, B: int):
+    """A one-layer ``LayoutSet`` of ``kind`` (symmetric kinds on the host heap)."""
+    from vllm_moonep.layouts import build_layouts
 
-        return ReplicatedWeightLayout(w13_local, w2_local, E, B)
-    if kind == "symmetric":
-        from vllm_moonep.symmetric import SymmetricWeightLayout
-
-        return SymmetricWeightLayout(w13_local, w2_local, E, num_slots=B, heap="host")
-    raise ValueError(kind)
+    return build_layouts(kind, [(w13_local, w2_local)], E, B, heap_kind="host")
 
 
 def moe_config(E: int, K: int, H: int, I: int, R: int, rank: int, max_tokens: int):
     """A vLLM ``FusedMoEConfig`` for DP=EP=R with the moonep backend (no distributed state needed)."""
-    from vllm_moonep.tools.ab_vllm_poc import vllm_moe_config
-
     return vllm_moe_config(E, K, H, I, R, rank, max_tokens, torch.device("cpu"))
-
-
-def Holder(layout):
-    """The vLLM layer stand-in the experts read ``_moonep_weight_layout`` from."""
-    from vllm_moonep.tools.ab_vllm_poc import LayoutHolder
-
-    return LayoutHolder(layout)
 
 
 def ensure_workspace() -> None:
     """vLLM's workspace manager on CPU (the modular kernel asks it for scratch on non-CPU platforms)."""
-    from vllm_moonep.tools.ab_vllm_poc import ensure_workspace as ensure
-
-    ensure(torch.device("cpu"))
+    ensure_workspace_on(torch.device("cpu"))
 
 
 def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, seed: int = 0):
@@ -118,14 +101,22 @@ def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, se
     w13, w2 = global_weights(E, H, I, seed)
     w13_l, w2_l = local_rows(w13, rank, R), local_rows(w2, rank, R)
     pool = make_pool(R, H, K, E, B, max_tokens)
-    layout = make_layout(kind, w13_l, w2_l, E, B)
+    layouts = make_layouts(kind, w13_l, w2_l, E, B)
+    layout = layouts.layouts[0]
     pf = MoonEPPrepareAndFinalize(pool, max_tokens_per_rank=max_tokens, num_dispatchers=R, num_global_experts=E)
     experts = MoonEPExperts(moe_config(E, K, H, I, R, rank, max_tokens), FUSED_MOE_UNQUANTIZED_CONFIG)
     ensure_workspace()
     kernel = mk.FusedMoEKernel(pf, experts)  # calls pf.post_init_setup(experts)
-    experts.process_weights_after_loading(Holder(layout))
-    return dict(w13=w13, w2=w2, w13_l=w13_l, w2_l=w2_l, pool=pool, layout=layout, pf=pf, experts=experts,
-                kernel=kernel, E=E, K=K, H=H, I=I, R=R, rank=rank)
+    experts.process_weights_after_loading(LayoutHolder(layout))
+    return dict(w13=w13, w2=w2, w13_l=w13_l, w2_l=w2_l, pool=pool, layouts=layouts, layout=layout, pf=pf,
+                experts=experts, kernel=kernel, E=E, K=K, H=H, I=I, R=R, rank=rank)
+
+
+def teardown(o) -> None:
+    """Free what ``build`` made, in the documented order: the buffer pool, then the layouts (collective
+    for the symmetric kinds: every rank calls it)."""
+    o["pool"].destroy()
+    o["layouts"].destroy()
 
 
 def run_bare(o, x, ids, w, *, apply_on_input: bool = False, wr=None):
@@ -151,7 +142,7 @@ def run_kernel(o, x, ids, w, *, apply_on_input: bool = False):
 
 
 def dense_ref(o, x, ids, w, *, apply_on_input: bool = False):
-    from vllm_moonep.common.reference import dense_moe
+    from vllm_moonep.testing.reference import dense_moe
 
     if apply_on_input:  # the router weight scales the (bf16) input, the expert output is unweighted
         x = (x * w.to(x.dtype))

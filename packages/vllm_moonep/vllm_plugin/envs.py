@@ -25,7 +25,7 @@ log = logging.getLogger("vllm.vllm_moonep")
 
 __all__ = ["KNOWN_ENV_VARS", "register_env_vars"]
 
-#: variables the rank launcher (``tools/vllm_moonep/tools/launch.py``) and the test suite set in rank processes,
+#: variables the rank launcher (``vllm_moonep.testing.launch``) and the test suite set in rank processes,
 #: which may load vLLM (and so this plugin)
 LAUNCHER_ENV_VARS = (
     "VLLM_MOONEP_RANK",

@@ -7,7 +7,8 @@
   ``CudaCommunicator`` builds it; on platforms whose communicator has none (CPU) it is attached
   right after the EP group is made.
 - ``PluginBufferPool``: its handle; logs the start-up line at the first MoE step.
-- ``build_weight_layout``: the layer's replicated or symmetric layout after loading.
+- ``build_weight_layout``: the layer's replicated or symmetric layout after loading, added to
+  the process's ``LayoutSet`` (``vllm_moonep.layouts``).
 - ``MoonEPExperts`` / ``MoonEPPrepareAndFinalize``: ``vllm_moonep.common.vllm_modular``'s classes
   with the plugin's ``impl`` and the optional per-step log (``step_log_interval``).
 """
@@ -16,16 +17,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_moonep.engine import MoonEPStateError
 from vllm_moonep.vllm_plugin.checks import check_worker, resolve_heap, resolve_kernel
 from vllm_moonep.vllm_plugin.cudagraphs import check_worker_graphs, graphs_mode
 from vllm_moonep.vllm_plugin.options import MoonEPOptions, options_from_vllm_config
 
-if TYPE_CHECKING:
-    from vllm_moonep.common.layout import WeightLayout
+if TYPE_CHECKING:  # the layouts are imported when the first layer is built
+    from vllm_moonep.layouts import LayoutSet
 
 # under the "vllm" logger so the lines show in vLLM's own log format and level
 log = logging.getLogger("vllm.vllm_moonep")
@@ -99,12 +101,11 @@ class StepStats:
 
 
 class _PluginState:
-    """Per-process objects shared by every MoE layer: heaps, the shared slot pool, the layouts."""
+    """Per-process objects shared by every MoE layer: the ``LayoutSet`` (the layers' layouts, their
+    heap and shared slot pool), made at the first layer."""
 
     def __init__(self):
-        self.heaps: dict[tuple, Any] = {}
-        self.slot_pools: dict[tuple, Any] = {}
-        self.layouts: list = []
+        self.layouts: LayoutSet | None = None
         self.summary_logged = False
         self.last_summary = ""
         self.worker: dict | None = None  # what check_worker resolved on this worker
@@ -112,18 +113,13 @@ class _PluginState:
         self.stats = StepStats()
 
     def reset(self) -> None:
-        from vllm_moonep.symmetric import destroy_in_order
-
-        objs = [lay for lay in self.layouts] + list(self.slot_pools.values())
-        syms = [o for o in objs if hasattr(o, "first_index")]
-        others = [o for o in objs if not hasattr(o, "first_index")]
-        if syms:
-            destroy_in_order(*syms)
-        for o in others:
-            o.destroy()
-        for h in self.heaps.values():
-            h.close()
+        if self.layouts is not None:
+            self.layouts.destroy()  # layouts and slot pools newest first, then the heap (collective)
         self.__init__()  # type: ignore[misc]  # reset in place: other modules hold STATE itself
+
+    def built_layouts(self) -> list:
+        """The layouts built so far in this process (in layer order)."""
+        return self.layouts.layouts if self.layouts is not None else []
 
 
 STATE = _PluginState()
@@ -157,17 +153,18 @@ def _transport_text(opts: MoonEPOptions, engine: str, device: torch.device, buff
         why = resolve_transport(opts.transport, device.type, peers_addressable=chosen == "symmetric")[1]
         return f"transport={chosen} ({'auto: ' if opts.transport == 'auto' else ''}{why})"
     if opts.transport == "auto" and device.type == "cuda":
-        heaps = list(STATE.heaps.values())
-        if not heaps:  # addressability is known only to a heap
+        heap = STATE.layouts.heap if STATE.layouts is not None else None
+        if heap is None:  # addressability is known only to a heap
             return "transport=symmetric if every EP peer is a GPU of this node, else collective (auto)"
-        name, why = resolve_transport("auto", "cuda", all(h.peers_addressable for h in heaps))
+        name, why = resolve_transport("auto", "cuda", heap.peers_addressable)
     else:
         name, why = resolve_transport(opts.transport, device.type)
     return f"transport={name} ({'auto: ' if opts.transport == 'auto' else ''}{why})"
 
 
 def _kernel_text(opts: MoonEPOptions, device: torch.device) -> str:
-    kernels = Counter(resolve_kernel(opts.impl, device, getattr(lay, "dense_weights", True)) for lay in STATE.layouts)
+    kernels = Counter(resolve_kernel(opts.impl, device, getattr(lay, "dense_weights", True))
+                      for lay in STATE.built_layouts())
     if not kernels:
         kernels[resolve_kernel(opts.impl, device)] = 0
     src = "requested" if opts.impl != "auto" else "impl=auto"
@@ -185,12 +182,8 @@ def summary_line(opts: MoonEPOptions | None = None, buffer=None) -> str:
 
     opts = opts or options_from_vllm_config()
     engine, why = STATE.worker["engine"] if STATE.worker else resolve_engine(opts.engine)
-    device = _layout_device() or worker_device()
-    rep = MemoryReport()
-    for lay in STATE.layouts:
-        rep = rep + lay.memory_report()
-    for pool in STATE.slot_pools.values():
-        rep = rep + pool.memory_report()
+    device = (STATE.layouts.device if STATE.layouts is not None else None) or worker_device()
+    rep = STATE.layouts.memory_report() if STATE.layouts is not None else MemoryReport()
     gib = 1024.0**3
     slots = f"{opts.num_prefetch_slots} " + ("(one pool shared by all layers)" if opts.shared_slot_pool else "per layer")
     heap = ""
@@ -201,20 +194,9 @@ def summary_line(opts: MoonEPOptions | None = None, buffer=None) -> str:
         f"vllm-moonep: weight_layout={opts.weight_layout}, engine={engine} ({why}), "
         f"{_transport_text(opts, engine, device, buffer)}{heap}, {_kernel_text(opts, device)}, slots={slots}, "
         f"token_padding={opts.token_padding}; per-rank expert memory {rep.resident / gib:.3f} GiB "
-        f"resident over {len(STATE.layouts)} MoE layer(s) (home {rep.home_rows / gib:.3f}, replicated "
+        f"resident over {len(STATE.built_layouts())} MoE layer(s) (home {rep.home_rows / gib:.3f}, replicated "
         f"{rep.replicated_rows / gib:.3f}, slots {rep.slots / gib:.3f}; load-time transient {rep.transient / gib:.3f})"
     )
-
-
-def _layout_device() -> torch.device | None:
-    for lay in STATE.layouts:
-        for name in ("device", "full_gate_weight", "home_w13"):
-            v = getattr(lay, name, None)
-            if isinstance(v, torch.device):
-                return v
-            if isinstance(v, torch.Tensor):
-                return v.device
-    return None
 
 
 def _log_summary_once(buffer=None) -> None:
@@ -389,41 +371,40 @@ def build_weight_layout(w13_local: torch.Tensor, w2_local: torch.Tensor, num_glo
       rebinding is a no-op and the parameters keep their ``[E/R]`` shapes.
 
     ``num_prefetch_slots`` from vLLM is ignored: the plugin's option is the one source of ``B``.
+    The layout joins the process's ``LayoutSet`` (made at the first layer from the options), which
+    makes the heap and the shared slot pool once and frees everything in order on ``STATE.reset``.
     """
+    from vllm_moonep.layouts import layout_kind
+
     opts = options_from_vllm_config()
-    B = opts.num_prefetch_slots
-    ep = _ep_group()
-    if opts.weight_layout == "replicated":
-        from vllm_moonep.replicated import ReplicatedWeightLayout
-
-        layout: WeightLayout = ReplicatedWeightLayout(w13_local.data, w2_local.data, num_global_experts, B, ep.device_group,
-                                        keeps_local_params=False)
-    else:
-        from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout, make_heap
-
-        kind, group = _group_for_heap(opts.heap, w13_local.device)
-        hkey = (kind, str(w13_local.device))
-        heap = STATE.heaps.get(hkey)
-        if heap is None:
-            heap = STATE.heaps[hkey] = make_heap(kind, group, device=w13_local.device)
-        slot_pool = None
-        if opts.shared_slot_pool:
-            I, H = w2_local.shape[2], w2_local.shape[1]
-            pkey = hkey + (H, I)
-            slot_pool = STATE.slot_pools.get(pkey)
-            if slot_pool is None:
-                slot_pool = STATE.slot_pools[pkey] = SharedSlotPool(B, H, I, group, heap=heap)
-        layout = SymmetricWeightLayout(w13_local.data, w2_local.data, num_global_experts,
-                                       num_slots=None if slot_pool is not None else B, group=group, heap=heap,
-                                       slot_pool=slot_pool)
-        layout.adopt_parameters(w13_local, w2_local, copy=False)
-        # vLLM rebinds the parameters to these: a no-op. Only vLLM reads them, so only the plugin
-        # sets them on the symmetric layout (the replicated one owns such tensors).
-        layout.full_gate_weight = w13_local.data  # type: ignore[attr-defined]  # for vLLM (above)
-        layout.full_down_weight = w2_local.data  # type: ignore[attr-defined]  # for vLLM (above)
-    STATE.layouts.append(layout)
+    if STATE.layouts is None:
+        STATE.layouts = _layout_set(opts, num_global_experts, w13_local.device)
+    layouts = STATE.layouts
+    if layouts.kind != layout_kind(opts.weight_layout, opts.shared_slot_pool) or layouts.num_slots != opts.num_prefetch_slots:
+        raise MoonEPStateError(
+            f"vllm-moonep: this process's layouts are {layouts.kind} with B={layouts.num_slots}; a layer now asks for "
+            f"weight_layout={opts.weight_layout} (shared_slot_pool={opts.shared_slot_pool}) with "
+            f"B={opts.num_prefetch_slots}: destroy the EP group's all2all manager before building another model")
+    layout = layouts.add_layer(w13_local, w2_local, num_global_experts)
+    if layouts.symmetric:  # vLLM rebinds the parameters to these: a no-op (they were adopted onto the heap)
+        layout.full_gate_weight = w13_local.data
+        layout.full_down_weight = w2_local.data
     log.debug("vllm-moonep: built %r", layout)
     return layout
+
+
+def _layout_set(opts: MoonEPOptions, num_experts: int, device: torch.device) -> LayoutSet:
+    """The process's ``LayoutSet``: replicated layers all-gather over the EP device group and report
+    no local copy (vLLM rebinds its parameters to the ``[E+B]`` tensors); symmetric layers adopt the
+    parameters onto a heap over the group its kind needs."""
+    from vllm_moonep.layouts import LayoutSet, layout_kind
+
+    kind = layout_kind(opts.weight_layout, opts.shared_slot_pool)
+    if kind == "replicated":
+        return LayoutSet(kind, num_experts, opts.num_prefetch_slots, _ep_group().device_group,
+                         keeps_local_params=False)
+    heap_kind, group = _group_for_heap(opts.heap, device)
+    return LayoutSet(kind, num_experts, opts.num_prefetch_slots, group, heap_kind=heap_kind, adopt_parameters=True)
 
 
 def plugin_experts_class(base):

@@ -33,6 +33,7 @@ import sys
 import textwrap
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,13 +43,15 @@ from vllm_moonep.common.grouped_gemm import IMPLS, GroupedWeights, available_imp
 from vllm_moonep.common.memory import (EXPLAIN_ABOVE, MemoryReport, expert_bytes, explain_difference,
                                        held_tensor_bytes, measured_bytes, peak_rss, release_freed_memory,
                                        replicated_accounting, reset_peak, resident_bytes)
-from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
-from vllm_moonep.common.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.common.timing import PHASES, PhaseTimer
 from vllm_moonep.engine import current_cuda_device, default_num_slots
-from vllm_moonep.engine.heaps import HEAP_KINDS
-from vllm_moonep.tools.launch import (add_launch_arguments, comm_device, finish_launched_group, init_launched_group,
-                                      is_driver, launched_world_size, resolve_launch, run_on_ranks, shutdown_pools)
+from vllm_moonep.engine.heaps import HEAP_KINDS, HostHeap, SymmetricHeap
+from vllm_moonep.layouts import LAYOUT_KINDS, build_layouts
+from vllm_moonep.testing.launch import (add_launch_arguments, comm_device, finish_launched_group, init_launched_group,
+                                        is_driver, launched_world_size, resolve_launch, run_on_ranks, shutdown_pools)
+from vllm_moonep.testing.reference import dense_moe, random_expert_weights, relative_error
+from vllm_moonep.testing.routing import maxvio, route, sigma_for_maxvio
+from vllm_moonep.testing.weights import local_experts
 from vllm_moonep.tools.memory_projection import MODELS, projection_rows, render
 
 GiB = 1024**3
@@ -75,7 +78,7 @@ PRESETS = {
     **{_slug(m.name): Preset(_slug(m.name), m.H, m.I, m.E, 8, m.moe_layers, m.source) for m in MODELS},
 }
 
-CONFIGS = ("replicated", "symmetric", "symmetric-shared", "vllm-poc")
+CONFIGS = (*LAYOUT_KINDS, "vllm-poc")
 DEVICES = ("cpu", "cuda")
 #: per-rank expert memory the scaled model may use by default, GiB
 DEFAULT_BUDGET_GB = {"cpu": 1.0, "cuda": 0.5}  # cuda: a fraction of the GPU's memory (activations, heaps, buffers need the rest)
@@ -94,20 +97,13 @@ MAX_REF_ERR = 2e-2
 
 
 def config_choice(value: str) -> str:
-    """One ``--configs`` entry: a known configuration or an importable ``module:function``."""
+    """One ``--configs`` entry: a known configuration (``ArgumentTypeError`` naming the closest otherwise)."""
     if value in CONFIGS:
-        return value
-    if ":" in value:
-        try:
-            _resolve_custom(value)
-        except Exception as exc:
-            raise argparse.ArgumentTypeError(
-                f"{value!r} is not an importable module:function ({type(exc).__name__}: {exc})") from None
         return value
     close = difflib.get_close_matches(value, CONFIGS, n=1)
     raise argparse.ArgumentTypeError(
         f"unknown configuration {value!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-        + f"; choose from {', '.join(CONFIGS)}, or module:function")
+        + f"; choose from {', '.join(CONFIGS)}")
 
 
 def kernels_on(device: str) -> list[str]:
@@ -230,46 +226,36 @@ def _device(kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _build_ours(cfg, shape, local, device, impl, heap_kind="auto"):
-    """Layer runners for our layouts; returns (moes, extra objects to destroy, accounted report)."""
-    from vllm_moonep.replicated import ReplicatedWeightLayout
+@dataclass
+class Built:
+    """One configuration built on this rank: what ``rank_point`` steps and ``rank_teardown`` frees.
 
+    ``moes``: one runner per layer (``forward(hidden, ids, weights)``, ``last``, ``timer``);
+    ``pool``: the engine's buffer pool; ``report``: the accounted expert memory; ``held``: the
+    objects whose tensors and heap allocations are the configuration's expert weights (what the
+    memory check attributes); ``heaps``: the symmetric heaps they live on; ``destroy_layouts``:
+    frees the layouts (in the order their heap needs)."""
+
+    moes: list
+    pool: Any
+    report: MemoryReport
+    held: list
+    heaps: list[SymmetricHeap]
+    destroy_layouts: Callable[[], None]
+
+
+def build_ours(cfg: str, shape: dict, local: list, device: torch.device, impl: str, heap_kind: str = "auto") -> Built:
+    """Our layouts (``cfg`` one of ``LAYOUT_KINDS``) over ``local`` (one ``(w13, w2)`` per layer).
+
+    As the vLLM plugin does, the symmetric layouts adopt the framework's parameters (``local``) as
+    their heap's home rows (their own storage is released), so the home experts are held once."""
     R, E, B = dist.get_world_size(), shape["experts"], shape["slots"]
-    H, I, K = shape["hidden"], shape["intermediate"], shape["topk"]
-    pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=128, device=device),
-                            max_tokens_per_rank=shape["max_tokens"], engine="builtin")
-    layouts, extra = [], []
-    if cfg == "replicated":
-        for lw13, lw2 in local:
-            layouts.append(ReplicatedWeightLayout(lw13, lw2, E, B))
-    else:
-        from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout, make_heap
-
-        heap = make_heap(heap_kind, device=device)
-        extra.append(heap)
-        slot_pool = None
-        if cfg == "symmetric-shared":
-            slot_pool = SharedSlotPool(B, H, I, heap=heap, device=device)
-        for lw13, lw2 in local:
-            lay = SymmetricWeightLayout(lw13, lw2, E, B, heap=heap, slot_pool=slot_pool)
-            # as the vLLM plugin does: the framework's parameters become the heap's home rows (their
-            # own storage is released), so the home experts are held once
-            lay.adopt_parameters(lw13, lw2, copy=False)
-            layouts.append(lay)
-        if slot_pool is not None:
-            extra.insert(0, slot_pool)
-    moes = [MoonEPMoE(pool, lay, impl=impl) for lay in layouts]
-    report = MemoryReport()
-    for lay in layouts:
-        report = report + lay.memory_report()
-    if cfg == "symmetric-shared":
-        report = MemoryReport(report.home_rows, report.replicated_rows, extra[0].memory_report().slots, report.transient)
-    return moes, pool, layouts, extra, report
-
-
-def _resolve_custom(cfg: str):
-    mod, _, fn = cfg.partition(":")
-    return getattr(importlib.import_module(mod), fn)
+    pool = MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=E, num_ep_ranks=R, B=B, token_padding=128,
+                                 device=device), max_tokens_per_rank=shape["max_tokens"], engine="builtin")
+    layouts = build_layouts(cfg, local, E, B, heap_kind=heap_kind, adopt_parameters=True)
+    return Built(moes=[MoonEPMoE(pool, lay, impl=impl) for lay in layouts.layouts], pool=pool,
+                 report=layouts.memory_report(), held=[*layouts.layouts, *layouts.slot_pools.values()],
+                 heaps=[layouts.heap] if layouts.heap is not None else [], destroy_layouts=layouts.destroy)
 
 
 def _warm_up_group(device: torch.device) -> None:
@@ -298,27 +284,34 @@ def _ranks_on_my_device(device: torch.device) -> int:
 
 
 def rank_build(cfg, shape, seed, device_kind, impl, heap_kind="auto"):
-    """Build one configuration on this rank and measure what it holds; returns memory figures.
+    """Build configuration ``cfg`` on this rank and measure what it holds (``measure_build``)."""
+    if cfg == "vllm-poc":  # import vLLM before measuring, so its import is not counted as expert memory
+        from vllm_moonep.tools.ab_vllm_poc import build_poc, import_poc
 
-    Measured: the growth of what the process holds (RSS on CPU; device memory in use on CUDA,
-    which counts the heaps outside torch's allocator) from a baseline taken after start-up, the
-    reference weights and the group's warm-up, to after the build, each after freed memory was
-    released. The framework's local parameters are made after the baseline (the replicated layouts
-    keep them, the symmetric ones adopt them). ``moonep-ab`` runs each configuration in fresh rank
-    processes, so no memory freed by an earlier configuration hides growth.
+        import_poc()
+        return measure_build(cfg, lambda local, device: build_poc(shape, local, device), shape, seed, device_kind)
+    return measure_build(cfg, lambda local, device: build_ours(cfg, shape, local, device, impl, heap_kind), shape, seed,
+                         device_kind)
+
+
+def measure_build(key: str, build: Callable[[list, torch.device], Built], shape: dict, seed: int,
+                  device_kind: str) -> dict:
+    """``build(local, device)`` on this rank, measured; returns memory figures. The result is kept
+    under ``key`` for ``rank_point`` and ``rank_teardown``.
+
+    Every rank draws the same seeded global weights of ``shape["layers"]`` layers (the reference)
+    and ``build`` gets this rank's copy of its home experts of each (``local``, the framework's
+    parameters). Measured: the growth of what the process holds (RSS on CPU; device memory in use
+    on CUDA, which counts the heaps outside torch's allocator) from a baseline taken after
+    start-up, the reference weights and the group's warm-up, to after the build, each after
+    freed memory was released. The local parameters are made after the baseline (the replicated
+    layouts keep them, the symmetric ones adopt them). ``moonep-ab`` runs each configuration in
+    fresh rank processes, so no memory freed by an earlier configuration hides growth.
     """
     r, R = dist.get_rank(), dist.get_world_size()
     device = _device(device_kind)
     E, H, I, L = shape["experts"], shape["hidden"], shape["intermediate"], shape["layers"]
-    epn = E // R
     full = [random_expert_weights(E, H, I, seed * 1000 + layer, device) for layer in range(L)]
-    if cfg == "vllm-poc":  # import vLLM before measuring, so its import is not counted as expert memory
-        from vllm_moonep.tools.ab_vllm_poc import import_poc
-
-        import_poc()
-    import vllm_moonep.replicated  # noqa: F401  (the layouts' code is no configuration's memory)
-    import vllm_moonep.symmetric  # noqa: F401
-
     sharing = _ranks_on_my_device(device)
     _warm_up_group(device)
     release_freed_memory(device)
@@ -326,18 +319,11 @@ def rank_build(cfg, shape, seed, device_kind, impl, heap_kind="auto"):
     base = resident_bytes(device)
     reset_peak(device)
     dist.barrier()  # every rank has its baseline before any rank builds (ranks may share a GPU)
-    local = [(w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()) for w13, w2 in full]
+    local = [local_experts(w13, w2, r, R) for w13, w2 in full]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
-    if cfg in ("replicated", "symmetric", "symmetric-shared"):
-        moes, pool, layouts, extra, report = _build_ours(cfg, shape, local, device, impl, heap_kind)
-    elif cfg == "vllm-poc":
-        from vllm_moonep.tools.ab_vllm_poc import build_poc
-
-        moes, pool, layouts, extra, report = build_poc(shape, local, device)
-    else:  # "module:function" (tests inject configurations this way)
-        moes, pool, layouts, extra, report = _resolve_custom(cfg)(shape, local, device, impl)
+    built = build(local, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - t0
@@ -347,10 +333,8 @@ def rank_build(cfg, shape, seed, device_kind, impl, heap_kind="auto"):
     after = measured_bytes(device)
     grown = (resident_bytes(device) - base) / sharing
     # the layouts and slot pools hold their heap allocations; heaps' own buffers (scratch) are overhead
-    held = held_tensor_bytes(*layouts, *[x for x in extra if not hasattr(x, "local_bytes")], local)
-    heaps = {id(h): h for h in [getattr(o, "heap", None) for o in layouts + extra] + [x for x in extra]
-             if h is not None and hasattr(h, "local_bytes")}
-    staging = sum(h.local_bytes() for h in heaps.values() if getattr(h, "kind", "") == "host" and getattr(h, "staging", False))
+    held = held_tensor_bytes(*built.held, local)
+    staging = sum(h.local_bytes() for h in built.heaps if isinstance(h, HostHeap) and h.staging)
     detail = {
         "fresh_process": launched_world_size() is None,
         "pid": os.getpid(),
@@ -360,7 +344,7 @@ def rank_build(cfg, shape, seed, device_kind, impl, heap_kind="auto"):
         "tensors_heap": held["heap"],
         "heap_allocations": held["heap_allocations"],
         "host_staging": staging,
-        "heap_kinds": sorted({getattr(h, "kind", "?") for h in heaps.values()}),
+        "heap_kinds": sorted({h.kind for h in built.heaps}),
     }
     if device.type == "cuda":
         detail["torch_reserved_delta"] = after["reserved"] - before["reserved"]
@@ -369,8 +353,8 @@ def rank_build(cfg, shape, seed, device_kind, impl, heap_kind="auto"):
         peak = max(after["max_allocated"] - before["allocated"] + max(outside, 0), grown)
     else:
         peak = max(peak_cpu - base, grown) if peak_cpu is not None else grown
-    _STATE[cfg] = dict(moes=moes, pool=pool, layouts=layouts, extra=extra, full=full, device=device, K=shape["topk"])
-    return {"accounted": report.as_dict(), "measured_resident": int(grown), "measured_peak": int(peak),
+    _STATE[key] = dict(built=built, full=full, device=device, K=shape["topk"])
+    return {"accounted": built.report.as_dict(), "measured_resident": int(grown), "measured_peak": int(peak),
             "load_s": load_s, "detail": detail}
 
 
@@ -409,7 +393,7 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
     st = _STATE[cfg]
     r, R = dist.get_rank(), dist.get_world_size()
     device = st["device"]
-    moes = st["moes"]
+    moes = st["built"].moes
     E = st["full"][0][0].shape[0]
     H = st["full"][0][0].shape[2]
     K = st["K"]
@@ -482,21 +466,14 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
 
 
 def rank_teardown(cfg):
+    """Free what ``measure_build`` kept under ``cfg``: the buffer pool, then the layouts
+    (docs/VALIDATION.md, "Teardown order")."""
     st = _STATE.pop(cfg, None)
     if st is None:
         return True
-    from vllm_moonep.symmetric import destroy_in_order
-
-    sym = [x for x in st["layouts"] + st["extra"] if hasattr(x, "first_index")]
-    destroy_in_order(*sym)
-    for lay in st["layouts"]:
-        lay.destroy()
-    st["pool"].destroy()
-    for x in st["extra"]:
-        if hasattr(x, "close"):
-            x.close()
-        elif hasattr(x, "destroy"):
-            x.destroy()
+    built = st["built"]
+    built.pool.destroy()
+    built.destroy_layouts()
     return True
 
 
@@ -586,6 +563,39 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def spawn_options(launch) -> dict:
+    """``run_on_ranks`` keywords of the rank processes of ``launch`` (``launch.resolve_launch``): the
+    threads per rank, and on CPU glibc's one arena (every thread's allocations in the main arena,
+    whose freed pages leave RSS, so the memory measurement sees what is really held)."""
+    env = {"VLLM_MOONEP_THREADS_PER_RANK": str(max(1, (os.cpu_count() or 1) // launch.ranks)), **launch.env}
+    if launch.device == "cpu":
+        env["MALLOC_ARENA_MAX"] = "1"
+    return dict(env=env, backend=launch.backend, device=launch.device)
+
+
+def summarize_point(res: list[dict], *, tokens: int, maxvio: float, sigma: float) -> dict:
+    """One point of the table from every rank's ``rank_point`` result: the slowest rank's step
+    time (what a DP group waits for), its phases, the balance figures and the worst reference error."""
+    ranks = len(res)
+    per_step = [max(r["total_s"][i] for r in res) for i in range(len(res[0]["total_s"]))]
+    return {
+        "tokens": tokens, "maxvio": maxvio, "maxvio_achieved": res[0]["maxvio_achieved"], "sigma": sigma,
+        "median_s": statistics.median(per_step), "p90_s": _percentile(per_step, 0.9),
+        "phases_median_s": {ph: statistics.median([max(r["phases_s"][ph][i] for r in res) for i in range(len(per_step))])
+                            for ph in PHASES},
+        "imbalance_without_plan": res[0]["rows_without_plan_max_over_mean"],
+        # real rows are S*K on every rank by construction; padding to token_padding
+        # is what can still differ, so the plan's balance is measured on padded rows
+        "imbalance_with_plan": statistics.median(
+            max(r["padded_rows"][i] for r in res) / max(sum(r["padded_rows"][i] for r in res) / ranks, 1)
+            for i in range(len(per_step))),
+        "slots_used_per_step": statistics.mean(sum(r["slots_used"][i] for r in res) for i in range(len(per_step))),
+        "padded_rows_max": max(max(r["padded_rows"]) for r in res),
+        "ref_rel_err": max((r["ref_rel_err"] or 0.0) for r in res),
+        "raw": res,
+    }
+
+
 def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=(0.0, 1.0, 2.0), steps=3, warmup=1,
            check_steps=1, device="cpu", seed=0, configs=None, impl="auto", slots=None, budget_gb=None,
            out_dir="moonep-ab-out", plots=True, progress=True, max_ref_err=MAX_REF_ERR, backend="auto",
@@ -620,10 +630,7 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
     if "vllm-poc" in configs and not vllm_available():
         configs.remove("vllm-poc")
         skipped["vllm-poc"] = "vLLM is not importable here"
-    env_vars = {"VLLM_MOONEP_THREADS_PER_RANK": str(max(1, (os.cpu_count() or 1) // ranks)), **launch.env}
-    if device == "cpu":  # every thread's allocations in glibc's main arena, so freed pages leave RSS
-        env_vars["MALLOC_ARENA_MAX"] = "1"
-    spawn = dict(env=env_vars, backend=launch.backend, device=launch.device)
+    spawn = spawn_options(launch)
     sigmas = {mv: sigma_for_maxvio(mv, shape["experts"], shape["topk"], max(tokens) * ranks, seed=seed) for mv in maxvios}
     points = [(c, t, mv) for c in configs for t in tokens for mv in maxvios]
     bar = None
@@ -651,29 +658,11 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
                 for mv in maxvios:
                     res = run_on_ranks(ranks, rank_point, cfg, t, sigmas[mv], steps, warmup, check_steps, seed,
                                        tag=tag, **spawn)
-                    # the step time of the slowest rank is what a DP group waits for
-                    per_step = [max(r["total_s"][i] for r in res) for i in range(len(res[0]["total_s"]))]
-                    phases = {ph: statistics.median([max(r["phases_s"][ph][i] for r in res) for i in range(len(per_step))])
-                              for ph in PHASES}
-                    err = max((r["ref_rel_err"] or 0.0) for r in res)
-                    pt = {
-                        "tokens": t, "maxvio": mv, "maxvio_achieved": res[0]["maxvio_achieved"], "sigma": sigmas[mv],
-                        "median_s": statistics.median(per_step), "p90_s": _percentile(per_step, 0.9),
-                        "phases_median_s": phases,
-                        "imbalance_without_plan": res[0]["rows_without_plan_max_over_mean"],
-                        # real rows are S*K on every rank by construction; padding to token_padding
-                        # is what can still differ, so the plan's balance is measured on padded rows
-                        "imbalance_with_plan": statistics.median(
-                            max(r["padded_rows"][i] for r in res) / max(sum(r["padded_rows"][i] for r in res) / ranks, 1)
-                            for i in range(len(per_step))),
-                        "slots_used_per_step": statistics.mean(sum(r["slots_used"][i] for r in res) for i in range(len(per_step))),
-                        "padded_rows_max": max(max(r["padded_rows"]) for r in res),
-                        "ref_rel_err": err,
-                        "raw": res,
-                    }
+                    pt = summarize_point(res, tokens=t, maxvio=mv, sigma=sigmas[mv])
                     entry["points"].append(pt)
-                    if not (err <= max_ref_err):
-                        failures.append(f"{cfg}: tokens={t} maxvio={mv}: relative error {err:.3e} > {max_ref_err}")
+                    if not (pt["ref_rel_err"] <= max_ref_err):
+                        failures.append(f"{cfg}: tokens={t} maxvio={mv}: relative error {pt['ref_rel_err']:.3e} "
+                                        f"> {max_ref_err}")
                     if bar:
                         bar.update(1)
         finally:
@@ -869,7 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "symmetric memory) on cuda; nvshmem needs nvshmem4py (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and routing (default: %(default)s)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), type=config_choice, metavar="CONFIG",
-                    help=f"configurations to compare: any of {', '.join(CONFIGS)}, or module:function "
+                    help=f"configurations to compare: any of {', '.join(CONFIGS)} "
                          "(default: all; vllm-poc is skipped where vLLM does not import)")
     ap.add_argument("--impl", default="auto", choices=list(IMPLS),
                     help="grouped GEMM of the experts; 'auto' takes the best that runs on --device (default: %(default)s)")

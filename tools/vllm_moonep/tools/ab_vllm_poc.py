@@ -19,10 +19,11 @@ import types
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.common.memory import MemoryReport, replicated_accounting
+from vllm_moonep.common.memory import replicated_accounting
 from vllm_moonep.common.moe_step import StepInfo
 from vllm_moonep.common.timing import NullTimer
 from vllm_moonep.engine import Buffer
+from vllm_moonep.testing.vllm_harness import LayoutHolder, ensure_workspace, vllm_moe_config
 
 
 def install_engine_as_moonep() -> types.ModuleType:
@@ -34,38 +35,6 @@ def install_engine_as_moonep() -> types.ModuleType:
         mod.__vllm_moonep_shim__ = True
         sys.modules["moonep"] = mod
     return mod
-
-
-def vllm_moe_config(E: int, K: int, H: int, I: int, R: int, rank: int, max_tokens: int, device: torch.device):
-    """A vLLM ``FusedMoEConfig`` for DP = EP = R with the moonep backend."""
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEParallelConfig, RoutingMethodType
-
-    pc = FusedMoEParallelConfig(
-        tp_size=1, pcp_size=1, dp_size=R, ep_size=R, tp_rank=0, pcp_rank=0, dp_rank=rank, ep_rank=rank,
-        sp_size=1, use_ep=True, all2all_backend="moonep", enable_eplb=False,
-    )
-    return FusedMoEConfig(
-        num_experts=E, experts_per_token=K, hidden_dim=H, intermediate_size=I, num_local_experts=E // R,
-        num_logical_experts=E, activation=MoEActivation.SILU, device=str(device),
-        routing_method=RoutingMethodType.Renormalize, moe_parallel_config=pc, in_dtype=torch.bfloat16,
-        max_num_tokens=max_tokens,
-    )
-
-
-def ensure_workspace(device: torch.device) -> None:
-    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
-
-    if not is_workspace_manager_initialized():
-        init_workspace_manager(device)
-
-
-class LayoutHolder(torch.nn.Module):
-    """Stands in for the vLLM layer the experts read ``_moonep_weight_layout`` from."""
-
-    def __init__(self, layout):
-        super().__init__()
-        self._moonep_weight_layout = layout
 
 
 def _timed(timer_ref, phase, fn):
@@ -130,7 +99,9 @@ def import_poc() -> None:
 
 
 def build_poc(shape: dict, local, device: torch.device):
-    """``moonep-ab`` builder: runners, pool, layouts, extra objects, accounted memory."""
+    """``moonep-ab``'s ``vllm-poc`` configuration on this rank (an ``ab.Built``)."""
+    from vllm_moonep.tools.ab import Built
+
     import_poc()
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
@@ -163,9 +134,10 @@ def build_poc(shape: dict, local, device: torch.device):
         runner = PocRunner(kernel, pf, layout, layout.full_gate_weight, layout.full_down_weight, E)
         _record_plan(runner)
         runners.append(runner)
-        layouts.append(_PocLayout(layout))
+        layouts.append(layout)
     report = replicated_accounting(E, R, B, H, I, layers=len(local))
-    return runners, _PocPool(pool), layouts, [], report
+    # vLLM's layout objects have no methods: dropping them (and the runners) frees them
+    return Built(moes=runners, pool=pool, report=report, held=layouts, heaps=[], destroy_layouts=layouts.clear)
 
 
 def _record_plan(runner: PocRunner) -> None:
@@ -181,26 +153,3 @@ def _record_plan(runner: PocRunner) -> None:
         return res
 
     pf.prepare = prepare
-
-
-class _PocLayout:
-    """Teardown and memory for vLLM's layout tuple (it has no methods of its own)."""
-
-    kind = "vllm-poc"
-
-    def __init__(self, layout):
-        self.layout = layout
-
-    def memory_report(self) -> MemoryReport:
-        return MemoryReport()
-
-    def destroy(self) -> None:
-        self.layout = None
-
-
-class _PocPool:
-    def __init__(self, pool):
-        self.pool = pool
-
-    def destroy(self) -> None:
-        self.pool.destroy()

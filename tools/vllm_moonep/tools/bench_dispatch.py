@@ -24,10 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.common.routing import route, sigma_for_maxvio
 from vllm_moonep.engine import TRANSPORTS, Buffer, current_cuda_device, default_num_slots
-from vllm_moonep.tools.launch import (add_launch_arguments, finish_launched_group, is_driver, resolve_launch,
-                                      run_on_ranks, shutdown_pools)
+from vllm_moonep.testing.launch import (add_launch_arguments, finish_launched_group, is_driver, resolve_launch,
+                                        run_on_ranks, shutdown_pools)
+from vllm_moonep.testing.routing import route, sigma_for_maxvio
 
 SHAPES = {  # hidden size, experts, top-k
     "qwen3-30b-a3b": (2048, 128, 8),

@@ -5,7 +5,7 @@
 One run measures the ceilings (bf16 8192^3 matmul TFLOP/s, device copy GB/s counting bytes read
 plus written), then for each shape, tokens per rank and routing (balanced, skewed) builds rank
 0's realistic ``cu_seqlens`` of an EP=8 deployment: eight ranks' routing
-(``vllm_moonep.common.routing.route``) gives ``tpe[8, E]``, the real planner
+(``vllm_moonep.testing.routing.route``) gives ``tpe[8, E]``, the real planner
 (``vllm_moonep.engine.planner.plan_global``, ``B = E/8`` slots, padding 128) gives
 ``cu_seqlens[0]`` over ``E+B`` groups; real rows carry random hidden states and weights,
 padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM runs the
@@ -141,9 +141,9 @@ def _ceiling_line(ceil: dict, where: str) -> str:
 
 def rank0_case(shape: dict, tokens: int, sigma: float, seed: int = 0):
     """Rank 0's cu_seqlens [E+B] int32, real rows per segment [E+B], NvS, maxvio."""
-    from vllm_moonep.common.routing import maxvio, route
     from vllm_moonep.engine.buffer import nvs_rows
     from vllm_moonep.engine.planner import plan_global
+    from vllm_moonep.testing.routing import maxvio, route
 
     E, K = shape["E"], shape["K"]
     B = default_num_slots(E, R)

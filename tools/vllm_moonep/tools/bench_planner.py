@@ -23,9 +23,9 @@ from dataclasses import fields
 
 import torch
 
-from vllm_moonep.common.routing import route, sigma_for_maxvio
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.engine.planner import place_entries, plan_global
+from vllm_moonep.testing.routing import route, sigma_for_maxvio
 
 
 def _timer(dev: torch.device):

@@ -42,11 +42,12 @@ from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import measured_bytes
 from vllm_moonep.engine import current_cuda_device
 from vllm_moonep.engine.heaps import HEAP_KINDS
-from vllm_moonep.common.reference import dense_moe, random_expert_weights, relative_error
-from vllm_moonep.common.routing import route
-from vllm_moonep.replicated import ReplicatedWeightLayout
-from vllm_moonep.tools.launch import (BACKENDS, finish_launched_group, is_driver, launched_world_size, resolve_launch,
-                                      run_on_ranks)
+from vllm_moonep.layouts import build_layouts
+from vllm_moonep.testing.launch import (BACKENDS, finish_launched_group, is_driver, launched_world_size, resolve_launch,
+                                        run_on_ranks)
+from vllm_moonep.testing.reference import dense_moe, random_expert_weights, relative_error
+from vllm_moonep.testing.routing import route
+from vllm_moonep.testing.weights import local_experts
 
 __all__ = ["DEFAULTS", "main", "pool_capacities", "soak_rank", "step_schedule", "summarize"]
 
@@ -112,28 +113,20 @@ def soak_rank(cfg: dict) -> dict:
     cfg = {**DEFAULTS, **cfg, "ranks": R}
     E, H, I, K, B, L = (cfg[k] for k in ("experts", "hidden", "intermediate", "topk", "slots", "layers"))
     dev = current_cuda_device() if cfg["device"] == "cuda" else torch.device("cpu")
-    heap_kind = cfg["heap"] if cfg["heap"] != "auto" else ("host" if dev.type == "cpu" else "torch")
     kinds = {"auto": ["replicated", "symmetric"], "both": ["replicated", "symmetric"],
              "replicated": ["replicated"], "symmetric": ["symmetric"]}[cfg["layouts"]]
     t_setup = time.monotonic()
     rss_start = _rss()
     weights = [random_expert_weights(E, H, I, cfg["seed"] * 7919 + l, dev) for l in range(L)]
-    epn = E // R
-    local = [(w13[r * epn:(r + 1) * epn].clone(), w2[r * epn:(r + 1) * epn].clone()) for w13, w2 in weights]
+    local = [local_experts(w13, w2, r, R) for w13, w2 in weights]
     pool = MoonEPBufferPool(
         dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=cfg["token_padding"], device=dev,
              timeout_s=cfg["timeout_s"]),
         max_tokens_per_rank=cfg["max_tokens"], engine="builtin", min_capacity=cfg["min_capacity"],
     )
-    layouts: dict[str, list] = {}
-    for kind in kinds:
-        if kind == "replicated":
-            layouts[kind] = [ReplicatedWeightLayout(a, b, E, B, timeout_s=cfg["timeout_s"]) for a, b in local]
-        else:
-            from vllm_moonep.symmetric import SymmetricWeightLayout
-
-            layouts[kind] = [SymmetricWeightLayout(a, b, E, num_slots=B, heap=heap_kind) for a, b in local]
-    moes = {k: [MoonEPMoE(pool, lay, impl=cfg["impl"]) for lay in layouts[k]] for k in kinds}
+    # the symmetric set's heap: cfg["heap"] (auto: host on CPU, PyTorch symmetric memory on CUDA)
+    layouts = {kind: build_layouts(kind, local, E, B, heap_kind=cfg["heap"], timeout_s=cfg["timeout_s"]) for kind in kinds}
+    moes = {k: [MoonEPMoE(pool, lay, impl=cfg["impl"]) for lay in layouts[k].layouts] for k in kinds}
     caps = pool_capacities(cfg["max_tokens"], cfg["min_capacity"])
     warmup = cfg["warmup"] if cfg["warmup"] is not None else max(50, cfg["steps"] // 10)
     first_seen: dict[tuple, str] = {}
@@ -225,8 +218,7 @@ def soak_rank(cfg: dict) -> dict:
     # teardown, newest first, before the process group
     pool.destroy()
     for kind in reversed(kinds):
-        for lay in reversed(layouts[kind]):
-            lay.destroy()
+        layouts[kind].destroy()
     post = [rs for st, rs in rss_samples if rss_warm is not None and st >= warm_step]
     slope = 0.0
     if len(post) >= 4:

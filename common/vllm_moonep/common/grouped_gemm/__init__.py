@@ -23,14 +23,13 @@ reference), and nothing downstream reads them.
 """
 
 from vllm_moonep.common.grouped_gemm.api import IMPLS, GroupedWeights, available_impls, expert_ffn, resolve_impl
-from vllm_moonep.common.grouped_gemm.reference import expert_ffn_float64, expert_ffn_reference
+from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
 
 __all__ = [
     "IMPLS",
     "GroupedWeights",
     "available_impls",
     "expert_ffn",
-    "expert_ffn_float64",
     "expert_ffn_reference",
     "resolve_impl",
 ]

@@ -1,4 +1,5 @@
-"""Plain-torch expert compute: the oracle, and the CPU path."""
+"""Plain-torch expert compute: the CPU path (the float64 precision reference of the tests is
+``vllm_moonep.testing.reference.expert_ffn_float64``)."""
 
 from __future__ import annotations
 
@@ -39,15 +40,3 @@ def expert_ffn_reference(
     out[total:].zero_()
     return out
 
-
-def expert_ffn_float64(
-    x: torch.Tensor, route_w: torch.Tensor, cu_seqlens: torch.Tensor, weights: GroupedWeights
-) -> torch.Tensor:
-    """The float64 reference for precision checks (no intermediate rounding); rows past the end are zero."""
-    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-    for g, a, b in _segments(cu_seqlens):
-        gate, up, down = (w.double() for w in weights.rows(g))
-        xs = x[a:b].double()
-        act = F.silu(xs @ gate.T) * (xs @ up.T) * route_w[a:b, None].double()
-        out[a:b] = act @ down.T
-    return out

@@ -1,13 +1,21 @@
-"""The independent reference every end-to-end check compares against: the dense MoE.
+"""The independent references checks compare against.
 
-``out[t] = sum_k w[t,k] * FFN_{ids[t,k]}(x[t])`` with ``FFN_e(x) = (silu(x gate_e^T) * (x up_e^T)) down_e^T``,
-in float32 on the full (global) weights. No MoonEP code is involved.
+- ``dense_moe``: the dense MoE, ``out[t] = sum_k w[t,k] * FFN_{ids[t,k]}(x[t])`` with
+  ``FFN_e(x) = (silu(x gate_e^T) * (x up_e^T)) down_e^T``, in float32 on the full (global)
+  weights. No MoonEP code is involved.
+- ``expert_ffn_float64``: the grouped expert compute in float64 with no intermediate rounding,
+  the precision reference for the grouped-GEMM kernels (it reads the same ``GroupedWeights``
+  row source as the code under test, nothing else of it).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from vllm_moonep.common.grouped_gemm import GroupedWeights
+
+__all__ = ["dense_moe", "expert_ffn_float64", "random_expert_weights", "relative_error"]
 
 
 def random_expert_weights(E: int, H: int, I: int, seed: int = 0, device: torch.device | str = "cpu"):
@@ -44,4 +52,21 @@ def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         up = w13[e, I:].float()
         h = F.silu(xe @ gate.T) * (xe @ up.T)
         out.index_add_(0, tok, (h @ w2[e].float().T) * topk_weights[tok, k].float()[:, None])
+    return out
+
+
+def expert_ffn_float64(
+    x: torch.Tensor, route_w: torch.Tensor, cu_seqlens: torch.Tensor, weights: GroupedWeights
+) -> torch.Tensor:
+    """The float64 reference for precision checks (no intermediate rounding): rows of group ``g``
+    (``[cu[g-1], cu[g])``) through that group's weights; rows past the end are zero."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    start = 0
+    for g, end in enumerate(cu_seqlens.tolist()):
+        if end > start:
+            gate, up, down = (w.double() for w in weights.rows(g))
+            xs = x[start:end].double()
+            act = F.silu(xs @ gate.T) * (xs @ up.T) * route_w[start:end, None].double()
+            out[start:end] = act @ down.T
+        start = end
     return out
