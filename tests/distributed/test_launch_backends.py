@@ -183,3 +183,32 @@ def test_tools_refuse_a_launch_that_cannot_run_before_spawning(capsys, monkeypat
         mod.main(argv)
     assert exc.value.code == 2
     assert needle in capsys.readouterr().err
+
+
+def _rank_of_pool():
+    return dist.get_rank()
+
+
+def test_pool_starts_again_when_its_rendezvous_port_was_taken(monkeypatch):
+    """The rendezvous port is picked free and bound a moment later; another process took it in
+    between on a GPU host (EADDRINUSE) and the whole pool failed to start."""
+    import socket
+
+    from vllm_moonep.testing import launch
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    ports = [taken.getsockname()[1]]  # the first pick is the port another process holds
+    real = launch._free_port
+    monkeypatch.setattr(launch, "_free_port", lambda: ports.pop() if ports else real())
+    try:
+        pool = RankPool(2, start_timeout_s=60)
+        try:
+            assert pool.run(_rank_of_pool) == [0, 1]
+        finally:
+            pool.close()
+    finally:
+        taken.close()
+    assert ports == []

@@ -70,6 +70,10 @@ class RankFailure:
         return f"RankFailure(rank={self.rank}, status={self.status!r}, exitcode={self.exitcode})"
 
 
+#: spawns of a pool whose rendezvous port was taken between picking and binding it
+_START_ATTEMPTS = 3
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -296,24 +300,39 @@ class RankPool:
         self.world_size = world_size
         self.backend = backend
         self.device = device
+        self.broken = False
+        # the rendezvous port is picked free, then bound by rank 0 a moment later: another process
+        # can take it in between (seen on a GPU host: EADDRINUSE); start again on a new port
+        for attempt in range(_START_ATTEMPTS):
+            error = self._start(env, device, start_timeout_s)
+            if error is None:
+                return
+            if "EADDRINUSE" not in error and "address already in use" not in error:
+                break
+        raise RankError(error)
+
+    def _start(self, env: dict | None, device: str | None, start_timeout_s: float) -> str | None:
+        """Spawn the ranks on a fresh port; ``None`` when every rank is ready, else why not (the
+        ranks that did start are closed)."""
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         env = dict(env or {})
         self.procs, self.conns = [], []
-        for r in range(world_size):
+        for r in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(r, world_size, init_method, backend, child, env, device),
+            p = ctx.Process(target=_worker_main, args=(r, self.world_size, init_method, self.backend, child, env, device),
                             daemon=True)
             p.start()
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
-        self.broken = False
         for r, c in enumerate(self.conns):
             status, payload = self._recv(r, c, start_timeout_s)
             if status != "ready":
                 self.close()
-                raise RankError(f"rank {r} failed to start:\n{payload}")
+                self.broken = False
+                return f"rank {r} failed to start:\n{payload}"
+        return None
 
     def _recv(self, rank: int, conn, timeout_s: float):
         deadline = time.monotonic() + timeout_s

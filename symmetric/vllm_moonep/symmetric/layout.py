@@ -193,6 +193,12 @@ class SymmetricWeightLayout:
 
     kind = "symmetric"
 
+    #: what vLLM 0.33 rebinds a moonep layer's parameters to after building its layout (the
+    #: replicated layout's own ``[E+B]`` tensors); here the vLLM plugin sets them to the adopted
+    #: parameters, so the rebinding changes nothing. Nothing in this project reads them.
+    full_gate_weight: torch.Tensor | None = None
+    full_down_weight: torch.Tensor | None = None
+
     def __init__(self, w13_local: torch.Tensor, w2_local: torch.Tensor, num_experts: int, num_slots: int | None = None,
                  group: ProcessGroup | None = None, *, heap: SymmetricHeap | str | None = None,
                  slot_pool: SharedSlotPool | None = None, name: str | None = None) -> None:
