@@ -114,6 +114,8 @@ def test_ab_writes_complete_json_and_plots(ours):
             assert set(p["phases_median_s"]) == {"pad", "dispatch", "prefetch", "experts", "combine"}
             assert 0 < p["ref_rel_err"] < 2e-2
             assert p["median_s"] > 0 and p["p90_s"] >= p["median_s"]
+            # the communication anchor of the same run: a plain all-to-all of the point's payload
+            assert p["a2a_s"] > 0 and all(r["a2a_s"] > 0 for r in p["raw"])
     rep = data["configs"]["replicated"]["memory"][0]["accounted"]
     sym = data["configs"]["symmetric"]["memory"][0]["accounted"]
     shared = data["configs"]["symmetric-shared"]["memory"][0]["accounted"]
@@ -125,7 +127,7 @@ def test_ab_writes_complete_json_and_plots(ours):
         assert path.exists() and path.stat().st_size > 5000
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = ab.format_table(res)
-    assert "replicated" in text and "symmetric-shared" in text
+    assert "replicated" in text and "symmetric-shared" in text and "2xa2a" in text
 
 
 def test_each_configuration_is_measured_in_fresh_processes(ours):

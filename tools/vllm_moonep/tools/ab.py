@@ -451,6 +451,7 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
     achieved = [maxvio(t) for t in tpe_steps]
     cap = moes[-1].last.capacity if moes[-1].last is not None else tokens
     with_plan = cap * K * len(totals)
+    a2a = time_all_to_all(tokens * K * H, device, reps=max(steps, 3))
     return {
         "total_s": totals,
         "phases_s": per_phase,
@@ -462,7 +463,31 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
         "slots_used": slots_used,
         "padded_rows": padded,
         "capacity": cap,
+        "a2a_s": a2a,
     }
+
+
+def time_all_to_all(elements: int, device: torch.device, reps: int) -> float:
+    """The anchor of a step's communication, same run and group: median seconds of one plain
+    ``all_to_all_single`` of ``elements`` bf16 values per rank (a layer's dispatch payload,
+    S*K*H, split evenly over the ranks), on the device the group moves data on."""
+    R = dist.get_world_size()
+    n = max(R, (elements // R) * R)
+    dev = device if device.type == "cuda" else comm_device()
+    src = torch.ones(n, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    ts = []
+    for i in range(reps + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(dst, src)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i:  # the first call sets up the communicator's buffers
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
 
 
 def rank_teardown(cfg):
@@ -591,6 +616,7 @@ def summarize_point(res: list[dict], *, tokens: int, maxvio: float, sigma: float
             for i in range(len(per_step))),
         "slots_used_per_step": statistics.mean(sum(r["slots_used"][i] for r in res) for i in range(len(per_step))),
         "padded_rows_max": max(max(r["padded_rows"]) for r in res),
+        "a2a_s": max(r.get("a2a_s", 0.0) for r in res),
         "ref_rel_err": max((r["ref_rel_err"] or 0.0) for r in res),
         "raw": res,
     }
@@ -740,7 +766,7 @@ def write_plots(results: dict, out_dir: str) -> list[str]:
 
 LEGEND = (
     "memory (per rank, rank 0): resident MiB = expert weights held while serving, from the layouts' own accounting (home = this rank's E/R experts, repl. = the replicated [0,E) copy, slots = the B prefetch slots); load transient = extra held only while the weights are built; measured MiB = how much a fresh rank process grew while building the layers (RSS on CPU; device memory in use on GPU, which counts the symmetric heaps outside torch's allocator), measured after freed memory was released: a check on the accounting; where the two differ by more than 10% the output says why (staging copies of the CPU host heap, allocator rounding, memory outside the expert weights); peak MiB = the most the process held while building (the measured load transient plus the resident).",
-    "latency: tokens = tokens per rank per step; maxvio = the requested routing skew, max/mean tokens per expert - 1 over all ranks' tokens of a step (0 = even); got = the skew the routing actually had, mean over the timed steps (random routing is never perfectly even, so a requested 0 comes out above 0); median / p90 ms = step time over all layers of the slowest rank; the phase columns are median ms per step summed over layers, slowest rank: pad = pad the step to the buffer's capacity and count tokens per expert, dispatch = plan and send rows to their ranks, prefetch = fill the slots with the planned experts' weights, experts = the grouped GEMM, combine = send results back and sum each token's top-k (vllm-poc reports its prepare under dispatch); no-plan = max/mean rows per rank without redundancy (all rows of its home experts); plan = max/mean rows per rank under the MoonEP plan, padding included (real rows are exactly S*K everywhere); slots = slots used per step (all ranks, last layer); ref err = max relative error ||out - ref|| / ||ref|| over the checked steps against a dense float32 MoE on the full weights (a configuration above {max_ref_err:g} fails the run).",
+    "latency: tokens = tokens per rank per step; maxvio = the requested routing skew, max/mean tokens per expert - 1 over all ranks' tokens of a step (0 = even); got = the skew the routing actually had, mean over the timed steps (random routing is never perfectly even, so a requested 0 comes out above 0); median / p90 ms = step time over all layers of the slowest rank; the phase columns are median ms per step summed over layers, slowest rank: pad = pad the step to the buffer's capacity and count tokens per expert, dispatch = plan and send rows to their ranks, prefetch = fill the slots with the planned experts' weights, experts = the grouped GEMM, combine = send results back and sum each token's top-k (vllm-poc reports its prepare under dispatch); 2xa2a = the anchor of dispatch + combine, measured in the same run on the same group: two plain all_to_all_single of a layer's dispatch payload (tokens x top-k x hidden bf16 per rank, split evenly), slowest rank's median, times the layers; no-plan = max/mean rows per rank without redundancy (all rows of its home experts); plan = max/mean rows per rank under the MoonEP plan, padding included (real rows are exactly S*K everywhere); slots = slots used per step (all ranks, last layer); ref err = max relative error ||out - ref|| / ||ref|| over the checked steps against a dense float32 MoE on the full weights (a configuration above {max_ref_err:g} fails the run).",
 )
 
 
@@ -792,13 +818,14 @@ def format_table(results: dict) -> str:
         lines.append(f"where measured and accounted differ by more than {EXPLAIN_ABOVE:.0%}, why:")
         lines += notes
     lines += ["", f"{'config':<17} {'tokens':>6} {'maxvio':>6} {'got':>5} {'median ms':>9} {'p90 ms':>8} "
-              + " ".join(f"{p[:8]:>8}" for p in PHASES) + f" {'no-plan':>7} {'plan':>5} {'slots':>5} {'ref err':>8}"]
+              + " ".join(f"{p[:8]:>8}" for p in PHASES) + f" {'2xa2a':>8} {'no-plan':>7} {'plan':>5} {'slots':>5} {'ref err':>8}"]
     for c, e in results["configs"].items():
         for p in e["points"]:
             lines.append(
                 f"{c:<17} {p['tokens']:>6} {p['maxvio']:>6.1f} {p.get('maxvio_achieved', float('nan')):5.2f} "
                 f"{p['median_s'] * 1e3:9.2f} {p['p90_s'] * 1e3:8.2f} "
                 + " ".join(f"{p['phases_median_s'][ph] * 1e3:8.2f}" for ph in PHASES)
+                + f" {2 * p.get('a2a_s', float('nan')) * s['layers'] * 1e3:8.2f}"
                 + f" {p['imbalance_without_plan']:7.2f} {p['imbalance_with_plan']:5.2f} {p['slots_used_per_step']:5.1f} "
                 f"{p['ref_rel_err']:8.1e}"
             )
