@@ -51,11 +51,24 @@ def _close_rank_pools():
     shutdown_pools()
 
 
+#: ``VLLM_MOONEP_TEST_DEVICE`` of the pytest process, read once: ``cuda`` makes ``ranks()`` default to one
+#: GPU per rank over NCCL (the rank processes inherit it: tests/vllm/workers.py puts their objects there)
+TEST_DEVICE = os.environ.get("VLLM_MOONEP_TEST_DEVICE", "cpu")
+
+
 def ranks(world_size: int, fn, *args, **kwargs):
-    """Run ``fn(*args)`` on ``world_size`` ranks; skip when launched with another world size."""
+    """Run ``fn(*args)`` on ``world_size`` ranks; skip when launched with another world size. With
+    ``VLLM_MOONEP_TEST_DEVICE=cuda``: ``backend="nccl"``, ``device="cuda"`` unless given, and spawned
+    ranks skip when there are fewer GPUs than ranks."""
     from vllm_moonep.testing.launch import launched_world_size, run_on_ranks
 
     launched = launched_world_size()
     if launched is not None and launched != world_size:
         pytest.skip(f"launched with WORLD_SIZE={launched}; this case needs {world_size}")
+    if TEST_DEVICE == "cuda":
+        kwargs.setdefault("backend", "nccl")
+        kwargs.setdefault("device", "cuda")
+        n_gpu = _cuda_count()
+        if launched is None and kwargs["backend"] == "nccl" and world_size > n_gpu:
+            pytest.skip(f"VLLM_MOONEP_TEST_DEVICE=cuda: {world_size} NCCL ranks need a GPU each (have {n_gpu})")
     return run_on_ranks(world_size, fn, *args, **kwargs)

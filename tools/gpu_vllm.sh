@@ -6,44 +6,51 @@
 # and modular kernel need and the image lacks (pydantic, pyzmq, msgspec, ...: .device/vllm/
 # README.txt lists them); probe the import closure twice, under vLLM's own platform choice (CUDA
 # where GPUs are visible) and under its CPU platform, printing the first failure verbatim (where
-# vLLM's Python stops); run tests/vllm; then show how far vLLM's CUDA platform gets in a test.
+# vLLM's Python stops); run tests/vllm on CPU ranks, then its core cases on CUDA tensors over NCCL;
+# then show how far vLLM's CUDA platform gets in a test.
 #
-# What tests/vllm run on (read before reading the results): every case builds its tensors, buffer
-# pool, layouts and vLLM FusedMoEConfig on device "cpu" (tests/vllm/workers.py) and runs them on
-# spawned gloo ranks of world size 2, 3 or 4 (tests/conftest.py ranks() -> run_on_ranks, gloo by
-# default); no environment variable picks CUDA, NCCL or the world size (under torchrun, cases for
-# another WORLD_SIZE skip, and an NCCL launched group cannot carry their CPU tensors), and no case
-# has world size 1. test_plugin*.py pin vLLM's CPU platform in their ranks (VLLM_TARGET_DEVICE=cpu);
-# test_modular.py and test_contract.py take vLLM's own choice, which on a GPU machine is CUDA,
-# whose module (vllm/platforms/cuda.py:23) imports the compiled vllm._C_stable_libtorch at its top
-# (reached from `import vllm.config` through vllm/utils/torch_utils.py's PIN_MEMORY). So:
+# What tests/vllm run on (read before reading the results): by default every case builds its
+# tensors, buffer pool, layouts and vLLM FusedMoEConfig on device "cpu" (tests/vllm/workers.py) and
+# runs them on spawned gloo ranks of world size 1 to 4 (tests/conftest.py ranks() -> run_on_ranks).
+# VLLM_MOONEP_TEST_DEVICE=cuda in the pytest process switches both: ranks() then spawns one NCCL
+# rank per GPU (cases with more ranks than GPUs skip) and workers.py puts those objects on the
+# rank's GPU (symmetric layouts on the torch heap; the dense reference stays on the CPU). vLLM's
+# platform is a separate choice: test_plugin*.py pin its CPU platform in their ranks
+# (VLLM_TARGET_DEVICE=cpu); test_modular.py and test_contract.py take vLLM's own choice, which on a
+# GPU machine is CUDA, whose module (vllm/platforms/cuda.py:23) imports the compiled
+# vllm._C_stable_libtorch at its top (reached from `import vllm.config` through
+# vllm/utils/torch_utils.py's PIN_MEMORY). So:
 #   main pass   every tests/vllm case with VLLM_TARGET_DEVICE=cpu exported: vLLM's Python on CPU
-#               gloo ranks beside visible GPUs (what runs) -> vllm.xml
-#   CUDA pass   when the own-choice probe stopped: vllm/_C_stable_libtorch.py written as an empty
+#               gloo ranks beside visible GPUs -> vllm.xml
+#   cuda pass   CUDA_TESTS (default: test_contract.py's in-tree-classes case and test_modular.py's
+#               test_matrix, each at R=1 and R=2) with VLLM_MOONEP_TEST_DEVICE=cuda and still
+#               VLLM_TARGET_DEVICE=cpu: our classes and vLLM's MoonEP classes on CUDA tensors, one
+#               GPU per rank over NCCL (R=2 skips on one GPU) -> vllm-cuda.xml
+#   cudaplat    when the own-choice probe stopped: vllm/_C_stable_libtorch.py written as an empty
 #               stand-in (registers no ops; STUB_C=0: none), the probe again, and test_contract.py
-#               + test_modular.py with -x under vLLM's CUDA platform: the next place that needs a
-#               compiled op or a GPU-only path -> vllm-cudaplat.xml
-# Running the cases on CUDA at world size 1 and 2 over NCCL needs a test change (a device switch
-# in tests/vllm/workers.py and conftest.ranks(); not made here).
+#               + test_modular.py with -x under vLLM's CUDA platform (CPU tensors): the next place
+#               that needs a compiled op or a GPU-only path -> vllm-cudaplat.xml
 #
-# Usage (repo root; carry .device/vllm, and .whl for nvshmem4py): bash tools/gpu_vllm.sh [extra pytest args]
+# Usage (repo root; carry .device/vllm, and .whl for nvshmem4py): bash tools/gpu_vllm.sh [pytest args]
+#   (extra pytest args go to the main and cuda passes)
 #   PYTHON          interpreter (default python3); a path puts its folder first on PATH, so that
 #                   tools/gpu_env.sh's python3 is the same one (local checks: PYTHON=/tmp/venv/bin/python)
 #   VLLM_DIR        folder of vllm-py.tar.gz and wheels/ (default .device/vllm); VLLM_WHEELS overrides
 #                   the wheel folder (cp312 manylinux x86_64 wheels there; another Python needs its own)
 #   VLLM_SRC, VLLM_SITE   where the sources unpack / the wheels install (default /tmp/vllm-src, /tmp/vsite)
-#   STEPS           which steps (default "imports suite cudaplat"); "imports" alone: setup and probes
+#   STEPS           which steps (default "imports suite cuda cudaplat"); "imports" alone: setup and probes
 #   SUITE_TARGET    VLLM_TARGET_DEVICE of the main pass (default cpu; "auto": vLLM's own choice)
-#   SUITE_TIMEOUT   seconds for the main pass (default 300), CUDAPLAT_TIMEOUT for the CUDA pass
-#                   (default 150), TEST_TIMEOUT per test (default 240); BUDGET caps the whole script
-#                   (default 440 s: under 8 minutes with the 15 s kill grace); every step is bounded and
-#                   a later one gets only what is left
-#   CUDAPLAT_TESTS  the CUDA pass's paths; STUB_C=0 leaves vllm._C_stable_libtorch absent there
+#   SUITE_TIMEOUT   seconds for the main pass (default 300), CUDA_TIMEOUT for the cuda pass (default
+#                   150), CUDAPLAT_TIMEOUT for the cudaplat pass (default 150), TEST_TIMEOUT per test
+#                   (default 240); BUDGET caps the whole script (default 440 s: under 8 minutes with
+#                   the 15 s kill grace); every step is bounded and a later one gets only what is left
+#   CUDA_TESTS      the cuda pass's paths / node ids; CUDAPLAT_TESTS the cudaplat pass's; STUB_C=0
+#                   leaves vllm._C_stable_libtorch absent there
 #   VLLM_MOONEP_THREADS_PER_RANK  torch threads per rank process (default 4 with >= 16 cores, else 1)
 # Files in $OUT (8 at most come back from the device tool): setup.log (editable install, nvshmem4py
 # and the vLLM wheels' pip output), vllm-imports.txt (environment and import probes), vllm.log
-# (everything this script printed, the main pass included), vllm.xml (the main pass's junit
-# report), vllm-cudaplat.log and vllm-cudaplat.xml (the CUDA pass).
+# (everything this script printed, the main and cuda passes included), vllm.xml and vllm-cuda.xml
+# (their junit reports), vllm-cudaplat.log and vllm-cudaplat.xml (the cudaplat pass).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
@@ -52,7 +59,7 @@ VLLM_DIR=${VLLM_DIR:-.device/vllm}
 VLLM_WHEELS=${VLLM_WHEELS:-$VLLM_DIR/wheels}
 VLLM_SRC=${VLLM_SRC:-/tmp/vllm-src}
 VLLM_SITE=${VLLM_SITE:-/tmp/vsite}
-STEPS=${STEPS:-imports suite cudaplat}
+STEPS=${STEPS:-imports suite cuda cudaplat}
 BUDGET=${BUDGET:-440}
 T0=$(date +%s)
 
@@ -224,7 +231,21 @@ PY
     echo "gpu_vllm: pytest exit $rc in $(( $(date +%s) - start ))s"
     summary "$OUT/vllm.xml"
   fi
-  # 5. vLLM's own platform choice (CUDA on a GPU machine) past its first stop: when the probe above
+  # 5. the core cases on CUDA tensors, one GPU per rank over NCCL (vLLM's platform still CPU)
+  if has_step cuda; then
+    local cuda_tests=${CUDA_TESTS:-tests/vllm/test_contract.py::test_vllm_in_tree_classes_on_builtin_engine tests/vllm/test_modular.py::test_matrix} start r2
+    echo "=== pytest $cuda_tests, VLLM_MOONEP_TEST_DEVICE=cuda (NCCL, one GPU per rank), VLLM_TARGET_DEVICE=cpu ==="
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    (export VLLM_TARGET_DEVICE=cpu VLLM_MOONEP_TEST_DEVICE=cuda
+     SIG=INT bounded "${CUDA_TIMEOUT:-150}" "$PYTHON" -m pytest $cuda_tests -q -rfEs -p no:cacheprovider \
+       --timeout="${TEST_TIMEOUT:-240}" --junitxml="$OUT/vllm-cuda.xml" "$@") 2>&1
+    r2=$?
+    (( rc == 0 )) && rc=$r2
+    echo "gpu_vllm: cuda pass pytest exit $r2 in $(( $(date +%s) - start ))s"
+    summary "$OUT/vllm-cuda.xml"
+  fi
+  # 6. vLLM's own platform choice (CUDA on a GPU machine) past its first stop: when the probe above
   # stopped there, vllm/_C_stable_libtorch.py becomes an empty stand-in for the compiled extension
   # (it registers no ops; STUB_C=0: no stand-in), the probe runs again, then a short pytest pass (-x)
   # shows where vLLM's Python next needs a compiled op (torch.ops._C / _moe_C) or a GPU-only path.

@@ -6,7 +6,8 @@ engine, removed afterwards) stands in for the real ``moonep`` package. vLLM's
 ``MoonEPExperts`` (experts/moonep_experts.py, three ``torch._grouped_mm`` calls: torch 2.14 runs
 them on CPU, so nothing is monkeypatched) run end to end through vLLM's ``FusedMoEKernel`` and
 are checked against the dense reference; so are the mixed pairs (vLLM's P/F with our experts, our
-P/F with vLLM's experts).
+P/F with vLLM's experts). At world size 2 and, with no remote expert to prefetch, at world size 1;
+on the CPU, or on CUDA with ``VLLM_MOONEP_TEST_DEVICE=cuda`` (``workers``: one GPU per rank, NCCL).
 
 Not exercised: vLLM's ``MoonEPAll2AllManager`` (its constructor calls
 ``check_moonep_system_support``, which needs the real package's CUDA extension and NVSwitch
@@ -44,23 +45,24 @@ def rk_contract(m: int, seed: int):
     W.set_threads()
     W.ensure_workspace()
     rank, R = W.rank_world()
+    dev = W.device()
     saved = sys.modules.get("moonep")
     shim = types.ModuleType("moonep")
     shim.Buffer = Buffer
     sys.modules["moonep"] = shim
     try:
         w13, w2 = W.global_weights(E, H, I, seed)
-        ours = ReplicatedWeightLayout(W.local_rows(w13, rank, R), W.local_rows(w2, rank, R), E, B)
+        ours = ReplicatedWeightLayout(W.local_rows(w13, rank, R).to(dev), W.local_rows(w2, rank, R).to(dev), E, B)
         # vLLM's [E+B] layout object over the SAME tensors, so either P/F prefetches into what
         # either experts read
         vlay = vpf.MoonEPExpertWeightLayout(ours.full_gate_weight, ours.full_up_weight, ours.full_down_weight, B)
-        ref_vlay = vpf.make_moonep_weight_layout(w13, w2, B)  # what vLLM's own builder makes
+        ref_vlay = vpf.make_moonep_weight_layout(w13.to(dev), w2.to(dev), B)  # what vLLM's own builder makes
         assert torch.equal(ref_vlay.full_gate_weight[:E], vlay.full_gate_weight[:E])
         assert torch.equal(ref_vlay.full_down_weight[:E], vlay.full_down_weight[:E])
         # vLLM's pool imports `from moonep import Buffer` -> our engine; kwargs as vLLM's manager passes
         vpool = vpf.MoonEPBufferPool(
             dict(H=H, K=K, E=E, num_ep_ranks=R, num_sms=32, token_padding=128, B=B, group=None,
-                 explicitly_destroy=True, device="cpu"), max_tokens_per_rank=512)
+                 explicitly_destroy=True, device=dev), max_tokens_per_rank=512)
         opool = W.make_pool(R, H, K, E, B, 512)
         cfg = W.moe_config(E, K, H, I, R, rank, 512)
         holder_v, holder_o = W.LayoutHolder(vlay), W.LayoutHolder(ours)
@@ -112,10 +114,14 @@ def rk_contract(m: int, seed: int):
 
 
 @pytest.mark.parametrize("m", [37, 300])
-def test_vllm_in_tree_classes_on_builtin_engine(m):
-    """vLLM's own in-tree MoonEP classes (alone and mixed with ours) off the dense MoE on our engine: a contract it
-    does not honour."""
-    res = ranks(2, rk_contract, m, 11)
+@pytest.mark.parametrize("R", [1, 2], ids=["R1", "R2"])
+def test_vllm_in_tree_classes_on_builtin_engine(R, m):
+    """vLLM's own in-tree MoonEP classes (alone and mixed with ours) off the dense MoE on our engine (at world size 1: a
+    slot filled with no remote expert): a contract it does not honour."""
+    res = ranks(R, rk_contract, m, 11)
     for r in res:
         assert set(r) >= {"vllm+vllm", "vllm_pf+our_experts", "our_pf+vllm_experts"}
-    assert max(r["slots"] for r in res) > 0
+    if R == 1:  # every expert is home: nothing to prefetch
+        assert res[0]["slots"] == 0, res
+    else:
+        assert max(r["slots"] for r in res) > 0

@@ -9,6 +9,11 @@ expert's output row, the combined token), each a relative error <= 2**-8 ~ 3.9e-
 are O(1) here (x ~ N(0,1), weights ~ N(0, 1/fan_in)); 2e-2 covers their sum with a margin while
 staying below vLLM's own 6e-2 for bf16 MoE tests, and is far below any real mistake (a dropped
 or doubled expert changes the output by O(1)).
+
+Device: ``VLLM_MOONEP_TEST_DEVICE=cuda`` (read once, at import) puts the tokens, buffer pool,
+layouts (symmetric ones on the ``torch`` heap), vLLM's workspace and ``FusedMoEConfig`` on this
+rank's GPU (``tests/conftest.py`` ``ranks()`` then gives one GPU per rank over NCCL); the dense
+reference stays on the CPU and ``close`` compares on the CPU. Anything else: all on the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from vllm_moonep.testing.vllm_harness import ensure_workspace as ensure_workspac
 from vllm_moonep.testing.weights import local_rows
 
 ATOL = RTOL = 2e-2
+#: ``VLLM_MOONEP_TEST_DEVICE=cuda``: the MoonEP objects and their tensors on this rank's GPU
+ON_CUDA = os.environ.get("VLLM_MOONEP_TEST_DEVICE", "cpu") == "cuda"
+
+
+def device() -> torch.device:
+    """This rank's device: its current GPU (with the index) under ``ON_CUDA``, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if ON_CUDA else torch.device("cpu")
 
 
 # ---------------------------------------------------------------------------- data
@@ -35,18 +47,20 @@ def global_weights(E: int, H: int, I: int, seed: int = 0) -> tuple[torch.Tensor,
 
 
 def tokens(n: int, H: int, E: int, K: int, *, sigma: float, seed: int, rank: int):
-    """This rank's ``(x [n,H] bf16, ids [n,K] int32, weights [n,K] fp32)``."""
+    """This rank's ``(x [n,H] bf16, ids [n,K] int32, weights [n,K] fp32)`` on ``device()``."""
     from vllm_moonep.testing.routing import route
 
     ids, w = route(n, E, K, sigma=sigma, seed=seed, rank=rank)
     g = torch.Generator().manual_seed(77 + 131 * seed + rank)
     x = torch.randn(n, H, generator=g).to(torch.bfloat16)
-    return x, ids, w
+    dev = device()
+    return x.to(dev), ids.to(dev), w.to(dev)
 
 
 def close(out: torch.Tensor, ref: torch.Tensor, what: str = "") -> float:
-    """Assert the tolerance above; returns the max abs error."""
+    """Assert the tolerance above (compared on the CPU); returns the max abs error."""
     assert out.shape == ref.shape, f"{what}: shape {list(out.shape)} != {list(ref.shape)}"
+    out, ref = out.detach().cpu(), ref.detach().cpu()
     diff = (out.float() - ref.float()).abs()
     bound = ATOL + RTOL * ref.float().abs()
     bad = diff > bound
@@ -69,25 +83,25 @@ def make_pool(R: int, H: int, K: int, E: int, B: int, max_tokens: int, tp: int =
     from vllm_moonep.common import MoonEPBufferPool
 
     return MoonEPBufferPool(
-        dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=tp, device="cpu"), max_tokens, engine="builtin"
+        dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=tp, device=device()), max_tokens, engine="builtin"
     )
 
 
 def make_layouts(kind: str, w13_local, w2_local, E: int, B: int):
-    """A one-layer ``LayoutSet`` of ``kind`` (symmetric kinds on the host heap)."""
+    """A one-layer ``LayoutSet`` of ``kind`` (symmetric kinds on the host heap; on CUDA, the torch one)."""
     from vllm_moonep.layouts import build_layouts
 
-    return build_layouts(kind, [(w13_local, w2_local)], E, B, heap_kind="host")
+    return build_layouts(kind, [(w13_local, w2_local)], E, B, heap_kind="torch" if ON_CUDA else "host")
 
 
 def moe_config(E: int, K: int, H: int, I: int, R: int, rank: int, max_tokens: int):
     """A vLLM ``FusedMoEConfig`` for DP=EP=R with the moonep backend (no distributed state needed)."""
-    return vllm_moe_config(E, K, H, I, R, rank, max_tokens, torch.device("cpu"))
+    return vllm_moe_config(E, K, H, I, R, rank, max_tokens, device())
 
 
 def ensure_workspace() -> None:
-    """vLLM's workspace manager on CPU (the modular kernel asks it for scratch on non-CPU platforms)."""
-    ensure_workspace_on(torch.device("cpu"))
+    """vLLM's workspace manager on ``device()`` (the modular kernel asks it for scratch on non-CPU platforms)."""
+    ensure_workspace_on(device())
 
 
 def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, seed: int = 0):
@@ -99,7 +113,8 @@ def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, se
 
     rank, R = rank_world()
     w13, w2 = global_weights(E, H, I, seed)
-    w13_l, w2_l = local_rows(w13, rank, R), local_rows(w2, rank, R)
+    dev = device()  # the global w13 / w2 stay on the CPU for the dense reference
+    w13_l, w2_l = local_rows(w13, rank, R).to(dev), local_rows(w2, rank, R).to(dev)
     pool = make_pool(R, H, K, E, B, max_tokens)
     layouts = make_layouts(kind, w13_l, w2_l, E, B)
     layout = layouts.layouts[0]
@@ -129,7 +144,7 @@ def run_bare(o, x, ids, w, *, apply_on_input: bool = False, wr=None):
     assert scale is None and ids2 is None and w_nvs.dim() == 1
     y = torch.empty_like(a1q)
     ex.apply(y, a1q, o["w13_l"], o["w2_l"], w_nvs, ids, MoEActivation.SILU, o["E"], None, None, None,
-             torch.empty(0), torch.empty(0), meta, apply_on_input)
+             torch.empty(0, device=x.device), torch.empty(0, device=x.device), meta, apply_on_input)
     out = torch.empty_like(x)
     pf.finalize(out, y, w, ids, apply_on_input, wr if wr is not None else ex.finalize_weight_and_reduce_impl())
     return out
@@ -142,8 +157,10 @@ def run_kernel(o, x, ids, w, *, apply_on_input: bool = False):
 
 
 def dense_ref(o, x, ids, w, *, apply_on_input: bool = False):
+    """``dense_moe`` on the CPU (inputs copied there), on the full CPU weights."""
     from vllm_moonep.testing.reference import dense_moe
 
+    x, ids, w = x.cpu(), ids.cpu(), w.cpu()
     if apply_on_input:  # the router weight scales the (bf16) input, the expert output is unweighted
         x = (x * w.to(x.dtype))
         w = torch.ones_like(w)
