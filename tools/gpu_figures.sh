@@ -5,7 +5,8 @@
 # downloaded.
 #
 # Usage (repo root): bash tools/gpu_figures.sh
-#   FIGS="dispatch planner ab"   which parts (default: all three)
+#   FIGS="dispatch planner ab"   which parts (default: all three; "abgraphs": moonep-ab --graphs, each
+#                                  step one CUDA-graph replay of every layer, as vLLM runs a captured step)
 #   AB_PRESETS, AB_TOKENS          moonep-ab presets (default qwen3-30b-a3b kimi-k2) and tokens/rank
 #                                  (default 1 128 4096)
 # Files in $OUT: figures.log (every table), bench_dispatch.json, ab.tgz (each moonep-ab run's JSON
@@ -46,6 +47,16 @@ for part in ${FIGS:-dispatch planner ab}; do
           tar czf "$OUT/ab.tgz" -C /tmp ab 2>/dev/null  # after each run: a later time-out keeps these
         done
       done;;
-    *) say "gpu_figures: unknown part $part (dispatch, planner, ab)";;
+    abgraphs)
+      for preset in ${AB_PRESETS:-qwen3-30b-a3b kimi-k2}; do
+        for r in $(seq "$RANKS" -1 1); do
+          say "=== moonep-ab --graphs $preset, $r rank(s), one GPU each ==="
+          run timeout 300 python3 -m vllm_moonep.tools.ab --device cuda --ranks "$r" --preset "$preset" --graphs \
+            --tokens ${AB_TOKENS:-1 128 4096} --maxvio 0 2 --steps 8 --warmup 2 \
+            --configs replicated symmetric --out "/tmp/ab/abg-$preset-r$r"
+          tar czf "$OUT/ab.tgz" -C /tmp ab 2>/dev/null
+        done
+      done;;
+    *) say "gpu_figures: unknown part $part (dispatch, planner, ab, abgraphs)";;
   esac
 done

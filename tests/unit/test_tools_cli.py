@@ -30,6 +30,7 @@ def _error(capsys, fn, argv) -> str:
     (["--budget-gb", "-5"], ["--budget-gb must be > 0"]),
     (["--impl", "triton"], ["--impl triton cannot run on cpu ranks here"]),
     (["--impl", "grouped_mm"], ["cannot read symmetric-shared's shared slot pool"]),
+    (["--graphs"], ["--graphs times CUDA-graph replays of the step: it needs --device cuda"]),
 ])
 def test_ab_refuses_bad_flags_before_spawning(capsys, monkeypatch, argv, needles):
     """`moonep-ab --configs symetric` spawned 4 ranks and failed 16 s later; --ranks 3 silently made E=30."""

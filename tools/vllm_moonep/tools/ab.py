@@ -43,7 +43,7 @@ from vllm_moonep.common.grouped_gemm import IMPLS, GroupedWeights, available_imp
 from vllm_moonep.common.memory import (EXPLAIN_ABOVE, MemoryReport, expert_bytes, explain_difference,
                                        held_tensor_bytes, measured_bytes, peak_rss, release_freed_memory,
                                        replicated_accounting, reset_peak, resident_bytes)
-from vllm_moonep.common.timing import PHASES, PhaseTimer
+from vllm_moonep.common.timing import PHASES, NullTimer, PhaseTimer
 from vllm_moonep.engine import current_cuda_device, default_num_slots
 from vllm_moonep.engine.heaps import HEAP_KINDS, HostHeap, SymmetricHeap
 from vllm_moonep.layouts import LAYOUT_KINDS, build_layouts
@@ -118,7 +118,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_steps, device, configs, impl, slots,
-              budget_gb, max_ref_err=MAX_REF_ERR, backend="auto", share_gpus=False, heap="auto") -> None:
+              budget_gb, max_ref_err=MAX_REF_ERR, backend="auto", share_gpus=False, heap="auto", graphs=False) -> None:
     """Every choice of a run, checked before any rank is spawned; ``ValueError`` names the first problem."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -169,6 +169,8 @@ def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_st
         raise ValueError(f"--budget-gb must be > 0, got {budget_gb}")
     if not (max_ref_err > 0):
         raise ValueError(f"max_ref_err must be > 0, got {max_ref_err}")
+    if graphs and device != "cuda":
+        raise ValueError("--graphs times CUDA-graph replays of the step: it needs --device cuda")
 
 
 def check_heap(heap: str, device: str) -> None:
@@ -388,8 +390,44 @@ def memory_check(mem: dict, device_kind: str) -> dict:
     return out
 
 
-def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
-    """Run ``warmup + steps`` steps of all layers; returns timings, balance and reference error."""
+def _graph_step(moes, x, ids, w, tokens):
+    """The whole step (every layer) captured once in a CUDA graph over static inputs, as vLLM
+    runs a captured decode step: returns ``(replay, (x_s, ids_s, w_s), seen)`` where ``seen``
+    holds each layer's static input and output (valid after each replay)."""
+    x_s, ids_s, w_s = x.clone(), ids.clone(), w.clone()
+
+    def step():
+        h, seen = x_s, []
+        for m in moes:
+            out = m.forward(h, ids_s, w_s, num_tokens_across_dp=tokens)
+            seen.append((h, out))
+            h = out
+        return seen
+
+    for _ in range(2):  # buffers of this capacity exist, kernels compiled (eager, collective)
+        step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            seen = step()
+    except Exception as exc:
+        raise RuntimeError(
+            f"moonep-ab --graphs: the step could not be captured in a CUDA graph ({type(exc).__name__}: {exc}); "
+            "capture needs the built-in engine's symmetric transport (every rank on this node) and no host "
+            "synchronization in the step") from exc
+    return graph, (x_s, ids_s, w_s), seen
+
+
+def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed, graphs=False):
+    """Run ``warmup + steps`` steps of all layers; returns timings, balance and reference error.
+    ``graphs``: each step is one replay of a CUDA graph of the whole step (phases not timed)."""
     st = _STATE[cfg]
     r, R = dist.get_rank(), dist.get_world_size()
     device = st["device"]
@@ -400,6 +438,7 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
     timer = PhaseTimer(device)
     totals, per_phase, errs = [], {p: [] for p in PHASES}, []
     rows_no_plan, slots_used, padded = [], [], []
+    graph = None
     for step in range(warmup + steps):
         ids, w = route(tokens, E, K, sigma=sigma, seed=seed + step, rank=r)
         ids, w = ids.to(device), w.to(device)
@@ -407,22 +446,32 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
         x = torch.randn(tokens, H, generator=g).to(torch.bfloat16).to(device)
         timer.reset()
         for m in moes:
-            m.timer = timer
+            m.timer = NullTimer() if graphs else timer
         check = step >= warmup and (step - warmup) < check_steps
+        if graphs and graph is None:
+            graph, statics, graph_seen = _graph_step(moes, x, ids, w, tokens)
+        if graphs:
+            for dst, src in zip(statics, (x, ids, w)):
+                dst.copy_(src)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
-        h = x
         seen = []
-        for m in moes:
-            out = m.forward(h, ids, w)
-            if check:
-                seen.append((h, out))
-            h = out
+        if graphs:
+            graph.replay()
+        else:
+            h = x
+            for m in moes:
+                out = m.forward(h, ids, w)
+                if check:
+                    seen.append((h, out))
+                h = out
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         total = time.perf_counter() - t0
+        if graphs and check:
+            seen = [(h_in.clone(), out.clone()) for h_in, out in graph_seen]
         # the reference check runs outside the timed region
         for layer, (h_in, out) in enumerate(seen):
             w13, w2 = st["full"][layer]
@@ -464,6 +513,7 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed):
         "padded_rows": padded,
         "capacity": cap,
         "a2a_s": a2a,
+        "graphs": bool(graphs),
     }
 
 
@@ -625,20 +675,22 @@ def summarize_point(res: list[dict], *, tokens: int, maxvio: float, sigma: float
 def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=(0.0, 1.0, 2.0), steps=3, warmup=1,
            check_steps=1, device="cpu", seed=0, configs=None, impl="auto", slots=None, budget_gb=None,
            out_dir="moonep-ab-out", plots=True, progress=True, max_ref_err=MAX_REF_ERR, backend="auto",
-           share_gpus=False, heap="auto") -> dict:
+           share_gpus=False, heap="auto", graphs=False) -> dict:
     """Run the comparison; returns the result dict (also written to ``out_dir/moonep-ab.json``).
     Every argument is checked (``check_run``, ``ValueError``) before any rank is spawned.
 
     ``ranks``: ``None`` is 4 spawned ranks, or the launched world size under torchrun.
     ``backend``/``share_gpus``: how the ranks run (``launch.resolve_launch``). ``heap``: the
     symmetric configurations' heap kind (``make_heap``). Each configuration runs in fresh rank
-    processes (under torchrun: in the launched ones, which every configuration reuses)."""
+    processes (under torchrun: in the launched ones, which every configuration reuses).
+    ``graphs``: each timed step is one CUDA-graph replay of every layer (vLLM's captured decode);
+    the phases are then not timed and ``vllm-poc`` (vLLM's eager-only classes) is skipped."""
     t_start = time.perf_counter()
     if ranks is None:
         ranks = launched_world_size() or 4
     check_run(preset=preset, ranks=ranks, layers=layers, tokens=tokens, maxvios=maxvios, steps=steps, warmup=warmup,
               check_steps=check_steps, device=device, configs=configs, impl=impl, slots=slots, budget_gb=budget_gb,
-              max_ref_err=max_ref_err, backend=backend, share_gpus=share_gpus, heap=heap)
+              max_ref_err=max_ref_err, backend=backend, share_gpus=share_gpus, heap=heap, graphs=graphs)
     launch = resolve_launch(device, ranks, backend, share_gpus)
     if launch.launched:  # bind this process's GPU before the anchor, and make the group
         init_launched_group(launch.backend, launch.device)
@@ -656,6 +708,9 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
     if "vllm-poc" in configs and not vllm_available():
         configs.remove("vllm-poc")
         skipped["vllm-poc"] = "vLLM is not importable here"
+    if "vllm-poc" in configs and graphs:
+        configs.remove("vllm-poc")
+        skipped["vllm-poc"] = "vLLM 0.33's in-tree MoonEP classes are eager-only (--graphs)"
     spawn = spawn_options(launch)
     sigmas = {mv: sigma_for_maxvio(mv, shape["experts"], shape["topk"], max(tokens) * ranks, seed=seed) for mv in maxvios}
     points = [(c, t, mv) for c in configs for t in tokens for mv in maxvios]
@@ -668,7 +723,8 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
         except ImportError:
             bar = None
     results = {"preset": preset, "shape": shape, "configs": {}, "skipped": skipped,
-               "environment": environment(device, ranks, launch, heap), "anchor": measure_anchor(device),
+               "environment": {**environment(device, ranks, launch, heap), "graphs": bool(graphs)},
+               "anchor": measure_anchor(device),
                "sigmas": {str(k): v for k, v in sigmas.items()}}
     failures = []
     for cfg in configs:
@@ -683,7 +739,7 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
             for t in tokens:
                 for mv in maxvios:
                     res = run_on_ranks(ranks, rank_point, cfg, t, sigmas[mv], steps, warmup, check_steps, seed,
-                                       tag=tag, **spawn)
+                                       graphs, tag=tag, **spawn)
                     pt = summarize_point(res, tokens=t, maxvio=mv, sigma=sigmas[mv])
                     entry["points"].append(pt)
                     if not (pt["ref_rel_err"] <= max_ref_err):
@@ -817,6 +873,9 @@ def format_table(results: dict) -> str:
     if notes:
         lines.append(f"where measured and accounted differ by more than {EXPLAIN_ABOVE:.0%}, why:")
         lines += notes
+    if env.get("graphs"):
+        lines += ["", "timing: each step is one CUDA-graph replay of every layer (as vLLM runs a captured step); "
+                      "phases are not timed inside a graph (0.00), and plan and slots are the captured step's"]
     lines += ["", f"{'config':<17} {'tokens':>6} {'maxvio':>6} {'got':>5} {'median ms':>9} {'p90 ms':>8} "
               + " ".join(f"{p[:8]:>8}" for p in PHASES) + f" {'2xa2a':>8} {'no-plan':>7} {'plan':>5} {'slots':>5} {'ref err':>8}"]
     for c, e in results["configs"].items():
@@ -895,6 +954,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="moonep-ab-out",
                     help="folder for moonep-ab.json and the plots (default: %(default)s)")
     ap.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="time each step as one CUDA-graph replay of every layer, as vLLM runs a captured step "
+                         "(cuda only; phases are not timed inside a graph)")
     return ap
 
 
@@ -910,7 +972,8 @@ def main(argv=None) -> int:
     ranks = a.ranks if a.ranks is not None else (launched_world_size() or 4)
     kw = dict(preset=a.preset, ranks=ranks, layers=a.layers, tokens=a.tokens, maxvios=a.maxvio, steps=a.steps,
               warmup=a.warmup, check_steps=a.check_steps, device=a.device, configs=a.configs, impl=a.impl,
-              slots=a.slots, budget_gb=a.budget_gb, backend=a.backend, share_gpus=a.share_gpus, heap=a.heap)
+              slots=a.slots, budget_gb=a.budget_gb, backend=a.backend, share_gpus=a.share_gpus, heap=a.heap,
+              graphs=a.graphs)
     try:
         check_run(**kw)  # before anything is spawned
     except ValueError as exc:
