@@ -440,27 +440,33 @@ def heap_allocation_refused_on_one_rank():
     if r == 1:
         with open("/proc/self/status") as f:
             vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-        resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (768 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
     out = {}
+    # 1 GiB: rank 1 cannot even map its own file (the local part, before any collective)
     exc, out["elapsed"] = _timed(heap.allocate, (1 << 30,), torch.uint8, "too_big")
     out["big"] = (type(exc).__name__, str(exc)) if exc else None
+    # 512 MiB: every rank maps its own file, then rank 1 cannot map its peer's (inside the publish)
+    exc, out["elapsed_peer"] = _timed(heap.allocate, (512 << 20,), torch.uint8, "peer_too_big")
+    out["peer"] = (type(exc).__name__, str(exc)) if exc else None
     small = heap.allocate((4,), torch.int32, "small")
     small.tensor.fill_(r + 1)
     heap.barrier()
-    out["peer"] = heap.peer_view(small, 1 - r).tolist()
+    out["small"] = heap.peer_view(small, 1 - r).tolist()
     heap.free(small)
     heap.close()
     return out
 
 
 def test_heap_allocation_refused_on_one_rank_fails_on_every_rank_and_the_heap_stays_usable():
-    """A rank whose allocator refused left its peer in the publishing collective until a watchdog
-    killed the job (seen on 2 H200s: a 2-minute NCCL hang building a Kimi-K2 buffer); every rank
-    must raise one error naming the rank and the cause, promptly, and allocate again afterwards."""
+    """A rank whose allocator refused (its own memory, or mapping a peer's) left its peer in the
+    publishing collective until a watchdog killed the job (seen on 2 H200s: a 2-minute NCCL hang
+    building a Kimi-K2 buffer); every rank must raise one error naming the rank and the cause,
+    promptly, and allocate again afterwards."""
     res = _fresh(2, heap_allocation_refused_on_one_rank)
     assert not any(isinstance(x, RankFailure) for x in res), res
     for x in res:
-        assert x["big"] is not None and x["big"][0] == "MoonEPUnavailableError", x
-        assert "rank 1:" in x["big"][1] and "rank 0:" not in x["big"][1] and "'too_big'" in x["big"][1], x
-        assert x["elapsed"] < TIMEOUT_S, x
-    assert res[0]["peer"] == [2] * 4 and res[1]["peer"] == [1] * 4
+        for case, tag, took in (("big", "'too_big'", "elapsed"), ("peer", "'peer_too_big'", "elapsed_peer")):
+            assert x[case] is not None and x[case][0] == "MoonEPUnavailableError", x
+            assert "rank 1:" in x[case][1] and "rank 0:" not in x[case][1] and tag in x[case][1], x
+            assert x[took] < TIMEOUT_S, x
+    assert res[0]["small"] == [2] * 4 and res[1]["small"] == [1] * 4

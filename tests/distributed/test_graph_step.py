@@ -51,6 +51,8 @@ def graph_step(layout_kind, B, tokens, replays):
     for _ in range(2):
         out = moe.forward(x_s, ids_s, w_s, num_tokens_across_dp=tokens)
     check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
+    launchers = _engine_launchers(moe)
+    hits = [ln.hits for ln in launchers]
     # 1) no host synchronization anywhere in the step
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -59,12 +61,10 @@ def graph_step(layout_kind, B, tokens, replays):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
-    # the transport's kernels went through Triton's compiled runners from the second call on
-    # (engine/launch.py), so the sync-free step above ran that path
+    # every engine kernel of that step went through Triton's compiled runner (engine/launch.py)
     from vllm_moonep.engine.launch import FAST_LAUNCH
 
-    launchers = [ln for buf in moe.pool.buffers.values() for ln in getattr(buf._sym, "_launch", {}).values()]
-    res["fast"] = (FAST_LAUNCH, len(launchers), sum(bool(ln.runners) for ln in launchers))
+    res["fast"] = (FAST_LAUNCH, len(launchers), sum(ln.hits > h and ln.fast for ln, h in zip(launchers, hits)))
     # 2) the whole step in one CUDA graph, replayed on new routing (new plans, new slots)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -117,12 +117,28 @@ def test_step_is_sync_free_and_graph_replays_match_dense_nccl(layout_kind, B):
     _assert_fast_launch_taken(res)
 
 
+def _engine_launchers(moe):
+    """The launchers of every engine kernel a step runs: the transport's eight, the device
+    planner's three and the prefetch row copy."""
+    from vllm_moonep.engine import row_copy
+
+    out = []
+    for buf in moe.pool.buffers.values():
+        sym = buf._sym
+        out += list(sym._launch.values())
+        out += [sym.planner._plan_launch, sym.planner._hist_launch, sym.planner._place_launch]
+    out.append(row_copy._copy_rows_kernel)
+    return out
+
+
 def _assert_fast_launch_taken(res):
-    """A fast launch that silently fell back (a Triton whose runner takes other arguments, a key
-    that never repeats) would leave the eager step paying Triton's dispatch for every kernel."""
+    """A fast launch that silently fell back (a Triton whose runner takes other arguments, a grid
+    the runner cannot read: the row copy's 2-D grid did) or a key that never repeats would leave the
+    eager step paying Triton's dispatch for that kernel: each must have hit its runner in the
+    sync-free step."""
     for on, n, used in (x["fast"] for x in res):
-        assert n == 8, f"expected the transport's 8 launchers, found {n}"
-        assert used == (8 if on else 0), f"{used} of 8 transport kernels used the compiled runner (fast launch on: {on})"
+        assert n == 12, f"expected 12 engine launchers (transport 8, planner 3, row copy 1), found {n}"
+        assert used == (12 if on else 0), f"{used} of 12 engine kernels used the compiled runner (fast launch on: {on})"
 
 
 def device_wait_times_out():

@@ -11,9 +11,12 @@ them. The key is what Triton specializes a call on: each tensor's dtype and 16-b
 each integer's "is 1", "divisible by 16" and "fits in 32 bits", the grid, the warps and the
 constexprs. A call whose key was seen goes straight to the compiled runner.
 
-Safety: a runner that refuses the call (another Triton's calling convention) raises before any
-kernel starts; the launcher then says so once, launches the ordinary way and stays there. Under
-the Triton interpreter there is no compiled kernel, so every call is ordinary. ``FAST_LAUNCH``
+Safety: a runner that refuses the call's arguments (another Triton's calling convention:
+TypeError or IndexError) raises before any kernel starts; the launcher then says so once,
+launches the ordinary way and stays there. Any other error (a CUDA error, a launch hook's) is
+raised: the kernel may have run, and the engine's signalling kernels must not run twice. The key
+includes the current device (a runner is bound to the GPU it was loaded on). Under the Triton
+interpreter there is no compiled kernel, so every call is ordinary. ``FAST_LAUNCH``
 (``VLLM_MOONEP_FAST_LAUNCH=0`` turns it off) is the one default.
 """
 
@@ -51,11 +54,18 @@ class Launcher:
     runtime parameters in order, ``constexprs`` the rest by name (as an ordinary launch takes them).
     """
 
+    #: the most specializations kept per kernel (an argument that changes every call would
+    #: otherwise grow the table without bound; past it, new keys launch the ordinary way)
+    MAX_RUNNERS = 64
+
     def __init__(self, fn, fast: bool | None = None):
         self.fn = fn
         self.fast = FAST_LAUNCH if fast is None else bool(fast)
+        # the interpreter (and a machine without CUDA) has no compiled kernel to keep
+        self.fast = self.fast and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and torch.cuda.is_available()
         self.names = tuple(getattr(fn, "arg_names", ()))
         self.runners: dict = {}
+        self.hits = 0  # calls that went through a compiled runner (tests read it)
 
     def _off(self, why: str) -> None:
         self.fast = False
@@ -64,18 +74,24 @@ class Launcher:
         say_once(f"MoonEP: fast launch off for {name} ({why}); Triton's ordinary launch is used")
 
     def __call__(self, grid: tuple, *args, num_warps: int = 4, **consts) -> None:
+        # the runner reads grid[0..2]; Triton's ordinary launch pads a shorter grid with ones
+        grid = tuple(grid) + (1,) * (3 - len(grid))
         key = None
         if self.fast:
-            key = (grid, num_warps, tuple(consts.items()), tuple(_arg_key(a) for a in args))
+            # a runner is bound to the GPU its kernel was loaded on: the device is part of the key
+            key = (torch.cuda.current_device(), grid, num_warps, tuple(consts.items()),
+                   tuple(_arg_key(a) for a in args))
             run = self.runners.get(key)
             if run is not None:
                 try:
                     run(*args, *[consts[n] for n in self.names[len(args):]])
-                    return
-                except Exception as exc:  # refused before launching: nothing ran
+                except (TypeError, IndexError) as exc:  # the arguments were refused: nothing launched
                     self._off(f"the compiled runner refused the call: {type(exc).__name__}: {exc}")
+                else:
+                    self.hits += 1
+                    return
         k = self.fn[grid](*args, **consts, num_warps=num_warps)
-        if self.fast and key is not None and key not in self.runners:
+        if self.fast and key is not None and key not in self.runners and len(self.runners) < self.MAX_RUNNERS:
             if set(self.names[len(args):]) != set(consts):
                 self._off("its parameters are not leading arguments then constexprs by name")
                 return

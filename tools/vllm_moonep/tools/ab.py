@@ -44,7 +44,7 @@ from vllm_moonep.common.memory import (EXPLAIN_ABOVE, MemoryReport, expert_bytes
                                        held_tensor_bytes, measured_bytes, peak_rss, release_freed_memory,
                                        replicated_accounting, reset_peak, resident_bytes)
 from vllm_moonep.common.timing import PHASES, NullTimer, PhaseTimer
-from vllm_moonep.engine import current_cuda_device, default_num_slots
+from vllm_moonep.engine import Buffer, current_cuda_device, default_num_slots
 from vllm_moonep.engine.heaps import HEAP_KINDS, HostHeap, SymmetricHeap
 from vllm_moonep.layouts import LAYOUT_KINDS, build_layouts
 from vllm_moonep.testing.launch import (add_launch_arguments, comm_device, finish_launched_group, init_launched_group,
@@ -171,6 +171,9 @@ def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_st
         raise ValueError(f"max_ref_err must be > 0, got {max_ref_err}")
     if graphs and device != "cuda":
         raise ValueError("--graphs times CUDA-graph replays of the step: it needs --device cuda")
+    if graphs and impl not in ("auto", "triton"):
+        raise ValueError(f"--graphs needs the Triton expert kernels (--impl auto or triton): --impl {impl} reads "
+                         "group sizes on the host, which a CUDA graph cannot capture")
 
 
 def check_heap(heap: str, device: str) -> None:
@@ -470,8 +473,13 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed, graphs=Fals
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         total = time.perf_counter() - t0
-        if graphs and check:
-            seen = [(h_in.clone(), out.clone()) for h_in, out in graph_seen]
+        if graphs:
+            # replays run no host code: a device-side wait that gave up is only on the error board
+            for buf in st["built"].pool.buffers.values():
+                if isinstance(buf, Buffer):  # the built-in engine's board (graphs need that engine)
+                    buf.check_errors(sync=True)
+            if check:
+                seen = [(h_in.clone(), out.clone()) for h_in, out in graph_seen]
         # the reference check runs outside the timed region
         for layer, (h_in, out) in enumerate(seen):
             w13, w2 = st["full"][layer]

@@ -79,6 +79,12 @@ class HeapHandle:
         return f"#{self.index} {self.tag!r} {list(self.shape)} {str(self.dtype).replace('torch.', '')}"
 
 
+def describe_failure(exc: BaseException) -> str:
+    """``Type: first line of the message`` (what each rank reports of its failure)."""
+    text = str(exc).splitlines()[0][:240] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
 class SymmetricHeap:
     """Base class: the ledger, the collective checks and the LIFO rule. Subclasses implement
     ``_allocate``, ``_peer_view``, ``_barrier``, ``_free`` and optionally ``_close``."""
@@ -164,16 +170,16 @@ class SymmetricHeap:
         failed = None
         try:
             self._reserve(handle)
-        except (MemoryError, RuntimeError, OSError, ValueError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:240] if str(exc) else ''}"
-        every = self._all_gather_object(failed)
+        except Exception as exc:  # an allocator's refusal (torch.OutOfMemoryError, OSError, ...)
+            failed = describe_failure(exc)
+        try:
+            every = self._all_gather_object(failed)
+        except BaseException:  # a peer is gone: keep nothing of this allocation
+            self._unreserve(handle)
+            raise
         if any(every):
             self._unreserve(handle)
-            who = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every) if e)
-            raise MoonEPUnavailableError(
-                f"heap.allocate({tag!r}, {list(shape_t)} {dtype}, {handle.nbytes / 2**20:.1f} MiB per rank) failed: {who}. "
-                "No rank allocated it and the heap is still usable (free memory or ask for less)"
-            )
+            raise self.allocation_failed(handle, every)
         self._allocate(handle)
         self._next_index += 1
         self._live.append(handle)
@@ -282,6 +288,15 @@ class SymmetricHeap:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, device={self.device}, live={len(self._live)})"
+
+    def allocation_failed(self, handle: HeapHandle, every: list[str | None]) -> MoonEPUnavailableError:
+        """The error every rank raises when some rank's part of an allocation failed (``every``:
+        each rank's failure, or ``None``)."""
+        who = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every) if e)
+        return MoonEPUnavailableError(
+            f"heap.allocate({handle.tag!r}, {list(handle.shape)} {handle.dtype}, {handle.nbytes / 2**20:.1f} MiB per "
+            f"rank) failed: {who}. No rank allocated it and the heap is still usable (free memory or ask for less)"
+        )
 
     # ------------------------------------------------------------------ subclass hooks
     def _reserve(self, handle: HeapHandle) -> None:

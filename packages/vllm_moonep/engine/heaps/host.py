@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
-from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
+from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, describe_failure
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -58,6 +58,9 @@ def _map_file(path: str, nbytes: int, create: bool) -> tuple[mmap.mmap, torch.Te
     try:
         if create:
             os.ftruncate(fd, size)
+            # a tmpfs file is sparse until written: claim its pages now, so a full /dev/shm fails
+            # here (an agreed error) instead of killing the process with SIGBUS at the first write
+            os.posix_fallocate(fd, 0, size)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
@@ -126,16 +129,26 @@ class HostHeap(SymmetricHeap):
         own_path = self._path(handle, self.rank)
         mm, own = handle._impl.pop("own")
         maps: dict[int, mmap.mmap] = {self.rank: mm}
+        shared = {self.rank: own}
+        failed = None
         try:
-            shared = {self.rank: own}
             self._host_barrier()  # every file exists
-            for r in range(self.world_size):
-                if r != self.rank:
-                    maps[r], raw = _map_file(self._path(handle, r), nbytes, create=False)
-                    shared[r] = raw.view(handle.dtype).view(handle.shape)
-            self._host_barrier()  # every rank mapped every file: the names can go
+            try:
+                for r in range(self.world_size):
+                    if r != self.rank:
+                        maps[r], raw = _map_file(self._path(handle, r), nbytes, create=False)
+                        shared[r] = raw.view(handle.dtype).view(handle.shape)
+            except Exception as exc:  # mapping the peers' files (address space) can fail on one rank
+                failed = describe_failure(exc)
+            # every rank mapped every file (or says why not): the names can go
+            every = self._all_gather_object(failed)
         finally:
             self._drop_file(own_path)
+        if any(every):
+            shared.clear()
+            maps.clear()
+            handle.tensor = handle._impl = None
+            raise self.allocation_failed(handle, every)
         if not self.staging:
             handle.tensor = shared[self.rank]
         handle._impl = {"shared": shared, "maps": maps}
