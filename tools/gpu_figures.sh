@@ -28,7 +28,7 @@ for part in ${FIGS:-dispatch planner ab}; do
       for fast in 1 0; do
         say "=== bench_dispatch, VLLM_MOONEP_FAST_LAUNCH=$fast ==="
         VLLM_MOONEP_FAST_LAUNCH=$fast run timeout 240 python3 -m vllm_moonep.tools.bench_dispatch --device cuda \
-          --ranks "$RANKS" --preset kimi-k2 --tokens 1 128 1024 4096 --maxvio 0 2 --iters 8 --warmup 2 \
+          --ranks "$RANKS" --preset kimi-k2 --tokens 1 128 1024 4096 --maxvio 0 2 --iters 30 --warmup 5 \
           --json "$OUT/bench_dispatch_fast$fast.json"
       done;;
     planner)

@@ -83,7 +83,7 @@ def graph_step(layout_kind, B, tokens, replays):
         graph.replay()
         torch.cuda.synchronize()
         errs.append(check_against_dense(out_s.cpu(), x, ids, w, w13, w2))
-        res["slots"] += int((moe.last.experts_to_copy >= 0).sum())  # stale in replays; counted from capture
+        res["slots"] += int((moe.last.experts_to_copy >= 0).sum())  # the planner rewrites it in place each replay
     for buf in moe.pool.buffers.values():
         buf.check_errors(sync=True)
     res["max_err"] = max(errs)
