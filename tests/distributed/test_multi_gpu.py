@@ -78,7 +78,7 @@ def step_both_layouts(layout_kind, B):
     E, H, I, K = 8 * R, 256, 512, 4
     w13, w2 = global_weights(E, H, I, 2)
     lw13, lw2 = (t.to(dev) for t in local_experts(w13, w2, r, R))
-    layouts = build_layouts(layout_kind, [(lw13, lw2)], E, B, heap_kind="torch")
+    layouts = build_layouts(layout_kind, [(lw13, lw2)], E, B, **({} if layout_kind == "replicated" else {"heap_kind": "torch"}))
     layout = layouts.layouts[0]
     pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, device=dev), 512, engine="builtin")
     moe = MoonEPMoE(pool, layout, impl="auto")

@@ -11,7 +11,6 @@ from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.layouts import LAYOUT_KINDS, LayoutSet, build_layouts, layout_kind
-from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import HostHeap
 
 E, B, K = 4, 2, 2
@@ -51,7 +50,7 @@ def test_each_kind_steps_like_the_dense_reference(kind):
     """A set whose layers were wired to the wrong weights, slots or slot pool would compute another
     layer's experts: every layer of every kind checked against the dense MoE."""
     full, local = _layers([(128, 128)] * 3, seed=7)
-    layouts = build_layouts(kind, local, E, B, heap_kind="host")
+    layouts = build_layouts(kind, local, E, B, **({} if kind == "replicated" else {"heap_kind": "host"}))
     pool = MoonEPBufferPool(dict(H=128, K=K, E=E, num_ep_ranks=1, B=B, device="cpu"), 128, engine="builtin")
     try:
         assert len(layouts) == 3 and all(lay.kind == ("replicated" if kind == "replicated" else "symmetric")
@@ -87,9 +86,11 @@ def test_replicated_set_reports_the_local_copy_only_when_kept():
     kept = build_layouts("replicated", local, E, B)
     dropped = build_layouts("replicated", local, E, B, keeps_local_params=False)
     assert kept.heap is None and dropped.heap is None
-    rep = ReplicatedWeightLayout(*local[0], E, B).memory_report()
-    assert kept.memory_report() == rep
-    assert dropped.memory_report().home_rows == 0 and rep.home_rows > 0
+    bpe = 3 * 128 * 128 * 2  # one bf16 expert: gate, up and down of H = I = 128
+    got = kept.memory_report()
+    assert (got.home_rows, got.replicated_rows, got.slots) == (E * bpe, E * bpe, B * bpe)
+    got = dropped.memory_report()
+    assert (got.home_rows, got.replicated_rows, got.slots) == (0, E * bpe, B * bpe)
     kept.destroy()
     dropped.destroy()
 
@@ -115,9 +116,15 @@ def test_refusals_and_kind_names():
     with pytest.raises(MoonEPInputError, match="heap_kind must be one of"):
         LayoutSet("symmetric", E, B, heap_kind="shmem")
     heap = HostHeap()
-    with pytest.raises(MoonEPInputError, match="replicated set holds no heap"):
+    with pytest.raises(MoonEPInputError, match="heap do.es. not apply to a replicated set"):
         LayoutSet("replicated", E, B, heap=heap)
     heap.close()
+    # options the kind never reads were silently ignored (moonep-ab passed adopt_parameters to the
+    # replicated set, the soak timeout_s to the symmetric one)
+    with pytest.raises(MoonEPInputError, match="heap_kind, adopt_parameters do.es. not apply to a replicated set"):
+        LayoutSet("replicated", E, B, heap_kind="host", adopt_parameters=True)
+    with pytest.raises(MoonEPInputError, match="keeps_local_params, timeout_s do.es. not apply to a symmetric set"):
+        LayoutSet("symmetric", E, B, keeps_local_params=False, timeout_s=5.0)
     assert layout_kind("replicated") == "replicated"
     assert layout_kind("symmetric") == "symmetric" and layout_kind("symmetric", True) == "symmetric-shared"
     with pytest.raises(MoonEPInputError, match="needs the symmetric weight layout"):

@@ -72,7 +72,7 @@ def rk_graph_configs(model_dir: str, cases: list[tuple[list[str], list[str], dic
     from vllm.plugins import load_general_plugins
 
     from tests.vllm.workers import graph_capable_platform
-    from vllm_moonep.vllm_plugin import cudagraphs
+    from vllm_moonep.engine import defaults
 
     _configure_vllm_logging()
     load_general_plugins()
@@ -80,7 +80,7 @@ def rk_graph_configs(model_dir: str, cases: list[tuple[list[str], list[str], dic
     lg = logging.getLogger("vllm.vllm_moonep")
     with graph_capable_platform():
         for argv, ref_argv, env in cases:
-            cudagraphs._said.clear()  # each case says its line
+            defaults._SAID.clear()  # each case says its line
             handler = _Lines()
             lg.addHandler(handler)
             try:
@@ -165,12 +165,15 @@ OFF_CASES = {
     "env-off": (None, [], {"VLLM_MOONEP_CUDA_GRAPHS": "off"}, "cuda_graphs='off' (VLLM_MOONEP_CUDA_GRAPHS)"),
     "step-log": ({"step_log_interval": 10}, [], {}, "step_log_interval=10 reads the plan on the host"),
     "reference-kernel": ({"impl": "reference"}, [], {}, "impl='reference'"),
+    "host-heap": ({"weight_layout": "symmetric", "heap": "host"}, [], {}, "heap='host'"),
+    "shared-slot-pool": ({"weight_layout": "symmetric", "shared_slot_pool": True}, [], {}, "shared_slot_pool"),
 }
 
 
 def test_graphs_stay_off_where_the_step_is_not_graph_safe(model_dir):
     """Graphs kept for a step that synchronizes the host or is not known capturable (collective transport,
-    ranks on other nodes, the real moonep, the step log, the reference kernel), or despite cuda_graphs='off'."""
+    ranks on other nodes, the real moonep, the step log, the reference kernel, a heap or a shared slot pool the
+    graph test does not capture), or despite cuda_graphs='off'."""
     cases = [(_argv(moonep, extra), _argv(moonep, extra, REFERENCE_BACKEND), env)
              for moonep, extra, env, _ in OFF_CASES.values()]
     res = ranks(2, rk_graph_configs, model_dir, cases, env=CPU_ENV)[0]

@@ -91,7 +91,8 @@ def make_layouts(kind: str, w13_local, w2_local, E: int, B: int):
     """A one-layer ``LayoutSet`` of ``kind`` (symmetric kinds on the host heap; on CUDA, the torch one)."""
     from vllm_moonep.layouts import build_layouts
 
-    return build_layouts(kind, [(w13_local, w2_local)], E, B, heap_kind="torch" if ON_CUDA else "host")
+    heap = {} if kind == "replicated" else {"heap_kind": "torch" if ON_CUDA else "host"}
+    return build_layouts(kind, [(w13_local, w2_local)], E, B, **heap)
 
 
 def moe_config(E: int, K: int, H: int, I: int, R: int, rank: int, max_tokens: int):

@@ -29,12 +29,13 @@ __all__ = ["current_cuda_device", "default_num_slots", "group_rank_world", "reso
 _SAID: set[str] = set()
 
 
-def say_once(msg: str, logger: str = "vllm_moonep.engine") -> None:
+def say_once(msg: str, logger: str = "vllm_moonep.engine", level: int = logging.INFO) -> None:
     """A choice made for the user (an ``auto`` resolved, a default filled in), said once per
-    process at INFO: once is enough to know it, and a per-step log would drown the rest."""
+    process at INFO (``level``: WARNING for a choice forced by a failure): once is enough to know
+    it, and a per-step log would drown the rest."""
     if msg not in _SAID:
         _SAID.add(msg)
-        logging.getLogger(logger).info(msg)
+        logging.getLogger(logger).log(level, msg)
 
 
 def default_num_slots(num_experts: int, num_ep_ranks: int) -> int:

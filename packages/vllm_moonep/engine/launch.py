@@ -91,7 +91,12 @@ class Launcher:
                     self.hits += 1
                     return
         k = self.fn[grid](*args, **consts, num_warps=num_warps)
-        if self.fast and key is not None and key not in self.runners and len(self.runners) < self.MAX_RUNNERS:
+        if self.fast and key is not None and key not in self.runners:
+            if len(self.runners) >= self.MAX_RUNNERS:
+                name = getattr(self.fn, "__name__", "a kernel")
+                say_once(f"MoonEP: {name} has {self.MAX_RUNNERS} specializations kept; new ones launch the "
+                         "ordinary way (an argument that changes every call?)")
+                return
             if set(self.names[len(args):]) != set(consts):
                 self._off("its parameters are not leading arguments then constexprs by name")
                 return

@@ -7,7 +7,9 @@ weights; ``build_layouts`` builds every layer at once. Both layouts are below th
 it cannot live in ``vllm_moonep.common``.
 """
 
-import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
+from vllm_moonep.engine.multicast import disable_multicast_by_default
+
+disable_multicast_by_default()  # first: NVLink multicast off before any library loads
 
 from vllm_moonep.layouts.layout_set import LAYOUT_KINDS, LayoutSet, build_layouts, layout_kind
 

@@ -97,8 +97,14 @@ class LayoutSet:
             raise MoonEPInputError(f"LayoutSet: num_slots must be a positive int, got {self.num_slots!r}")
         if self.heap_kind not in HEAP_KINDS:
             raise MoonEPInputError(f"LayoutSet: heap_kind must be one of {', '.join(HEAP_KINDS)}, got {self.heap_kind!r}")
-        if self.kind == "replicated" and self.heap is not None:
-            raise MoonEPInputError("LayoutSet: a replicated set holds no heap (heap= is for the symmetric kinds)")
+        # an option the kind does not use is refused, not ignored
+        unused = ({"heap": self.heap is not None, "heap_kind": self.heap_kind != "auto",
+                   "adopt_parameters": self.adopt_parameters} if self.kind == "replicated" else
+                  {"keeps_local_params": not self.keeps_local_params, "timeout_s": self.timeout_s is not None})
+        given = [name for name, set_ in unused.items() if set_]
+        if given:
+            raise MoonEPInputError(f"LayoutSet: {', '.join(given)} do(es) not apply to a {self.kind} set "
+                                   f"({'heap options are for the symmetric kinds' if self.kind == 'replicated' else 'replicated only'})")
         if self.heap is not None and not isinstance(self.heap, SymmetricHeap):
             raise MoonEPInputError(f"LayoutSet: heap must be a SymmetricHeap, got {type(self.heap).__name__}")
 

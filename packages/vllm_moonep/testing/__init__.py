@@ -10,4 +10,6 @@ Modules: ``reference`` (``dense_moe``, ``expert_ffn_float64``, ``random_expert_w
 ``from vllm_moonep.testing.reference import dense_moe``.
 """
 
-import vllm_moonep.engine.multicast  # noqa: F401  (first: NVLink multicast off before any library loads)
+from vllm_moonep.engine.multicast import disable_multicast_by_default
+
+disable_multicast_by_default()  # first: NVLink multicast off before any library loads

@@ -24,7 +24,8 @@ from typing import Any, Mapping
 
 import torch
 
-from vllm_moonep.engine import MoonEPInputError, MoonEPUnavailableError, resolve_engine, resolve_transport
+from vllm_moonep.engine import MoonEPInputError, MoonEPUnavailableError, resolve_engine
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.vllm_plugin.options import (
     CONFIG_KEY,
     ENV_VARS,
@@ -93,7 +94,10 @@ def _model_shape(vllm_config) -> dict | None:
         return None
     try:
         return {"E": int(mc.get_num_experts()), "K": int(mc.get_num_experts_per_tok()), "H": int(mc.get_hidden_size())}
-    except Exception:
+    except Exception as exc:  # the model's checks are then the workers' (said, not silent)
+        say_once(f"vllm-moonep: the model's expert shape is unknown here ({type(exc).__name__}: {exc}); the "
+                 "checks that need it (E divisible by the EP size, num_prefetch_slots <= E, the kernel's limits) "
+                 "run on the workers", log.name, logging.WARNING)
         return None
 
 
@@ -224,7 +228,6 @@ def check_worker(opts: MoonEPOptions, device: torch.device) -> dict:
     """What only a worker can know: raises ``MoonEPUnavailableError`` (engine, heap, kernel) naming
     the option and what to use instead. Returns ``{"engine": (name, why), "heap": (kind, why) | None}``."""
     engine = resolve_engine(opts.engine)
-    resolve_transport(opts.transport, device.type)  # validates the name
     heap = resolve_heap(opts, device) if opts.weight_layout == "symmetric" else None
     if opts.impl != "auto":
         avail = available_kernels(device)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_moonep.engine import MoonEPUnavailableError
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.vllm_plugin.options import MoonEPOptions, MoonEPOptionsError, options_from_vllm_config
 
 log = logging.getLogger("vllm.vllm_moonep")
@@ -64,13 +65,9 @@ GRAPH_SAFE = "symmetric transport, one node"
 #: executors that place every worker of a DP replica on this host (with --nnodes 1)
 _LOCAL_EXECUTORS = (None, "mp", "uni")
 
-_said: set[str] = set()
-
 
 def _say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        log.info(msg)
+    say_once(msg, log.name)
 
 
 # ------------------------------------------------------------------------------------ the rule
@@ -168,8 +165,9 @@ def hook_set_compile_ranges(orig):
         _pending.noted = None
         try:
             _pending.noted = _note(self)
-        except Exception:  # never break vLLM's config: its own choice then stands
-            log.debug("vllm-moonep: the CUDA-graph rule failed; vLLM's choice stands", exc_info=True)
+        except Exception as exc:  # never break vLLM's config: its own choice (eager) then stands
+            say_once(f"vllm-moonep: the CUDA-graph rule failed ({type(exc).__name__}: {exc}); vLLM's switch to "
+                     "eager for moonep stands", log.name, logging.WARNING)
         return out
 
     _set_compile_ranges.__vllm_moonep__ = True

@@ -52,6 +52,7 @@ from vllm_moonep.testing.launch import (add_launch_arguments, comm_device, finis
 from vllm_moonep.testing.reference import dense_moe, random_expert_weights, relative_error
 from vllm_moonep.testing.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.testing.weights import local_experts
+from vllm_moonep.tools.bench_dispatch import time_all_to_all
 from vllm_moonep.tools.memory_projection import MODELS, projection_rows, render
 
 GiB = 1024**3
@@ -257,7 +258,8 @@ def build_ours(cfg: str, shape: dict, local: list, device: torch.device, impl: s
     R, E, B = dist.get_world_size(), shape["experts"], shape["slots"]
     pool = MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=E, num_ep_ranks=R, B=B, token_padding=128,
                                  device=device), max_tokens_per_rank=shape["max_tokens"], engine="builtin")
-    layouts = build_layouts(cfg, local, E, B, heap_kind=heap_kind, adopt_parameters=True)
+    heap_options = {"heap_kind": heap_kind, "adopt_parameters": True} if cfg != "replicated" else {}
+    layouts = build_layouts(cfg, local, E, B, **heap_options)
     return Built(moes=[MoonEPMoE(pool, lay, impl=impl) for lay in layouts.layouts], pool=pool,
                  report=layouts.memory_report(), held=[*layouts.layouts, *layouts.slot_pools.values()],
                  heaps=[layouts.heap] if layouts.heap is not None else [], destroy_layouts=layouts.destroy)
@@ -508,7 +510,9 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed, graphs=Fals
     achieved = [maxvio(t) for t in tpe_steps]
     cap = moes[-1].last.capacity if moes[-1].last is not None else tokens
     with_plan = cap * K * len(totals)
-    a2a = time_all_to_all(tokens * K * H, device, reps=max(steps, 3))
+    # the communication anchor: a plain all_to_all_single of this layer's dispatch payload, on the
+    # device the group moves data on (bench_dispatch's anchor)
+    a2a, _ = time_all_to_all(tokens, K, H, device if device.type == "cuda" else comm_device(), max(steps, 3), 1)
     return {
         "total_s": totals,
         "phases_s": per_phase,
@@ -523,29 +527,6 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed, graphs=Fals
         "a2a_s": a2a,
         "graphs": bool(graphs),
     }
-
-
-def time_all_to_all(elements: int, device: torch.device, reps: int) -> float:
-    """The anchor of a step's communication, same run and group: median seconds of one plain
-    ``all_to_all_single`` of ``elements`` bf16 values per rank (a layer's dispatch payload,
-    S*K*H, split evenly over the ranks), on the device the group moves data on."""
-    R = dist.get_world_size()
-    n = max(R, (elements // R) * R)
-    dev = device if device.type == "cuda" else comm_device()
-    src = torch.ones(n, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    ts = []
-    for i in range(reps + 1):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_to_all_single(dst, src)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        if i:  # the first call sets up the communicator's buffers
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def rank_teardown(cfg):
@@ -707,6 +688,9 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
         budget_gb = default_budget_gb(device)
     shape = scaled_shape(p, ranks, layers, int(budget_gb * GiB), slots)
     shape["max_tokens"] = max(tokens)
+    if layers is not None and shape["layers"] != layers:  # said, not silently honoured in part
+        shape["note"] = (f"--layers {layers} asked; {shape['layers']} of the preset's {p.layers} fit --budget-gb "
+                         f"{budget_gb:g} per rank (replicated layout)")
     configs = list(configs or CONFIGS)
     if impl == "grouped_mm" and "symmetric" in configs and shape["slots"] < shape["experts"] // ranks:
         raise ValueError(f"--impl grouped_mm cannot run the symmetric configuration with --slots {shape['slots']} < "
@@ -853,6 +837,8 @@ def format_table(results: dict) -> str:
     ]
     if env.get("launch_note") and env.get("backend") != "nccl" and env.get("device") == "cuda":
         lines.append(f"NOTE: {env['launch_note']}")
+    if s.get("note"):
+        lines.append(f"NOTE: {s['note']}")
     lines += [
         "",
         f"{'config':<17} {'resident MiB':>12} {'home':>8} {'repl.':>8} {'slots':>8} {'load transient':>14} "

@@ -65,15 +65,29 @@ def _time(fn, dev, iters, warmup, barrier=True):
     return statistics.median(host), (statistics.median(device) if device else None)
 
 
-def _anchors(S, K, H, dev, iters, warmup):
-    """Plain transports of the same payload (``S*K`` bf16 rows of ``H``, split evenly)."""
+def _payload(S, K, H, dev):
+    """A dispatch's payload on this rank: ``S*K`` bf16 rows of ``H`` and even splits over the ranks."""
     r, R = dist.get_rank(), dist.get_world_size()
     n = S * K
     send = torch.randn(n, H, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16).to(dev)
-    splits = [n // R + (1 if q < n % R else 0) for q in range(R)]
+    return send, [n // R + (1 if q < n % R else 0) for q in range(R)]
+
+
+def time_all_to_all(S, K, H, dev, iters, warmup):
+    """``(host median s, device median s or None)`` of one plain ``all_to_all_single`` of a
+    dispatch's payload: the anchor every engine figure is compared with (also moonep-ab's)."""
+    send, splits = _payload(S, K, H, dev)
     recv = torch.empty_like(send)
+    return _time(lambda: dist.all_to_all_single(recv, send, splits, splits), dev, iters, warmup)
+
+
+def _anchors(S, K, H, dev, iters, warmup):
+    """Plain transports of the same payload (``S*K`` bf16 rows of ``H``, split evenly)."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    send, splits = _payload(S, K, H, dev)
+    n = S * K
     out = {}
-    out["a2a"] = _time(lambda: dist.all_to_all_single(recv, send, splits, splits), dev, iters, warmup)
+    out["a2a"] = time_all_to_all(S, K, H, dev, iters, warmup)
     if dev.type == "cuda":
         from vllm_moonep.engine.heaps import make_heap
 

@@ -39,6 +39,7 @@ import sys
 import torch
 
 from vllm_moonep.engine import default_num_slots
+from vllm_moonep.testing.reference import relative_error
 
 SHAPES = {
     "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
@@ -184,10 +185,14 @@ def poc_experts(x, rw, cu, w_gate, w_up, w_down, out):
     return out
 
 
-def rel_err(a, b, n):
-    a, b = a[:n].double(), b[:n].double()
-    d = float(b.norm())
-    return float((a - b).norm()) / d if d > 0 else float((a - b).norm())
+def set_floor(row: dict, ceil: dict) -> None:
+    """A row's floor from its useful FLOP and touched weight bytes at ``ceil``'s rates, and the
+    ratios to it (set once per row, again if a better ceiling is read after the sweep)."""
+    t_fl = row["flop"] / (ceil["matmul_tflops"] * 1e12) * 1e6
+    t_by = row["weight_bytes"] / (ceil["copy_gbs"] * 1e9) * 1e6
+    row.update(floor_flop_us=t_fl, floor_bytes_us=t_by, floor_us=max(t_fl, t_by),
+               floor_kind="flop" if t_fl >= t_by else "bytes")
+    row.update(triton_over_floor=row["triton_us"] / row["floor_us"], poc_over_floor=row["poc_us"] / row["floor_us"])
 
 
 def main(argv=None) -> int:
@@ -270,9 +275,6 @@ def main(argv=None) -> int:
                 busy = int((real > 0).sum())
                 flop = 6.0 * H * I * real_rows
                 wbytes = 3.0 * H * I * 2 * busy
-                t_fl = flop / (ceil["matmul_tflops"] * 1e12)
-                t_by = wbytes / (ceil["copy_gbs"] * 1e9)
-                floor_us = max(t_fl, t_by) * 1e6
                 out_t = torch.full_like(x, float("nan"))
                 act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
                 conf = cfg or tk.select_config(H, I, nvs_, G)
@@ -281,7 +283,7 @@ def main(argv=None) -> int:
                 poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)
                 torch.cuda.synchronize()
                 unwritten = int(torch.isnan(out_t[:n]).sum())
-                err_tp = rel_err(out_t, out_p, n)
+                err_tp = relative_error(out_t[:n], out_p[:n])
                 f_tri = lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act)  # noqa: E731
                 f_poc = lambda: poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)  # noqa: E731
                 t_tri_eager = _bench(f_tri, rep=args.rep) * 1e3
@@ -294,16 +296,16 @@ def main(argv=None) -> int:
                 row = {
                     "shape": sname, "tokens": tokens, "routing": routing, "maxvio": mv, "NvS": nvs_,
                     "rows": n, "real_rows": real_rows, "busy_groups": busy,
-                    "floor_flop_us": t_fl * 1e6, "floor_bytes_us": t_by * 1e6,
-                    "triton_us": t_tri, "poc_us": t_poc, "floor_us": floor_us,
+                    "flop": flop, "weight_bytes": wbytes,
+                    "triton_us": t_tri, "poc_us": t_poc,
                     "triton_eager_us": t_tri_eager, "poc_eager_us": t_poc_eager,
-                    "floor_kind": "flop" if t_fl >= t_by else "bytes",
-                    "triton_over_floor": t_tri / floor_us, "poc_over_floor": t_poc / floor_us,
                     "triton_tflops_useful": flop / (t_tri * 1e-6) / 1e12,
                     "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
                     "err_vs_poc": err_tp, "unwritten": unwritten, "config": conf,
                 }
+                set_floor(row, ceil)
                 rows.append(row)
+                floor_us = row["floor_us"]
                 print(
                     f"# {sname:14s} t={tokens:5d} {routing:8s} rows={n:6d} real={real_rows:6d} busy={busy:3d} "
                     f"triton {t_tri:9.1f} us  poc {t_poc:9.1f} us  floor {floor_us:9.1f} us ({row['floor_kind']}) "
@@ -333,17 +335,10 @@ def main(argv=None) -> int:
     # the ceilings again after the sweep: the floors use the better of the two readings
     after = measure_ceilings(dev, warm_s=0.5)
     if after["matmul_tflops"] > ceil["matmul_tflops"] or after["copy_gbs"] > ceil["copy_gbs"]:
-        scale_fl = ceil["matmul_tflops"] / max(ceil["matmul_tflops"], after["matmul_tflops"])
-        scale_by = ceil["copy_gbs"] / max(ceil["copy_gbs"], after["copy_gbs"])
-        for r in rows:  # floor terms shrink by the better ceiling
-            t_fl, t_by = r["floor_flop_us"] * scale_fl, r["floor_bytes_us"] * scale_by
-            r["floor_flop_us"], r["floor_bytes_us"] = t_fl, t_by
-            r["floor_us"] = max(t_fl, t_by)
-            r["floor_kind"] = "flop" if t_fl >= t_by else "bytes"
-            r["triton_over_floor"] = r["triton_us"] / r["floor_us"]
-            r["poc_over_floor"] = r["poc_us"] / r["floor_us"]
         ceil = {**ceil, "matmul_tflops": max(ceil["matmul_tflops"], after["matmul_tflops"]),
                 "copy_gbs": max(ceil["copy_gbs"], after["copy_gbs"]), "after_sweep": after}
+        for r in rows:
+            set_floor(r, ceil)
     print()
     print(_ceiling_line(ceil, f"{props.name}, best before/after the sweep"))
     print()

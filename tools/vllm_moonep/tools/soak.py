@@ -125,7 +125,10 @@ def soak_rank(cfg: dict) -> dict:
         max_tokens_per_rank=cfg["max_tokens"], engine="builtin", min_capacity=cfg["min_capacity"],
     )
     # the symmetric set's heap: cfg["heap"] (auto: host on CPU, PyTorch symmetric memory on CUDA)
-    layouts = {kind: build_layouts(kind, local, E, B, heap_kind=cfg["heap"], timeout_s=cfg["timeout_s"]) for kind in kinds}
+    # the load-time all-gathers of the replicated set are bounded by timeout_s; the heap's
+    # collectives by VLLM_MOONEP_COLLECTIVE_TIMEOUT_S, which the ranks get from cfg["timeout_s"]
+    options = {"replicated": {"timeout_s": cfg["timeout_s"]}}
+    layouts = {kind: build_layouts(kind, local, E, B, **options.get(kind, {"heap_kind": cfg["heap"]})) for kind in kinds}
     moes = {k: [MoonEPMoE(pool, lay, impl=cfg["impl"]) for lay in layouts[k].layouts] for k in kinds}
     caps = pool_capacities(cfg["max_tokens"], cfg["min_capacity"])
     warmup = cfg["warmup"] if cfg["warmup"] is not None else max(50, cfg["steps"] // 10)
