@@ -39,19 +39,22 @@ def dense_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
               w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """``x [s,H]``, ``ids/weights [s,K]``, global ``w13 [E,2I,H]`` (gate rows first), ``w2 [E,H,I]``.
 
-    Returns float32 ``[s, H]``. Negative ids contribute nothing.
+    Returns float32 ``[s, H]`` on ``x``'s device. Negative ids contribute nothing. The weights may
+    live on another device (a full-size reference kept in host memory): each used expert's rows
+    are brought to ``x``'s device one at a time.
     """
     x = x.float()
+    dev = x.device
     I = w13.shape[1] // 2
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=dev)
     ids = topk_ids.long()
     for e in torch.unique(ids[ids >= 0]).tolist():
         tok, k = (ids == e).nonzero(as_tuple=True)
         xe = x[tok]
-        gate = w13[e, :I].float()
-        up = w13[e, I:].float()
+        gate = w13[e, :I].to(dev).float()
+        up = w13[e, I:].to(dev).float()
         h = F.silu(xe @ gate.T) * (xe @ up.T)
-        out.index_add_(0, tok, (h @ w2[e].float().T) * topk_weights[tok, k].float()[:, None])
+        out.index_add_(0, tok, (h @ w2[e].to(dev).float().T) * topk_weights[tok, k].float()[:, None])
     return out
 
 

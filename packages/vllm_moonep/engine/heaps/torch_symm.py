@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.engine.multicast import check_multicast_off
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_device
@@ -31,7 +32,22 @@ from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_d
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["TorchSymmHeap"]
+__all__ = ["TorchSymmHeap", "device_memory_state"]
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def device_memory_state(device: torch.device) -> str:
+    """Free and total device memory and what torch's allocator holds: what an OOM report needs."""
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+        reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
+    except Exception as exc:  # the report must not replace the error it explains
+        return f"device memory unknown: {exc}"
+    gib = 2**30
+    return (f"{device}: {free / gib:.1f} of {total / gib:.1f} GiB free; torch's allocator holds {reserved / gib:.1f} "
+            f"GiB, {allocated / gib:.1f} GiB of it in tensors; the rest is other processes, contexts and heaps")
 
 
 def _symm_mem() -> ModuleType:
@@ -103,9 +119,28 @@ class TorchSymmHeap(SymmetricHeap):
             handle.tensor = torch.empty(handle.shape, dtype=handle.dtype, device=self.device)
             return
         assert self._symm is not None  # not in local mode (returned above)
+        symm = self._symm
         # a zero-size allocation still needs a symmetric buffer: use one element
-        handle._impl = {"base": self._symm.empty(handle.shape if all(handle.shape) else (1,), dtype=handle.dtype,
-                                                 device=self.device)}
+        shape = handle.shape if all(handle.shape) else (1,)
+        try:
+            base = symm.empty(shape, dtype=handle.dtype, device=self.device)
+        except Exception as exc:
+            if not _is_oom(exc):
+                raise
+            # symmetric memory is mapped outside torch's caching allocator, so blocks that
+            # allocator keeps free (a load's transients) starve it: hand them back, try once more
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            try:
+                base = symm.empty(shape, dtype=handle.dtype, device=self.device)
+            except Exception as again:
+                if not _is_oom(again):
+                    raise
+                raise MoonEPUnavailableError(f"{again} ({device_memory_state(self.device)})") from again
+            say_once("MoonEP: a symmetric allocation found the GPU full of torch's cached free blocks; "
+                     "TorchSymmHeap emptied torch's CUDA cache and retried (it does so on every such failure)",
+                     __name__)
+        handle._impl = {"base": base}
 
     def _allocate(self, handle: HeapHandle) -> None:
         if self._local_mode:
