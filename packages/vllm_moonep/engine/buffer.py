@@ -281,20 +281,33 @@ class Buffer:
             if not cond:
                 raise MoonEPInputError("dispatch: " + msg)
 
-        for name, t in (("hidden_sh", hidden), ("route_weights_sk", route_w), ("topk_experts_sk", ids), ("tokens_per_expert", tpe)):
-            need(isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}")
-            need(t.device == self.device, f"{name} is on {t.device}, the buffer on {self.device}")
-            need(t.is_contiguous(), f"{name} must be contiguous (the contract passes raw rows), got strides {t.stride()}")
-        need(hidden.dtype == self.dtype, f"hidden_sh must be {self.dtype}, got {hidden.dtype}")
-        need(tuple(hidden.shape) == (S, H), f"hidden_sh must be [S={S}, H={H}], got {list(hidden.shape)} (callers pad to S)")
-        need(route_w.dtype == torch.float32, f"route_weights_sk must be float32, got {route_w.dtype}")
-        need(tuple(route_w.shape) == (S, K), f"route_weights_sk must be [S={S}, K={K}], got {list(route_w.shape)}")
-        need(ids.dtype == torch.int32, f"topk_experts_sk must be int32, got {ids.dtype}"
-             + (" (torch.topk returns int64: pass ids.to(torch.int32))" if ids.dtype == torch.int64 else ""))
-        need(tuple(ids.shape) == (S, K), f"topk_experts_sk must be [S={S}, K={K}], got {list(ids.shape)}")
-        need(tpe.dtype == torch.int32, f"tokens_per_expert must be int32, got {tpe.dtype}"
-             + (" (torch.bincount returns int64: pass counts.to(torch.int32))" if tpe.dtype == torch.int64 else ""))
-        need(tuple(tpe.shape) == (E,), f"tokens_per_expert must be [E={E}], got {list(tpe.shape)}")
+        # the common case in a few comparisons (this runs every step: host time limits small
+        # batches); the messages are only formatted for a call that fails one of them
+        dev = self.device
+        try:
+            ok = (hidden.dtype == self.dtype and hidden.shape == (S, H) and route_w.dtype == torch.float32
+                  and route_w.shape == (S, K) and ids.dtype == torch.int32 and ids.shape == (S, K)
+                  and tpe.dtype == torch.int32 and tpe.shape == (E,)
+                  and hidden.device == dev and route_w.device == dev and ids.device == dev and tpe.device == dev
+                  and hidden.is_contiguous() and route_w.is_contiguous() and ids.is_contiguous()
+                  and tpe.is_contiguous())
+        except AttributeError:  # not a tensor: the checks below say which
+            ok = False
+        if not ok:
+            for name, t in (("hidden_sh", hidden), ("route_weights_sk", route_w), ("topk_experts_sk", ids), ("tokens_per_expert", tpe)):
+                need(isinstance(t, torch.Tensor), f"{name} must be a tensor, got {type(t).__name__}")
+                need(t.device == self.device, f"{name} is on {t.device}, the buffer on {self.device}")
+                need(t.is_contiguous(), f"{name} must be contiguous (the contract passes raw rows), got strides {t.stride()}")
+            need(hidden.dtype == self.dtype, f"hidden_sh must be {self.dtype}, got {hidden.dtype}")
+            need(tuple(hidden.shape) == (S, H), f"hidden_sh must be [S={S}, H={H}], got {list(hidden.shape)} (callers pad to S)")
+            need(route_w.dtype == torch.float32, f"route_weights_sk must be float32, got {route_w.dtype}")
+            need(tuple(route_w.shape) == (S, K), f"route_weights_sk must be [S={S}, K={K}], got {list(route_w.shape)}")
+            need(ids.dtype == torch.int32, f"topk_experts_sk must be int32, got {ids.dtype}"
+                 + (" (torch.topk returns int64: pass ids.to(torch.int32))" if ids.dtype == torch.int64 else ""))
+            need(tuple(ids.shape) == (S, K), f"topk_experts_sk must be [S={S}, K={K}], got {list(ids.shape)}")
+            need(tpe.dtype == torch.int32, f"tokens_per_expert must be int32, got {tpe.dtype}"
+                 + (" (torch.bincount returns int64: pass counts.to(torch.int32))" if tpe.dtype == torch.int64 else ""))
+            need(tuple(tpe.shape) == (E,), f"tokens_per_expert must be [E={E}], got {list(tpe.shape)}")
         if not self.check_inputs:
             return
         lo, hi = int(ids.min()), int(ids.max())

@@ -139,6 +139,10 @@ class SymmetricTransport:
             self._launch = {name: Launcher(getattr(k, f"{name}_kernel")) for name in _KERNELS}
             self.cu32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
             self._block_h = min(triton.next_power_of_2(H), 4096)
+            self._SK, self._RP, self._E_PAD, self._tmo = SK, triton.next_power_of_2(R), triton.next_power_of_2(E), \
+                self._timeout_ns()
+            self._G = E + B
+            self._G_PAD = triton.next_power_of_2(self._G)
             # rows the last step wrote (cleared at the next dispatch); rows [0, S*K) at first,
             # which the allocation zeroed
             self.real_rows = torch.arange(SK, dtype=torch.int32, device=self.device)
@@ -165,27 +169,25 @@ class SymmetricTransport:
         return int(self.timeout_s * 1e9)
 
     def _dispatch_gpu(self, hidden, route_w, ids, tpe):
-        R, E, rank, H, P, SK = self.R, self.E, self.rank, self.H, self.programs, self.S * self.K
-        RP = triton.next_power_of_2(R)
+        # host time is what limits small batches: everything per call is a lookup (constants in __init__)
+        R, E, rank, H, P, SK, RP, tmo = self.R, self.E, self.rank, self.H, self.programs, self._SK, self._RP, self._tmo
         b = self.buf
         L = self._launch
         L["clear_rows"]((P, 1, 1), self.real_rows, b["recv_x"], b["recv_w"], b["recv_src"], SK, H, P, ROWS=_ROWS,
                         BLOCK_H=self._block_h, num_warps=8)
-        L["put_counts"]((R, 1, 1), tpe, self.table, R, rank, E, E_PAD=triton.next_power_of_2(E), R_PAD=RP)
-        L["wait_counts"]((1, 1, 1), b["sig"], self.epoch, R, self.board.address, self._timeout_ns(), R_PAD=RP)
+        L["put_counts"]((R, 1, 1), tpe, self.table, R, rank, E, E_PAD=self._E_PAD, R_PAD=RP)
+        L["wait_counts"]((1, 1, 1), b["sig"], self.epoch, R, self.board.address, tmo, R_PAD=RP)
         gp = self.planner.plan(b["counts"])
         dest, row = self.planner.place(gp, rank, ids)
         L["dispatch_rows"]((P, 1, 1), hidden, route_w, dest, row, self.table, self.board.address, self.epoch, SK,
                            self.K, H, R, rank, P, ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
-        G = E + self.B
-        L["finish_dispatch"]((P, 1, 1), gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, self.real_rows, G, self.tp,
-                             b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), P,
-                             G_PAD=triton.next_power_of_2(G), CHUNK=1024, R_PAD=RP, num_warps=4)
+        L["finish_dispatch"]((P, 1, 1), gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, self.real_rows, self._G,
+                             self.tp, b["sig"], self.epoch, R, P, self.board.address, tmo, P,
+                             G_PAD=self._G_PAD, CHUNK=1024, R_PAD=RP, num_warps=4)
         return b["recv_x"], b["recv_w"], self.cu32, gp
 
     def _combine_gpu(self, y, y_w):
-        R, rank, H, K, P = self.R, self.rank, self.H, self.K, self.programs
-        RP = triton.next_power_of_2(R)
+        R, rank, H, K, P, RP = self.R, self.rank, self.H, self.K, self.programs, self._RP
         b = self.buf
         has_w = y_w is not None
         L = self._launch
@@ -198,7 +200,7 @@ class SymmetricTransport:
         out_w = torch.empty(self.S, K, dtype=torch.float32, device=self.device) if has_w else out
         bh = min(triton.next_power_of_2(H), 2048)
         n_red = max(1, min(self.S * triton.cdiv(H, bh), _REDUCE_PROGRAMS))  # local work: fill the GPU
-        L["wait_combine"]((1, 1, 1), b["sig"], self.epoch, R, P, self.board.address, self._timeout_ns(), R_PAD=RP)
+        L["wait_combine"]((1, 1, 1), b["sig"], self.epoch, R, P, self.board.address, self._tmo, R_PAD=RP)
         L["reduce"]((n_red, 1, 1), b["comb_x"], b["comb_w"], out, out_w, self.S, K, H, n_red, HAS_W=has_w,
                     K_PAD=triton.next_power_of_2(K), BLOCK_H=bh, num_warps=4)
         return out, (out_w if has_w else None)

@@ -267,6 +267,9 @@ def make_manager_class():
                 B=opts.num_prefetch_slots,
                 group=self._device_group if self._device_group is not None else self.cpu_group,
                 explicitly_destroy=True,
+                # vLLM's platform decides (a CPU platform beside visible GPUs keeps tensors on the
+                # CPU); the real moonep's Buffer takes no device and make_buffer drops it there
+                device=self.device,
             )
             if self.engine == "builtin":  # the real moonep's Buffer has no transport choice
                 buffer_kwargs["transport"] = opts.transport
