@@ -24,12 +24,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader |
 for part in ${FIGS:-dispatch planner ab}; do
   case $part in
     dispatch)
-      # the engine's transport against NCCL and one-sided copies; both launch paths (engine/launch.py)
-      for fast in 1 0; do
-        say "=== bench_dispatch, VLLM_MOONEP_FAST_LAUNCH=$fast ==="
-        VLLM_MOONEP_FAST_LAUNCH=$fast run timeout 240 python3 -m vllm_moonep.tools.bench_dispatch --device cuda \
-          --ranks "$RANKS" --preset kimi-k2 --tokens 1 128 1024 4096 --maxvio 0 2 --iters 30 --warmup 5 \
-          --json "$OUT/bench_dispatch_fast$fast.json"
+      # the engine's transport against NCCL and one-sided copies; eager calls through private graphs
+      # (engine/eager_graphs.py), then launching each kernel on both launch paths (engine/launch.py)
+      for mode in "1 1" "0 1" "0 0"; do
+        set -- $mode
+        say "=== bench_dispatch, VLLM_MOONEP_EAGER_GRAPHS=$1 VLLM_MOONEP_FAST_LAUNCH=$2 ==="
+        VLLM_MOONEP_EAGER_GRAPHS=$1 VLLM_MOONEP_FAST_LAUNCH=$2 run timeout 240 python3 -m vllm_moonep.tools.bench_dispatch \
+          --device cuda --ranks "$RANKS" --preset kimi-k2 --tokens 1 128 1024 4096 --maxvio 0 2 --iters 30 --warmup 5 \
+          --json "$OUT/bench_dispatch_graphs$1_fast$2.json"
       done;;
     planner)
       for fast in 1 0; do

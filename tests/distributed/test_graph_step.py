@@ -51,9 +51,9 @@ def graph_step(layout_kind, B, tokens, replays):
     for _ in range(2):
         out = moe.forward(x_s, ids_s, w_s, num_tokens_across_dp=tokens)
     check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
-    launchers = _engine_launchers(moe)
-    hits = [ln.hits for ln in launchers]
-    # 1) no host synchronization anywhere in the step
+    # 1) no host synchronization anywhere in the step; eager dispatch and combine now replay the
+    # buffer's private graphs (engine/eager_graphs.py), captured at the warm-up's second call
+    replays = _replays(moe)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -61,10 +61,32 @@ def graph_step(layout_kind, B, tokens, replays):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
-    # every engine kernel of that step went through Triton's compiled runner (engine/launch.py)
+    # eager steps on new routings and new input tensors, served by those graphs
+    eager_errs = []
+    for i in range(2):
+        x, ids, w = rank_inputs(tokens, E, K, H, sigma=1.0 + i, seed=50 + i, rank=r)
+        out = moe.forward(x.to(dev), ids.to(dev), w.to(dev), num_tokens_across_dp=tokens)
+        eager_errs.append(check_against_dense(out.cpu(), x, ids, w, w13, w2))
+    res["eager_replays"] = _replays(moe) - replays
+    res["eager_err"] = max(eager_errs)
+    # 1b) the private graphs off: the same sync-free step launches every engine kernel through
+    # its compiled C launcher (engine/launch.py)
+    for buf in moe.pool.buffers.values():
+        buf._sym.graphs.enabled = False
+    launchers = _engine_launchers(moe)
+    hits = [ln.hits for ln in launchers]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe.forward(x_s, ids_s, w_s, num_tokens_across_dp=tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
     from vllm_moonep.engine.launch import FAST_LAUNCH
 
     res["fast"] = (FAST_LAUNCH, len(launchers), sum(ln.hits > h and ln.fast for ln, h in zip(launchers, hits)))
+    for buf in moe.pool.buffers.values():
+        buf._sym.graphs.enabled = True
     # 2) the whole step in one CUDA graph, replayed on new routing (new plans, new slots)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -99,10 +121,12 @@ def graph_step(layout_kind, B, tokens, replays):
 def test_step_is_sync_free_and_graph_replays_match_dense_shared_gpu(R, layout_kind, B):
     """A host synchronization left in dispatch/prefetch/experts/combine (sync debug mode raises), or
     a step that bakes one plan into the graph (replays on new routing would then miss the dense
-    reference). B=2 < epn exercises overflow rows read from the owners' memory."""
+    reference). B=2 < epn exercises overflow rows read from the owners' memory. Eager steps replay
+    the buffer's private graphs: replays on new routings are checked too."""
     res = ranks(R, graph_step, layout_kind, B, 100, 3, env=SHARED_GPU_ENV)
     assert all(x["max_err"] < 2e-2 for x in res)
     _assert_fast_launch_taken(res)
+    _assert_eager_graphs(res)
 
 
 @pytest.mark.multi_gpu
@@ -115,6 +139,24 @@ def test_step_is_sync_free_and_graph_replays_match_dense_nccl(layout_kind, B):
     res = ranks(R, graph_step, layout_kind, B, 200, 3, env=NCCL_ENV, backend="nccl")
     assert all(x["max_err"] < 2e-2 for x in res)
     _assert_fast_launch_taken(res)
+    _assert_eager_graphs(res)
+
+
+def _replays(moe):
+    """Eager dispatch/combine calls served by the buffers' private graphs so far."""
+    return sum(buf._sym.graphs.replays for buf in moe.pool.buffers.values())
+
+
+def _assert_eager_graphs(res):
+    """Eager calls that never replay the private graphs (a key that never repeats, a capture that
+    failed and switched them off), or replays that compute the wrong step (inputs not copied into
+    the graph's static tensors, an address baked in that changed)."""
+    from vllm_moonep.engine.eager_graphs import EAGER_GRAPHS
+
+    for x in res:
+        assert x["eager_err"] < 2e-2
+        if EAGER_GRAPHS:
+            assert x["eager_replays"] >= 3, f"eager dispatches of the new routings were not replayed: {x['eager_replays']}"
 
 
 def _engine_launchers(moe):

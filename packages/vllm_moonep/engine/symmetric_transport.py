@@ -28,7 +28,9 @@ Two executors of the same protocol:
 - GPU (``TorchSymmHeap`` or any heap whose peers are addressable): Triton kernels
   (``symmetric_kernels``) and the device planner; no host synchronization, no allocation per
   step, so a whole step can be captured in a CUDA graph (one graph per buffer capacity). Waits
-  are bounded on the device and report through the ``ErrorBoard``.
+  are bounded on the device and report through the ``ErrorBoard``. Called eagerly, dispatch and
+  combine replay private graphs of their launches (``eager_graphs``; buffers up to
+  ``EAGER_GRAPH_MAX_TOKENS``), so a step costs the host one launch instead of eleven.
 - CPU ranks (``HostHeap`` without staging, shared ``/dev/shm`` mappings): the same buffers,
   written with torch ops through peer views, host planner, host waits (polling with the same
   bound; a time-out raises at once, naming the peer). This is how CPU CI tests the protocol.
@@ -47,6 +49,7 @@ try:
 except ImportError:  # CPU-only installs: the host executor needs no Triton
     triton = None
 
+from vllm_moonep.engine.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS, GraphCache
 from vllm_moonep.engine.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
 from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.engine.launch import Launcher
@@ -146,6 +149,8 @@ class SymmetricTransport:
             # rows the last step wrote (cleared at the next dispatch); rows [0, S*K) at first,
             # which the allocation zeroed
             self.real_rows = torch.arange(SK, dtype=torch.int32, device=self.device)
+            self.graphs = GraphCache(self.device, f"MoonEP buffer S={S}",
+                                     enabled=EAGER_GRAPHS and S <= EAGER_GRAPH_MAX_TOKENS)
         self._closed = False
 
     # ------------------------------------------------------------------ dispatch
@@ -155,13 +160,22 @@ class SymmetricTransport:
         """Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], GlobalPlan)``. The owning
         ``Buffer`` checks the error board before calling (and marks the group broken)."""
         if self.on_gpu:
-            return self._dispatch_gpu(hidden, route_w, ids, tpe)
+            # eager calls replay a private CUDA graph of the launches (engine/eager_graphs.py)
+            res, _ = self.graphs.run("dispatch", self._dispatch_gpu, (hidden, route_w, ids, tpe))
+            return res
         return self._dispatch_host(hidden, route_w, ids, tpe)
 
     def combine(self, y: torch.Tensor, y_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns ``(hidden_sh [S,H], route_weights [S,K] or None)``."""
         if self.on_gpu:
-            return self._combine_gpu(y, y_w)
+            # the graph reads y (and y_w) where they are: their addresses are part of the key
+            key = ("combine", y.data_ptr(), tuple(y.shape), y.stride(), y.dtype,
+                   None if y_w is None else (y_w.data_ptr(), tuple(y_w.shape), y_w.stride(), y_w.dtype))
+            (out, out_w), replayed = self.graphs.run(key, self._combine_gpu, (), (y, y_w))
+            if replayed:  # the graph's output tensors are rewritten by its next replay: the caller gets copies
+                out = out.clone()
+                out_w = out_w.clone() if out_w is not None else None
+            return out, out_w
         return self._combine_host(y, y_w)
 
     # ------------------------------------------------------------------ GPU executor
@@ -289,6 +303,8 @@ class SymmetricTransport:
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "graphs", None) is not None:
+            self.graphs.clear()  # their launches address the allocations freed below
         self.peer.clear()
         self.buf.clear()
         for h in reversed(self._handles):

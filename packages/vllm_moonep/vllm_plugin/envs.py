@@ -41,7 +41,8 @@ LAUNCHER_ENV_VARS = (
 KNOWN_ENV_VARS = tuple(ENV_VARS.values()) + (PLUGIN_ENV, TIMEOUT_ENV, ARRIVAL_ENV, HEARTBEAT_ENV, OPT_IN_VAR) \
     + LAUNCHER_ENV_VARS \
     + ("VLLM_MOONEP_NVSHMEM_FORCE_RMA",  # NvshmemHeap: every peer read by RMA (engine/heaps/nvshmem_heap.py)
-       "VLLM_MOONEP_FAST_LAUNCH")  # 0: Triton's ordinary launch for every engine kernel (engine/launch.py)
+       "VLLM_MOONEP_FAST_LAUNCH",  # 0: Triton's ordinary launch for every engine kernel (engine/launch.py)
+       "VLLM_MOONEP_EAGER_GRAPHS")  # 0: eager dispatch/combine launch each kernel (engine/eager_graphs.py)
 
 _warned: set[str] = set()
 

@@ -244,8 +244,13 @@ def main(argv=None) -> int:
         return 0
     if launch.note:
         print(launch.note)
-    print(f"built-in engine ({transport} transport), {a.preset} (H={H}, E={E}, K={K}), {a.ranks} ranks on "
-          f"{a.device} over {launch.backend}; us = slowest rank's median, host-timed (device-timed)")
+    from vllm_moonep.engine.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS
+    from vllm_moonep.engine.launch import FAST_LAUNCH
+
+    how = (f"eager calls replay private CUDA graphs up to {EAGER_GRAPH_MAX_TOKENS} tokens" if EAGER_GRAPHS
+           else "eager calls launch each kernel") + (", fast launch" if FAST_LAUNCH else ", Triton's ordinary launch")
+    print(f"built-in engine ({transport} transport; on GPUs {how}), {a.preset} (H={H}, E={E}, K={K}), {a.ranks} "
+          f"ranks on {a.device} over {launch.backend}; us = slowest rank's median, host-timed (device-timed)")
     print("| tokens/rank | maxvio | payload MB | dispatch us | combine us | graph d+c us | all_to_all us | "
           "one-sided copies us | dispatch/a2a | combine/a2a | dispatch GB/s | slots used |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
