@@ -6,10 +6,11 @@
 #
 # Usage (repo root): bash tools/gpu_figures.sh
 #   FIGS="dispatch planner ab"   which parts (default: all three; "abgraphs": moonep-ab --graphs, each
-#                                  step one CUDA-graph replay of every layer, as vLLM runs a captured step)
+#                                  step one CUDA-graph replay of every layer, as vLLM runs a captured step;
+#                                  "profile": bench_dispatch --profile, kernel and host-launch tables)
 #   AB_PRESETS, AB_TOKENS          moonep-ab presets (default qwen3-30b-a3b kimi-k2) and tokens/rank
 #                                  (default 1 128 4096)
-# Files in $OUT: figures.log (every table), bench_dispatch.json, ab.tgz (each moonep-ab run's JSON
+# Files in $OUT: figures.log (every table), bench_dispatch_graphs<0|1>_fast<0|1>.json, ab.tgz (each moonep-ab run's JSON
 # and plots, ab-<preset>-r<ranks>/).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,6 +33,13 @@ for part in ${FIGS:-dispatch planner ab}; do
         VLLM_MOONEP_EAGER_GRAPHS=$1 VLLM_MOONEP_FAST_LAUNCH=$2 run timeout 240 python3 -m vllm_moonep.tools.bench_dispatch \
           --device cuda --ranks "$RANKS" --preset kimi-k2 --tokens 1 128 1024 4096 --maxvio 0 2 --iters 30 --warmup 5 \
           --json "$OUT/bench_dispatch_graphs$1_fast$2.json"
+      done;;
+    profile)
+      # where eager dispatch + combine spend host and device time (kernel table, host us per launch)
+      for g in 0 1; do
+        say "=== bench_dispatch --profile, VLLM_MOONEP_EAGER_GRAPHS=$g ==="
+        VLLM_MOONEP_EAGER_GRAPHS=$g run timeout 150 python3 -m vllm_moonep.tools.bench_dispatch --device cuda \
+          --ranks "$RANKS" --preset kimi-k2 --tokens 1 128 1024 --maxvio 0 --iters 10 --warmup 3 --profile
       done;;
     planner)
       for fast in 1 0; do
@@ -59,6 +67,6 @@ for part in ${FIGS:-dispatch planner ab}; do
           tar czf "$OUT/ab.tgz" -C /tmp ab 2>/dev/null
         done
       done;;
-    *) say "gpu_figures: unknown part $part (dispatch, planner, ab, abgraphs)";;
+    *) say "gpu_figures: unknown part $part (dispatch, profile, planner, ab, abgraphs)";;
   esac
 done

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 
 import torch
 
@@ -62,6 +63,9 @@ class Launcher:
     #: the most specializations kept per kernel (an argument that changes every call would
     #: otherwise grow the table without bound; past it, new keys launch the ordinary way)
     MAX_RUNNERS = 64
+    #: ``{kernel name: [calls, host seconds]}`` while a profile runs (``bench_dispatch
+    #: --launch-profile``); ``None``, the default, costs one attribute read per launch
+    timings: dict[str, list] | None = None
 
     def __init__(self, fn, fast: bool | None = None):
         self.fn = fn
@@ -79,6 +83,16 @@ class Launcher:
         say_once(f"MoonEP: fast launch off for {name} ({why}); Triton's ordinary launch is used")
 
     def __call__(self, grid: tuple, *args, num_warps: int = 4, **consts) -> None:
+        if Launcher.timings is not None:
+            t0 = time.perf_counter()
+            self._launch(grid, args, num_warps, consts)
+            rec = Launcher.timings.setdefault(getattr(self.fn, "__name__", "?"), [0, 0.0])
+            rec[0] += 1
+            rec[1] += time.perf_counter() - t0
+            return
+        self._launch(grid, args, num_warps, consts)
+
+    def _launch(self, grid: tuple, args: tuple, num_warps: int, consts: dict) -> None:
         # the C launcher reads grid[0..2]; Triton's ordinary launch pads a shorter grid with ones
         if len(grid) != 3:
             grid = tuple(grid) + (1,) * (3 - len(grid))

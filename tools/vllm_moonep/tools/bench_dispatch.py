@@ -110,6 +110,32 @@ def _anchors(S, K, H, dev, iters, warmup):
     return out
 
 
+def _host_profile(buf, x, w, ids, tpe, dev, calls=50):
+    """Host time per dispatch and combine call (back to back, no synchronization between calls:
+    what an eager step pays) and per engine kernel launch in them (``Launcher.timings``); every
+    rank runs it. A call served by a private graph replay launches no engine kernel."""
+    from vllm_moonep.engine.launch import Launcher
+
+    dist.barrier()
+    _sync(dev)
+    Launcher.timings = {}
+    t_d = t_c = 0.0
+    try:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            d = buf.dispatch(x, w, ids, tpe)
+            t1 = time.perf_counter()
+            buf.combine(d[3], d[0])
+            t_c += time.perf_counter() - t1
+            t_d += t1 - t0
+        _sync(dev)
+    finally:
+        timings, Launcher.timings = Launcher.timings, None
+    return {"dispatch_us": t_d / calls * 1e6, "combine_us": t_c / calls * 1e6,
+            "launch_us": {k: v[1] / v[0] * 1e6 for k, v in timings.items()},
+            "launches_per_call": sum(v[0] for v in timings.values()) / calls}
+
+
 def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, programs):
     r, R = dist.get_rank(), dist.get_world_size()
     dev = torch.device(device)
@@ -173,6 +199,7 @@ def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, pro
     elif profile:
         both()
     res["profile"] = prof
+    res["host_profile"] = _host_profile(buf, x, w, ids, tpe, dev) if profile else None
     buf.destroy()
     res.update(_anchors(S, K, H, dev, iters, warmup))
     return res
@@ -201,7 +228,9 @@ def main(argv=None) -> int:
                     help="programs of the symmetric transport's row kernels (the Buffer's num_sms)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--profile", action="store_true", help="print the top kernels of one dispatch+combine on rank 0")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the top kernels of one dispatch+combine on rank 0 (device time) and the host time "
+                         "per call and per engine launch over 50 back-to-back calls")
     ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
     if a.ranks < 1:
@@ -235,8 +264,14 @@ def main(argv=None) -> int:
                     row[f"{key}_us"] = None if _worst(res, key, 0) is None else _worst(res, key, 0) * 1e6
                     row[f"{key}_dev_us"] = None if _worst(res, key, 1) is None else _worst(res, key, 1) * 1e6
                 rows.append(row)
-                if a.profile and res[0]["profile"] and is_driver():
-                    print(f"--- one dispatch + combine, rank 0, tokens {S}, maxvio {mv} ---\n{res[0]['profile']}")
+                if a.profile and is_driver():
+                    if res[0]["profile"]:
+                        print(f"--- one dispatch + combine, rank 0, tokens {S}, maxvio {mv} ---\n{res[0]['profile']}")
+                    hp = res[0]["host_profile"]
+                    per = ", ".join(f"{k} {v:.1f}" for k, v in sorted(hp["launch_us"].items(), key=lambda kv: -kv[1]))
+                    print(f"--- host time, rank 0, tokens {S}, maxvio {mv}: dispatch {hp['dispatch_us']:.1f} us, combine "
+                          f"{hp['combine_us']:.1f} us per call; {hp['launches_per_call']:.1f} engine launches per "
+                          f"dispatch+combine, us each: {per or '-'}")
     finally:
         shutdown_pools()
         finish_launched_group()

@@ -81,7 +81,20 @@ def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None):
         with torch.cuda.graph(graph):
             dp.place(dp.plan(tpe), 0, ids0)
         out["graph"] = _median(measure, graph.replay, iters, warmup)
+        out["kernels"] = _kernel_times(lambda: dp.place(dp.plan(tpe), 0, ids0))
     return out
+
+
+def _kernel_times(fn, calls: int = 20) -> dict[str, float]:
+    """Device time of each kernel of ``fn`` (us per call, CUDA profiler): where plan+place goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / calls for e in p.key_averages() if e.device_time_total > 0}
 
 
 def main(argv=None) -> int:
@@ -112,6 +125,7 @@ def main(argv=None) -> int:
     print("| tokens/rank | maxvio | slots used | match | host (D2H + plan_global) | plan | place | graph plan+place "
           "| host/plan | host/graph |")
     print("|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|")
+    kernels = []
     for S in a.tokens:
         for mv in a.maxvio:
             r = bench_one(R, E, K, S, B, a.token_padding, mv, dev, iters, warmup, a.plan_warps)
@@ -119,6 +133,11 @@ def main(argv=None) -> int:
             print(f"| {S} | {mv:.1f} | {r['slots']} | {'yes' if r['match'] else 'NO'} | {us['host']:.1f} | "
                   f"{us['plan']:.1f} | {us['place']:.1f} | {us['graph']:.1f} | {us['host'] / us['plan']:.1f}x | "
                   f"{us['host'] / us['graph']:.1f}x |", flush=True)
+            kernels.append((S, mv, r.get("kernels")))
+    if any(k for _, _, k in kernels):
+        print("device time per kernel, us per plan+place (CUDA profiler):")
+        for S, mv, k in kernels:
+            print(f"  tokens {S}, maxvio {mv:.1f}: " + ", ".join(f"{n} {v:.1f}" for n, v in (k or {}).items()))
     return 0
 
 
