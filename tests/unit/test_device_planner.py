@@ -89,6 +89,15 @@ def _case(name):
         flat = flat[torch.randperm(256, generator=torch.Generator().manual_seed(12))]
         ids = [flat[:128].view(16, 8), flat[128:].view(16, 8)]
         return 2, 256, 16, 8, 2, 4, ids, _tpe_of(ids, 256)
+    if name == "direct_seven_subblocks":  # place without the histogram, ragged last sub-block
+        ids, tpe = _routing(4, 200, 32, 4, 2.0, seed=21)
+        return 4, 32, 200, 4, 8, 8, ids, tpe
+    if name == "direct_eight_subblocks_kimi_r2":  # the most sub-blocks placed directly; E/R=192 (rule 4 chunks)
+        ids, tpe = _routing(2, 128, 384, 8, 2.0, seed=22)
+        return 2, 384, 128, 8, 192, 128, ids, tpe
+    if name == "hist_nine_subblocks":  # one sub-block past the direct limit: the histogram path again
+        ids, tpe = _routing(4, 257, 32, 4, 1.0, seed=23)
+        return 4, 32, 257, 4, 8, 8, ids, tpe
     if name == "R16":
         ids, tpe = _routing(16, 24, 128, 4, 2.0, seed=16)
         return 16, 128, 24, 4, 8, 8, ids, tpe
@@ -115,7 +124,8 @@ EDGE_CASES = [
     "few_slots_B1", "few_slots_B3", "few_slots_B8",
     "hand_single_sender", "hand_tie_break_overshoot", "hand_slot_order_B1", "hand_slot_order_B2",
     "token_padding_128", "single_token_single_k", "all_tokens_one_expert", "B_more_than_epn", "B_more_than_E",
-    "many_chunks_ragged", "tpe_int64_strided", "many_experts_per_rank", "R16", "R32", "counts_not_summing_to_cap",
+    "many_chunks_ragged", "tpe_int64_strided", "many_experts_per_rank", "direct_seven_subblocks",
+    "direct_eight_subblocks_kimi_r2", "hist_nine_subblocks", "R16", "R32", "counts_not_summing_to_cap",
     "out_of_range_ids",
 ]
 CASES = SIGMA_CASES + EDGE_CASES
@@ -203,6 +213,9 @@ _EDGE_DOCS = {
     "many_chunks_ragged": "place over several chunks with a ragged tail: per-chunk prefix counts",
     "tpe_int64_strided": "int64 counts given as a non-contiguous view (strides honoured)",
     "many_experts_per_rank": "E/R > 64: the chunked slot-order count (chunk extraction, carried padded rows)",
+    "direct_seven_subblocks": "place without the histogram: counts from earlier sub-blocks, ragged last one",
+    "direct_eight_subblocks_kimi_r2": "the last sub-block count placed directly (off-by-one at the limit), E/R=192",
+    "hist_nine_subblocks": "just past the direct limit: the histogram path must take over",
     "R16": "R=16: quota rounds and tiles beyond the small-R cases",
     "R32": "R=32 with K*S small: many receivers, few rows each",
     "counts_not_summing_to_cap": "rows not summing to S*K: the host's exact arithmetic, not the contract's shortcut",

@@ -58,7 +58,16 @@ def _kernels():
     import torch
 
     planner = dp.DevicePlanner(8, 384, 8192, 8, 48, 128, torch.device("cpu"))
+    small = dp.DevicePlanner(2, 384, 128, 8, 192, 128, torch.device("cpu"))  # E/R=192, 8 sub-blocks
+    assert small._place_consts["DIRECT"] and not planner._place_consts["DIRECT"]
+    plan_sig = dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32",
+                    seg_out="*i64", cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32,
+                    EPN=i32, B=i32, CAP=i32)
+    place_sig = dict(ids_ptr="*i32", exs_ptr="*i32", tot_ptr="*i32", ob_ptr="*i64", cum_ptr="*i64", rb_ptr="*i64",
+                     dest_ptr="*i64", row_ptr="*i64", rank=i32, N=i32, E=i32, R=i32)
     cases += [
+        ("plan(E/R=192: rule 4 in column chunks)", dp._plan_kernel, plan_sig, dict(small._plan_consts)),
+        ("place(direct, no histogram)", dp._place_kernel, place_sig, dict(small._place_consts)),
         ("plan", dp._plan_kernel,
          dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32", seg_out="*i64",
               cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32, EPN=i32, B=i32, CAP=i32),

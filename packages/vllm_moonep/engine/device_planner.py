@@ -17,7 +17,7 @@ Contract:
   and they shift no other entry's ordinal.
 - No host synchronization: no ``.item()``, no data-dependent shapes, no syncing torch ops. Loop
   bounds that depend on data are device-side ``while`` conditions inside a kernel.
-- CUDA-graph capturable: a fixed sequence of launches (1 for ``plan``, 2 for ``place``) writing
+- CUDA-graph capturable: a fixed sequence of launches (1 for ``plan``, 1 or 2 for ``place``) writing
   into tensors preallocated in ``__init__`` (the returned tensors are overwritten by the next
   call). Call each method once before capturing (Triton compiles on first use).
 
@@ -32,7 +32,9 @@ Kernels::
                         rule 4  remote experts of d (all from one home, see the kernel), slot =
                                 number ahead in (alloc, e) order by pairwise compare, first B
                                 -> experts_to_copy[d], seg_len[d], cu_seqlens[d], row_base[:,d]
-    ids [S,K] ──► _hist_kernel, grid n/CH: per chunk of CH=KS*SB entries, per-expert counts of
+    ids [S,K] ──► (only above DIRECT_MAX_SUBBLOCKS sub-blocks; below, _place_kernel compares each
+                  entry with the earlier sub-blocks' entries directly, [SB,SB] at a time)
+              ──► _hist_kernel, grid n/CH: per chunk of CH=KS*SB entries, per-expert counts of
                   the chunk (tot[c,:]) and of its sub-blocks before each sub-block (exs[c*KS+k,:])
               ──► _place_kernel, grid n/SB, one sub-block of SB entries (rule 5):
                     ordinal = ordinal_base[rank,e] + sum_{c'<c} tot[c',e] + exs[s,e]
@@ -59,7 +61,11 @@ from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.launch import Launcher
 from vllm_moonep.engine.planner import GlobalPlan
 
-__all__ = ["DevicePlanner"]
+__all__ = ["DIRECT_MAX_SUBBLOCKS", "DevicePlanner"]
+
+#: place without the histogram kernel up to this many sub-blocks of 128 entries (S*K <= 1024):
+#: each program then compares its entries with at most this many earlier sub-blocks
+DIRECT_MAX_SUBBLOCKS = 8
 
 
 def _np2(x: int) -> int:
@@ -258,27 +264,37 @@ def _hist_kernel(ids_ptr, exs_ptr, tot_ptr, N, E, KS: tl.constexpr, SB: tl.const
 def _place_kernel(
     ids_ptr, exs_ptr, tot_ptr, ob_ptr, cum_ptr, rb_ptr, dest_ptr, row_ptr,
     rank, N, E, R,
-    KS: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, R_P: tl.constexpr,
+    KS: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, R_P: tl.constexpr, DIRECT: tl.constexpr,
 ):
-    """Sub-block ``s`` of SB entries: global ordinal of each entry, then its destination and row."""
+    """Sub-block ``s`` of SB entries: global ordinal of each entry, then its destination and row.
+    ``DIRECT`` (few sub-blocks): earlier sub-blocks are compared entry by entry, no histogram."""
     s = tl.program_id(0)
-    c = s // KS
     i = tl.arange(0, SB)
     offs = s * SB + i
     m = offs < N
     x = tl.load(ids_ptr + offs, mask=m, other=-1)
     valid = m & (x >= 0) & (x < E)
     xc = tl.where(valid, x, 0).to(tl.int32)
-    # entries of expert e before this sub-block: earlier ranks, earlier chunks, earlier sub-blocks
-    g = tl.load(ob_ptr + rank * E + xc, mask=valid, other=0).to(tl.int64)
-    g += tl.load(exs_ptr + s * E + xc, mask=valid, other=0).to(tl.int64)
-    acc = tl.zeros([CB, SB], tl.int32)
-    for c0 in range(0, c, CB):
-        cc = c0 + tl.arange(0, CB)[:, None]
-        acc += tl.load(tot_ptr + cc * E + xc[None, :], mask=(cc < c) & valid[None, :], other=0)
-    g += tl.sum(acc, axis=0).to(tl.int64)
-    # and inside the sub-block
     xe = tl.where(valid, x, -1)
+    # entries of expert e before this sub-block: earlier ranks, then earlier entries of this rank
+    g = tl.load(ob_ptr + rank * E + xc, mask=valid, other=0).to(tl.int64)
+    if DIRECT:
+        # an [SB, SB] comparison per earlier sub-block (a valid id never equals an invalid one)
+        cnt = tl.zeros([SB], tl.int32)
+        for s0 in range(0, s):
+            y = tl.load(ids_ptr + s0 * SB + i)  # s0 < s: a whole sub-block, inside N
+            cnt += tl.sum((xe[:, None] == y[None, :]).to(tl.int32), axis=1)
+        g += cnt.to(tl.int64)
+    else:
+        # earlier chunks (their totals) and earlier sub-blocks of this chunk (the histogram's prefix)
+        c = s // KS
+        g += tl.load(exs_ptr + s * E + xc, mask=valid, other=0).to(tl.int64)
+        acc = tl.zeros([CB, SB], tl.int32)
+        for c0 in range(0, c, CB):
+            cc = c0 + tl.arange(0, CB)[:, None]
+            acc += tl.load(tot_ptr + cc * E + xc[None, :], mask=(cc < c) & valid[None, :], other=0)
+        g += tl.sum(acc, axis=0).to(tl.int64)
+    # and inside the sub-block
     same = (xe[:, None] == xe[None, :]) & (i[None, :] < i[:, None])
     g += tl.sum(same.to(tl.int32), axis=1).to(tl.int64)
     # destination: first d with cum_alloc[e, d] > g (= how many are <= g, as the host counts)
@@ -373,7 +389,10 @@ class DevicePlanner:
         self._hist_launch = Launcher(_hist_kernel, fast_launch)
         self._hist_consts = dict(KS=self._KS, SB=self._SB, E_P=self._E_P)
         self._place_launch = Launcher(_place_kernel, fast_launch)
-        self._place_consts = dict(KS=self._KS, SB=self._SB, CB=self._CB, R_P=self._R_P)
+        # few sub-blocks (small batches): place compares entries directly and the histogram launch
+        # (a constant ~15 us of device time on an H200, docs/PERFORMANCE.md) is skipped
+        self._direct = n_sub <= DIRECT_MAX_SUBBLOCKS
+        self._place_consts = dict(KS=self._KS, SB=self._SB, CB=self._CB, R_P=self._R_P, DIRECT=self._direct)
 
     def plan(self, tpe_all: torch.Tensor) -> GlobalPlan:
         """Rules 1-4 from the all-gathered ``tpe_all [R, E]`` (int32 or int64, on ``device``); one launch."""
@@ -393,8 +412,14 @@ class DevicePlanner:
         )
         return gp
 
+    @property
+    def launchers(self) -> list[Launcher]:
+        """The launchers a ``plan`` + ``place`` runs, in order (the histogram's only for large batches)."""
+        return [self._plan_launch] + ([] if self._direct else [self._hist_launch]) + [self._place_launch]
+
     def place(self, gp: GlobalPlan, rank: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rule 5 for ``rank``'s ``ids [S, K]``: ``(dest [S*K], row [S*K])`` int64; two launches.
+        """Rule 5 for ``rank``'s ``ids [S, K]``: ``(dest [S*K], row [S*K])`` int64; one launch up to
+        ``DIRECT_MAX_SUBBLOCKS`` sub-blocks of entries, two above.
 
         Ids outside ``[0, E)`` get ``dest = row = -1``.
         """
@@ -406,8 +431,9 @@ class DevicePlanner:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         ob, cum, rb = (self._table(t) for t in (gp.ordinal_base, gp.cum_alloc, gp.row_base))
-        self._hist_launch((self._n_chunks, 1, 1), flat, self._exs, self._tot, self._n, self.E,
-                          num_warps=4, **self._hist_consts)
+        if not self._direct:
+            self._hist_launch((self._n_chunks, 1, 1), flat, self._exs, self._tot, self._n, self.E,
+                              num_warps=4, **self._hist_consts)
         self._place_launch(
             (self._n_sub, 1, 1),
             flat, self._exs, self._tot, ob, cum, rb, self._dest, self._row,
