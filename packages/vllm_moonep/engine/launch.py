@@ -94,8 +94,9 @@ class Launcher:
 
     def _launch(self, grid: tuple, args: tuple, num_warps: int, consts: dict) -> None:
         # the C launcher reads grid[0..2]; Triton's ordinary launch pads a shorter grid with ones
+        grid = tuple(grid)
         if len(grid) != 3:
-            grid = tuple(grid) + (1,) * (3 - len(grid))
+            grid += (1,) * (3 - len(grid))
         key = None
         if self.fast:
             # a compiled kernel is loaded on one GPU: the device is part of the key

@@ -30,7 +30,8 @@ Two executors of the same protocol:
   step, so a whole step can be captured in a CUDA graph (one graph per buffer capacity). Waits
   are bounded on the device and report through the ``ErrorBoard``. Called eagerly, dispatch and
   combine replay private graphs of their launches (``eager_graphs``; buffers up to
-  ``EAGER_GRAPH_MAX_TOKENS``), so a step costs the host one launch instead of eleven.
+  ``EAGER_GRAPH_MAX_TOKENS``), so a step costs the host a graph launch (and a few copies) instead
+  of ten or eleven kernel launches.
 - CPU ranks (``HostHeap`` without staging, shared ``/dev/shm`` mappings): the same buffers,
   written with torch ops through peer views, host planner, host waits (polling with the same
   bound; a time-out raises at once, naming the peer). This is how CPU CI tests the protocol.
@@ -146,6 +147,10 @@ class SymmetricTransport:
                 self._timeout_ns()
             self._G = E + B
             self._G_PAD = triton.next_power_of_2(self._G)
+            # the reduce: local work, enough programs to fill the GPU
+            self._bh_red = min(triton.next_power_of_2(H), 2048)
+            self._n_red = max(1, min(S * triton.cdiv(H, self._bh_red), _REDUCE_PROGRAMS))
+            self._K_PAD = triton.next_power_of_2(K)
             # rows the last step wrote (cleared at the next dispatch); rows [0, S*K) at first,
             # which the allocation zeroed
             self.real_rows = torch.arange(SK, dtype=torch.int32, device=self.device)
@@ -212,11 +217,10 @@ class SymmetricTransport:
         # this buffer): fresh tensors from the caching allocator, no synchronization
         out = torch.empty(self.S, H, dtype=self.dtype, device=self.device)
         out_w = torch.empty(self.S, K, dtype=torch.float32, device=self.device) if has_w else out
-        bh = min(triton.next_power_of_2(H), 2048)
-        n_red = max(1, min(self.S * triton.cdiv(H, bh), _REDUCE_PROGRAMS))  # local work: fill the GPU
+        n_red, bh = self._n_red, self._bh_red
         L["wait_combine"]((1, 1, 1), b["sig"], self.epoch, R, P, self.board.address, self._tmo, R_PAD=RP)
         L["reduce"]((n_red, 1, 1), b["comb_x"], b["comb_w"], out, out_w, self.S, K, H, n_red, HAS_W=has_w,
-                    K_PAD=triton.next_power_of_2(K), BLOCK_H=bh, num_warps=4)
+                    K_PAD=self._K_PAD, BLOCK_H=bh, num_warps=4)
         return out, (out_w if has_w else None)
 
     # ------------------------------------------------------------------ CPU executor

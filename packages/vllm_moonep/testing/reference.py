@@ -18,13 +18,25 @@ from vllm_moonep.common.grouped_gemm import GroupedWeights
 __all__ = ["dense_moe", "expert_ffn_float64", "random_expert_weights", "relative_error"]
 
 
-def random_expert_weights(E: int, H: int, I: int, seed: int = 0, device: torch.device | str = "cpu"):
+def random_expert_weights(E: int, H: int, I: int, seed: int = 0, device: torch.device | str = "cpu",
+                          keep_on: torch.device | str | None = None):
     """Seeded ``w13 [E, 2I, H]`` (gate rows first) and ``w2 [E, H, I]`` in bf16, scaled so a layer's
-    output is O(1); the same on every rank for the same seed and device type. Drawn on ``device``
-    (full-size experts are GBs)."""
+    output is O(1); the same on every rank for the same seed, device type and ``keep_on``. Drawn on
+    ``device`` (full-size experts are GBs). ``keep_on``: where the result lives, when not on
+    ``device`` (a GPU draws, host memory keeps): drawn a few experts at a time, so ``device``
+    never holds a whole layer (other values than an undivided draw)."""
     g = torch.Generator(device=device).manual_seed(int(seed))
-    w13 = (torch.randn(E, 2 * I, H, generator=g, device=device) / H**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, generator=g, device=device) / I**0.5).to(torch.bfloat16)
+    if keep_on is None or torch.device(keep_on) == torch.device(device):
+        w13 = (torch.randn(E, 2 * I, H, generator=g, device=device) / H**0.5).to(torch.bfloat16)
+        w2 = (torch.randn(E, H, I, generator=g, device=device) / I**0.5).to(torch.bfloat16)
+        return w13, w2
+    step = max(1, (1 << 29) // max(1, 2 * I * H))  # about 2 GiB of float32 per draw
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=keep_on)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=keep_on)
+    for e0 in range(0, E, step):
+        n = min(step, E - e0)
+        w13[e0:e0 + n] = (torch.randn(n, 2 * I, H, generator=g, device=device) / H**0.5).to(torch.bfloat16)
+        w2[e0:e0 + n] = (torch.randn(n, H, I, generator=g, device=device) / I**0.5).to(torch.bfloat16)
     return w13, w2
 
 

@@ -338,9 +338,8 @@ def measure_build(key: str, build: Callable[[list, torch.device], Built], shape:
     ref_host = reference_on_host(shape, R, device, sharing)
     full = []
     for layer in range(L):  # drawn on the device (fast), kept where reference_on_host says
-        w13, w2 = random_expert_weights(E, H, I, seed * 1000 + layer, device)
-        full.append((w13.cpu(), w2.cpu()) if ref_host else (w13, w2))
-        del w13, w2
+        full.append(random_expert_weights(E, H, I, seed * 1000 + layer, device,
+                                          keep_on=torch.device("cpu") if ref_host else None))
     _warm_up_group(device)
     release_freed_memory(device)
     before = measured_bytes(device)
