@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_moonep.common.memory import (EXPLAIN_ABOVE, MiB, UNATTRIBUTED, explain_difference, held_tensor_bytes,
-                                       release_freed_memory, resident_bytes)
+                                       peak_rss, release_freed_memory, reset_peak, resident_bytes)
 from vllm_moonep.engine.heaps import HostHeap
 from vllm_moonep.engine.heaps.nvshmem_heap import rma_chunks
 
@@ -64,6 +64,24 @@ def test_resident_bytes_sees_an_allocation_and_its_release():
     del t
     release_freed_memory("cpu")
     assert resident_bytes("cpu") - base < 4 * MiB
+
+
+def test_reset_peak_says_whether_the_peak_restarted():
+    """A refused /proc/self/clear_refs left VmHWM at the lifetime peak, read as the build's peak
+    (moonep-ab's peak column too high, silently)."""
+    big = torch.ones(64 * MiB // 4)  # 64 MiB touched, then freed: a peak above what follows
+    del big
+    release_freed_memory("cpu")
+    before = peak_rss()
+    ok = reset_peak("cpu")
+    after = peak_rss()
+    assert isinstance(ok, bool)
+    if before is None or after is None:
+        pytest.skip("no /proc/self/status VmHWM here")
+    if ok:
+        assert after <= before - 32 * MiB, (before, after)
+    else:
+        assert after == before
 
 
 def test_rma_chunks_cover_every_byte_once_within_the_scratch():

@@ -156,17 +156,20 @@ def resident_bytes(device: torch.device | str) -> int:
     return int(m["device_used"] if "device_used" in m else m["rss"])
 
 
-def reset_peak(device: torch.device | str) -> None:
-    """Start a new peak: ``VmHWM`` on CPU (``/proc/self/clear_refs``), torch's peak statistics on CUDA."""
+def reset_peak(device: torch.device | str) -> bool:
+    """Start a new peak: ``VmHWM`` on CPU (``/proc/self/clear_refs``), torch's peak statistics on
+    CUDA. Returns whether it could (a kernel that refuses ``clear_refs`` leaves ``VmHWM`` at the
+    process's lifetime peak, which a caller must not read as the peak since this call)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-        return
+        return True
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:
-        pass
+        return False
+    return True
 
 
 def peak_rss() -> int | None:

@@ -344,7 +344,7 @@ def measure_build(key: str, build: Callable[[list, torch.device], Built], shape:
     release_freed_memory(device)
     before = measured_bytes(device)
     base = resident_bytes(device)
-    reset_peak(device)
+    peak_reset = reset_peak(device)
     dist.barrier()  # every rank has its baseline before any rank builds (ranks may share a GPU)
     local = [tuple(t.to(device) for t in local_experts(w13, w2, r, R)) for w13, w2 in full]
     if device.type == "cuda":
@@ -355,7 +355,8 @@ def measure_build(key: str, build: Callable[[list, torch.device], Built], shape:
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - t0
     dist.barrier()  # every rank built (ranks sharing a GPU see each other's allocations)
-    peak_cpu = peak_rss() if device.type == "cpu" else None
+    # without a reset VmHWM is the lifetime peak (the reference weights included): not this build's
+    peak_cpu = peak_rss() if device.type == "cpu" and peak_reset else None
     release_freed_memory(device)
     after = measured_bytes(device)
     grown = (resident_bytes(device) - base) / sharing
@@ -373,6 +374,7 @@ def measure_build(key: str, build: Callable[[list, torch.device], Built], shape:
         "host_staging": staging,
         "heap_kinds": sorted({h.kind for h in built.heaps}),
         "reference_on_host": ref_host,
+        "peak_reset": peak_reset,
     }
     if device.type == "cuda":
         detail["torch_reserved_delta"] = after["reserved"] - before["reserved"]
@@ -724,6 +726,11 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
     if "vllm-poc" in configs and graphs:
         configs.remove("vllm-poc")
         skipped["vllm-poc"] = "vLLM 0.33's in-tree MoonEP classes are eager-only (--graphs)"
+    ignored = [f"--{k} {v}" for k, v in (("impl", impl), ("heap", heap)) if v != "auto"]
+    if "vllm-poc" in configs and ignored:  # said, not silently dropped
+        note = (f"vllm-poc runs vLLM 0.33's own classes (its experts, its replicated weights): "
+                f"{' and '.join(ignored)} apply to the other configurations only")
+        shape["note"] = f"{shape['note']}; {note}" if shape.get("note") else note
     spawn = spawn_options(launch)
     sigmas = {mv: sigma_for_maxvio(mv, shape["experts"], shape["topk"], max(tokens) * ranks, seed=seed) for mv in maxvios}
     points = [(c, t, mv) for c in configs for t in tokens for mv in maxvios]
@@ -894,6 +901,9 @@ def format_table(results: dict) -> str:
     if notes:
         lines.append(f"where measured and accounted differ by more than {EXPLAIN_ABOVE:.0%}, why:")
         lines += notes
+    if any(e["memory"][0].get("detail", {}).get("peak_reset") is False for e in results["configs"].values()):
+        lines.append("peak MiB here is the measured resident only (a lower bound): this kernel refused "
+                     "/proc/self/clear_refs, so the process's peak since the build began is unknown")
     if env.get("graphs"):
         lines += ["", "timing: each step is one CUDA-graph replay of every layer (as vLLM runs a captured step); "
                       "phases are not timed inside a graph (0.00), and plan and slots are the captured step's"]
