@@ -98,6 +98,10 @@ def _case(name):
     if name == "hist_nine_subblocks":  # one sub-block past the direct limit: the histogram path again
         ids, tpe = _routing(4, 257, 32, 4, 1.0, seed=23)
         return 4, 32, 257, 4, 8, 8, ids, tpe
+    if name == "kimi_r2_rule4_chunk32":  # rule 4 with another column-chunk width than the planner's own
+        return _case("direct_eight_subblocks_kimi_r2")
+    if name == "many_experts_per_rank_chunk2":  # the narrowest chunk: equal allocs across many chunks
+        return _case("many_experts_per_rank")
     if name == "R16":
         ids, tpe = _routing(16, 24, 128, 4, 2.0, seed=16)
         return 16, 128, 24, 4, 8, 8, ids, tpe
@@ -125,10 +129,13 @@ EDGE_CASES = [
     "hand_single_sender", "hand_tie_break_overshoot", "hand_slot_order_B1", "hand_slot_order_B2",
     "token_padding_128", "single_token_single_k", "all_tokens_one_expert", "B_more_than_epn", "B_more_than_E",
     "many_chunks_ragged", "tpe_int64_strided", "many_experts_per_rank", "direct_seven_subblocks",
-    "direct_eight_subblocks_kimi_r2", "hist_nine_subblocks", "R16", "R32", "counts_not_summing_to_cap",
+    "direct_eight_subblocks_kimi_r2", "hist_nine_subblocks", "kimi_r2_rule4_chunk32", "many_experts_per_rank_chunk2",
+    "R16", "R32", "counts_not_summing_to_cap",
     "out_of_range_ids",
 ]
 CASES = SIGMA_CASES + EDGE_CASES
+#: cases planned with another rule-4 column chunk than the planner picks (bench_planner --rule4-chunk)
+RULE4_CHUNK = {"kimi_r2_rule4_chunk32": 32, "many_experts_per_rank_chunk2": 2}
 
 
 def _expected_place(gp, r, ids, E):
@@ -175,7 +182,7 @@ def _child_main() -> None:
     for name in CASES:
         try:
             R, E, S, K, B, tp, ids, tpe = _case(name)
-            dp = DevicePlanner(R, E, S, K, B, tp, dev)
+            dp = DevicePlanner(R, E, S, K, B, tp, dev, rule4_chunk=RULE4_CHUNK.get(name))
             if name == "B_more_than_epn":  # a planner reused: the previous plan must leave no trace
                 dp.plan(_routing(4, 16, 16, 2, 0.0, seed=1)[1])
             tpe_in = tpe if name == "tpe_int64_strided" else tpe.to(torch.int32)  # the engine passes int32
@@ -216,6 +223,8 @@ _EDGE_DOCS = {
     "direct_seven_subblocks": "place without the histogram: counts from earlier sub-blocks, ragged last one",
     "direct_eight_subblocks_kimi_r2": "the last sub-block count placed directly (off-by-one at the limit), E/R=192",
     "hist_nine_subblocks": "just past the direct limit: the histogram path must take over",
+    "kimi_r2_rule4_chunk32": "rule 4 with 32-column chunks (a benchmarked override) must give the same slots",
+    "many_experts_per_rank_chunk2": "rule 4 with 2-column chunks: the count carried across 64 chunks",
     "R16": "R=16: quota rounds and tiles beyond the small-R cases",
     "R32": "R=32 with K*S small: many receivers, few rows each",
     "counts_not_summing_to_cap": "rows not summing to S*K: the host's exact arithmetic, not the contract's shortcut",

@@ -318,13 +318,16 @@ def _place_kernel(
 class DevicePlanner:
     """Plans and places on ``device`` into preallocated tensors (see the module docstring).
 
-    ``fast_launch``: launch through Triton's compiled runner once a kernel is compiled (saves the
-    28-38 us of host time Triton's dispatch takes per ``plan()``; ``engine/launch.py``). ``None``:
-    the engine's ``FAST_LAUNCH`` default. The GPU random-case test alternates both paths.
+    ``fast_launch``: launch through the compiled kernel's C launcher once a kernel is compiled
+    (saves the 28-38 us of host time Triton's dispatch takes per ``plan()``; ``engine/launch.py``).
+    ``None``: the engine's ``FAST_LAUNCH`` default. The GPU random-case test alternates both paths.
+    ``plan_warps``, ``place_warps``, ``rule4_chunk``: tile choices to benchmark (``None``: the
+    planner's own).
     """
 
     def __init__(self, R: int, E: int, S: int, K: int, B: int, token_padding: int, device: torch.device,
-                 *, plan_warps: int | None = None, place_warps: int | None = None, fast_launch: bool | None = None):
+                 *, plan_warps: int | None = None, place_warps: int | None = None, fast_launch: bool | None = None,
+                 rule4_chunk: int | None = None):
         R, E, S, K, B, tp = (int(v) for v in (R, E, S, K, B, token_padding))
         if R < 1 or E < 1 or E % R != 0:
             raise ValueError(f"need R >= 1 and E % R == 0 (R={R}, E={E})")
@@ -347,7 +350,13 @@ class DevicePlanner:
             rb *= 2
         self._RB = rb
         # rule 4's pairwise tile [EPN_P, JC]: the whole row at once up to 64 experts per rank
+        # (``rule4_chunk`` overrides JC, a power of two up to EPN_P: bench_planner --rule4-chunk)
         self._JC = self._EPN_P if self._EPN_P <= 64 else max(2, 2048 // self._EPN_P)
+        if rule4_chunk is not None:
+            jc = int(rule4_chunk)
+            if jc < 2 or jc > self._EPN_P or jc & (jc - 1):
+                raise ValueError(f"rule4_chunk must be a power of two in [2, {self._EPN_P}] (E/R padded), got {rule4_chunk}")
+            self._JC = jc
         big = max(self._R_P * self._R_P, n_p, rb * n_p, self._EPN_P * self._JC)
         self._plan_warps = plan_warps or (4 if big <= 4096 and n_p <= 1024 else 8 if big <= 8192 else 16)
 
