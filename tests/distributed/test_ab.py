@@ -128,6 +128,15 @@ def test_ab_writes_complete_json_and_plots(ours):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = ab.format_table(res)
     assert "replicated" in text and "symmetric-shared" in text and "2xa2a" in text
+    # the engine's own buffers, outside the layouts' accounting: one per capacity used (8 and 32
+    # tokens share one: the pool's smallest, 128, capped at the run's largest token count); on CPU
+    # ranks the transport is the collective one (no heap)
+    for cfg in OURS:
+        assert data["configs"][cfg]["engine_buffers"] == {"capacities": [32], "heap_bytes": 0}
+    assert "engine buffers" not in text
+    held = json.loads(json.dumps(res, default=str))
+    held["configs"]["symmetric"]["engine_buffers"] = {"capacities": [128, 256], "heap_bytes": 3 * 2**20}
+    assert "symmetric 3.0 MiB for capacities [128, 256]" in ab.format_table(held)
 
 
 def test_each_configuration_is_measured_in_fresh_processes(ours):

@@ -162,3 +162,18 @@ def test_layout_and_pool_must_agree_before_any_collective():
     good = MoonEPMoE(MoonEPBufferPool(dict(H=128, K=2, E=8, num_ep_ranks=1, B=4, device="cpu"), 128, engine="builtin"),
                      layout, impl="reference")
     assert good.forward(x, ids, w).shape == (4, 128)
+
+
+def test_buffer_heap_bytes_are_its_receive_and_landing_areas():
+    """moonep-ab reported no memory for the engine's own buffers (a set per capacity on the heap,
+    outside the layouts' accounting); a wrong sum would under-report it."""
+    S, H, K, E, B, tp = 8, 64, 2, 8, 4, 4
+    buf = Buffer(S, H, K, E, 1, B=B, device="cpu", transport="symmetric", token_padding=tp)
+    n = buf.NvS
+    # counts [R,E] i32, recv_x [NvS,H] bf16, recv_w f32, recv_src i32, comb_x [S*K,H] bf16, comb_w f32, sig [3,R] i64
+    assert buf.heap_bytes == E * 4 + n * H * 2 + n * 4 + n * 4 + S * K * H * 2 + S * K * 4 + 3 * 8
+    buf.destroy()
+    assert buf.heap_bytes == 0
+    coll = Buffer(S, H, K, E, 1, B=B, device="cpu", transport="collective", token_padding=tp)
+    assert coll.heap_bytes == 0  # sized per step, nothing held
+    coll.destroy()

@@ -504,6 +504,13 @@ class Buffer:
     def destroyed(self) -> bool:
         return self._destroyed
 
+    @property
+    def heap_bytes(self) -> int:
+        """Bytes this buffer holds on its symmetric heap, per rank (the symmetric transport's
+        receive and landing areas, sized once from ``S``; 0 for the collective transport)."""
+        sym = self._sym
+        return 0 if sym is None else sym.nbytes
+
     def __repr__(self) -> str:
         if not hasattr(self, "NvS"):
             return "Buffer(engine=builtin, not constructed)"

@@ -301,6 +301,11 @@ class SymmetricTransport:
         rw = b["comb_w"].view(S, K).clone() if y_w is not None else None
         return out, rw
 
+    @property
+    def nbytes(self) -> int:
+        """Heap bytes of this transport's allocations, per rank (0 once closed)."""
+        return sum(h.nbytes for h in self._handles)
+
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Free the heap allocations (collective unless the group failed; LIFO on the heap)."""

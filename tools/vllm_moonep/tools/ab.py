@@ -557,11 +557,16 @@ def rank_teardown(cfg):
     (docs/VALIDATION.md, "Teardown order")."""
     st = _STATE.pop(cfg, None)
     if st is None:
-        return True
+        return {}
     built = st["built"]
+    # what the engine's buffers held on the heap at the end (one buffer per capacity the run used;
+    # vLLM's own pool, vllm-poc's, keeps its buffers its own way: not reported)
+    bufs = getattr(built.pool, "buffers", None)
+    held = {} if not isinstance(bufs, dict) else {
+        "capacities": sorted(bufs), "heap_bytes": sum(getattr(b, "heap_bytes", 0) for b in bufs.values())}
     built.pool.destroy()
     built.destroy_layouts()
-    return True
+    return held
 
 
 # ----------------------------------------------------------------------------- driver
@@ -769,7 +774,7 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
                         bar.update(1)
         finally:
             try:
-                run_on_ranks(ranks, rank_teardown, cfg, tag=tag, **spawn)
+                entry["engine_buffers"] = run_on_ranks(ranks, rank_teardown, cfg, tag=tag, **spawn)[0]
             finally:
                 shutdown_pools(tag)
         results["configs"][cfg] = entry
@@ -901,6 +906,11 @@ def format_table(results: dict) -> str:
     if notes:
         lines.append(f"where measured and accounted differ by more than {EXPLAIN_ABOVE:.0%}, why:")
         lines += notes
+    held = {c: e["engine_buffers"] for c, e in results["configs"].items() if e.get("engine_buffers", {}).get("heap_bytes")}
+    if held:
+        lines.append("engine buffers (not in the columns above): the symmetric transport's receive and landing areas "
+                     "on the heap, one set per buffer capacity used, per rank: " + "; ".join(
+                         f"{c} {h['heap_bytes'] / 2**20:.1f} MiB for capacities {h['capacities']}" for c, h in held.items()))
     if any(e["memory"][0].get("detail", {}).get("peak_reset") is False for e in results["configs"].values()):
         lines.append("peak MiB here is the measured resident only (a lower bound): this kernel refused "
                      "/proc/self/clear_refs, so the process's peak since the build began is unknown")
