@@ -39,6 +39,16 @@ def _build(layout_kind, E, H, I, K, B, max_tokens, dev):
     return MoonEPMoE(pool, layout, impl="auto"), w13, w2
 
 
+def _sync_free_step(moe, x, ids, w, tokens):
+    """One eager MoE step with any host synchronization raising (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return moe.forward(x, ids, w, num_tokens_across_dp=tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def graph_step(layout_kind, B, tokens, replays):
     r, R = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -54,13 +64,7 @@ def graph_step(layout_kind, B, tokens, replays):
     # 1) no host synchronization anywhere in the step; eager dispatch and combine now replay the
     # buffer's private graphs (engine/eager_graphs.py), captured at the warm-up's second call
     replays = _replays(moe)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = moe.forward(x_s, ids_s, w_s, num_tokens_across_dp=tokens)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
+    check_against_dense(_sync_free_step(moe, x_s, ids_s, w_s, tokens).cpu(), x0, ids0, w0, w13, w2)
     # eager steps on new routings and new input tensors, served by those graphs
     eager_errs = []
     for i in range(2):
@@ -75,13 +79,7 @@ def graph_step(layout_kind, B, tokens, replays):
         buf._sym.graphs.enabled = False
     launchers = _engine_launchers(moe)
     hits = [ln.hits for ln in launchers]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = moe.forward(x_s, ids_s, w_s, num_tokens_across_dp=tokens)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
+    check_against_dense(_sync_free_step(moe, x_s, ids_s, w_s, tokens).cpu(), x0, ids0, w0, w13, w2)
     from vllm_moonep.engine.launch import FAST_LAUNCH
 
     res["fast"] = (FAST_LAUNCH, len(launchers), sum(ln.hits > h and ln.fast for ln, h in zip(launchers, hits)))

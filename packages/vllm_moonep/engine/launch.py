@@ -64,7 +64,7 @@ class Launcher:
     #: otherwise grow the table without bound; past it, new keys launch the ordinary way)
     MAX_RUNNERS = 64
     #: ``{kernel name: [calls, host seconds]}`` while a profile runs (``bench_dispatch
-    #: --launch-profile``); ``None``, the default, costs one attribute read per launch
+    #: --profile``); ``None``, the default, costs one attribute read per launch
     timings: dict[str, list] | None = None
 
     def __init__(self, fn, fast: bool | None = None):

@@ -131,7 +131,10 @@ def main(argv=None) -> int:
     kernels = []
     for S in a.tokens:
         for mv in a.maxvio:
-            r = bench_one(R, E, K, S, B, a.token_padding, mv, dev, iters, warmup, a.plan_warps, a.rule4_chunk)
+            try:
+                r = bench_one(R, E, K, S, B, a.token_padding, mv, dev, iters, warmup, a.plan_warps, a.rule4_chunk)
+            except ValueError as exc:  # a tile choice the planner refuses (--rule4-chunk, --plan-warps)
+                ap.error(str(exc))
             us = {k: r[k] * 1e6 for k in ("host", "plan", "place", "graph")}
             print(f"| {S} | {mv:.1f} | {r['slots']} | {'yes' if r['match'] else 'NO'} | {us['host']:.1f} | "
                   f"{us['plan']:.1f} | {us['place']:.1f} | {us['graph']:.1f} | {us['host'] / us['plan']:.1f}x | "
