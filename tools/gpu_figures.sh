@@ -47,11 +47,13 @@ for part in ${FIGS:-dispatch planner ab}; do
         VLLM_MOONEP_FAST_LAUNCH=$fast run timeout 120 python3 -m vllm_moonep.tools.bench_planner --device cuda \
           --ranks 8 --experts 384 --tokens 1 128 1024 8192 --maxvio 0 2 --iters 100
       done
-      # E/R = 192 (Kimi-K2 on 2 ranks): rule 4 counts slot order in column chunks; which width is fastest
-      for jc in 8 16 32 64; do
-        say "=== bench_planner, R=2, E=384, --rule4-chunk $jc (the planner's own: 8) ==="
-        run timeout 60 python3 -m vllm_moonep.tools.bench_planner --device cuda --ranks 2 --experts 384 \
-          --tokens 1 128 --maxvio 0 2 --iters 100 --rule4-chunk "$jc"
+      # rule 4 both ways where the planner sorts (E/R = 192, Kimi-K2 on 2 ranks) and where it compares pairwise (E/R = 48)
+      for r in 2 8; do
+        for way in sort pairwise; do
+          say "=== bench_planner, R=$r, E=384, --rule4 $way ==="
+          run timeout 60 python3 -m vllm_moonep.tools.bench_planner --device cuda --ranks "$r" --experts 384 \
+            --tokens 1 128 --maxvio 0 2 --iters 100 --rule4 "$way"
+        done
       done;;
     ab)
       for preset in ${AB_PRESETS:-qwen3-30b-a3b kimi-k2}; do

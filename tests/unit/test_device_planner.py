@@ -41,6 +41,9 @@ def _tpe_of(ids, E):
 
 # Each case: a name -> (R, E, S, K, B, tp, ids per rank, tpe). tpe defaults to the bincount of ids.
 def _case(name):
+    for way in ("_sort", "_pairwise"):  # the same case with rule 4 forced one way (OPTIONS)
+        if name.endswith(way):
+            return _case(name[: -len(way)])
     if name.startswith("sigma_"):
         _, R, sigma = name.split("_")
         R, sigma = int(R), float(sigma)
@@ -132,10 +135,18 @@ EDGE_CASES = [
     "direct_eight_subblocks_kimi_r2", "hist_nine_subblocks", "kimi_r2_rule4_chunk32", "many_experts_per_rank_chunk2",
     "R16", "R32", "counts_not_summing_to_cap",
     "out_of_range_ids",
+    # rule 4 the other way than the planner picks for the shape (E/R <= 64: pairwise; above: sort)
+    "many_experts_per_rank_pairwise", "direct_eight_subblocks_kimi_r2_pairwise",
+    "sigma_2_5.0_sort", "sigma_4_2.0_sort", "sigma_8_1.0_sort", "sigma_8_5.0_sort", "few_slots_B1_sort",
+    "few_slots_B3_sort", "hand_tie_break_overshoot_sort", "hand_slot_order_B1_sort", "hand_slot_order_B2_sort",
+    "B_more_than_epn_sort", "B_more_than_E_sort", "all_tokens_one_expert_sort", "R16_sort",
 ]
 CASES = SIGMA_CASES + EDGE_CASES
-#: cases planned with another rule-4 column chunk than the planner picks (bench_planner --rule4-chunk)
-RULE4_CHUNK = {"kimi_r2_rule4_chunk32": 32, "many_experts_per_rank_chunk2": 2}
+#: planner options of a case (bench_planner --rule4 / --rule4-chunk): rule 4 forced one way, or the
+#: pairwise count with another column chunk than the planner's own
+OPTIONS = {"kimi_r2_rule4_chunk32": dict(rule4="pairwise", rule4_chunk=32),
+           "many_experts_per_rank_chunk2": dict(rule4="pairwise", rule4_chunk=2)}
+OPTIONS.update({n: dict(rule4=n.rsplit("_", 1)[1]) for n in EDGE_CASES if n.endswith(("_sort", "_pairwise"))})
 
 
 def _expected_place(gp, r, ids, E):
@@ -182,7 +193,7 @@ def _child_main() -> None:
     for name in CASES:
         try:
             R, E, S, K, B, tp, ids, tpe = _case(name)
-            dp = DevicePlanner(R, E, S, K, B, tp, dev, rule4_chunk=RULE4_CHUNK.get(name))
+            dp = DevicePlanner(R, E, S, K, B, tp, dev, **OPTIONS.get(name, {}))
             if name == "B_more_than_epn":  # a planner reused: the previous plan must leave no trace
                 dp.plan(_routing(4, 16, 16, 2, 0.0, seed=1)[1])
             tpe_in = tpe if name == "tpe_int64_strided" else tpe.to(torch.int32)  # the engine passes int32
@@ -219,9 +230,11 @@ _EDGE_DOCS = {
     "B_more_than_E": "B > E: slots beyond every expert must be -1 with cu_seqlens at the total",
     "many_chunks_ragged": "place over several chunks with a ragged tail: per-chunk prefix counts",
     "tpe_int64_strided": "int64 counts given as a non-contiguous view (strides honoured)",
-    "many_experts_per_rank": "E/R > 64: the chunked slot-order count (chunk extraction, carried padded rows)",
+    "many_experts_per_rank": "E/R > 64: slots by one sort (slot lanes, held-key threshold, padded rows ahead)",
     "direct_seven_subblocks": "place without the histogram: counts from earlier sub-blocks, ragged last one",
     "direct_eight_subblocks_kimi_r2": "the last sub-block count placed directly (off-by-one at the limit), E/R=192",
+    "many_experts_per_rank_pairwise": "E/R > 64 the pairwise way: chunk extraction, padded rows carried across chunks",
+    "direct_eight_subblocks_kimi_r2_pairwise": "Kimi-K2 at R=2 with the pairwise count in the planner's own chunks",
     "hist_nine_subblocks": "just past the direct limit: the histogram path must take over",
     "kimi_r2_rule4_chunk32": "rule 4 with 32-column chunks (a benchmarked override) must give the same slots",
     "many_experts_per_rank_chunk2": "rule 4 with 2-column chunks: the count carried across 64 chunks",
@@ -230,6 +243,8 @@ _EDGE_DOCS = {
     "counts_not_summing_to_cap": "rows not summing to S*K: the host's exact arithmetic, not the contract's shortcut",
     "out_of_range_ids": "ids outside [0,E) must give dest=row=-1 and not shift other entries' ordinals",
 }
+_EDGE_DOCS.update({n: f"{_EDGE_DOCS.get(n[:-5], 'random routing of ' + n[:-5])}, slots ordered by the sort"
+                   for n in EDGE_CASES if n.endswith("_sort")})
 
 
 @pytest.mark.parametrize("case", EDGE_CASES)

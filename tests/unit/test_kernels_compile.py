@@ -19,6 +19,7 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def _kernels():
+    from vllm_moonep.common import pad_kernel
     from vllm_moonep.engine import device_planner as dp
     from vllm_moonep.engine import row_copy
     from vllm_moonep.engine import symmetric_kernels as k
@@ -49,6 +50,10 @@ def _kernels():
         ("copy_rows(table)", row_copy._kernel().fn,
          dict(ids="*i32", dst=bf16, src=bf16, table="*i64", rows_per_source=i32, row_elems=i64),
          dict(TABLE=True, CHUNK=65536, BLOCK=4096)),
+        ("pad_and_count", pad_kernel._kernel().fn,
+         dict(x=bf16, sx0=i32, sx1=i32, ids="*i64", si0=i32, si1=i32, w="*fp32", sw0=i32, sw1=i32, xo=bf16, io="*i32",
+              wo="*fp32", tpe="*i32", s=i32, cap=i32, H=i32, K=i32, E=i32, pad_expert=i32),
+         dict(ROWS=4, K_P=8, E_P=512, BLOCK_H=2048)),
         ("copy_rows(tensor)", row_copy._kernel().fn,
          dict(ids="*i32", dst=bf16, src=bf16, table="*i32", rows_per_source=i32, row_elems=i64),
          dict(TABLE=False, CHUNK=65536, BLOCK=4096)),
@@ -59,14 +64,17 @@ def _kernels():
 
     planner = dp.DevicePlanner(8, 384, 8192, 8, 48, 128, torch.device("cpu"))
     small = dp.DevicePlanner(2, 384, 128, 8, 192, 128, torch.device("cpu"))  # E/R=192, 8 sub-blocks
+    chunked = dp.DevicePlanner(2, 384, 128, 8, 192, 128, torch.device("cpu"), rule4="pairwise")
     assert small._place_consts["DIRECT"] and not planner._place_consts["DIRECT"]
+    assert small._plan_consts["SORT"] and not chunked._plan_consts["SORT"] and not planner._plan_consts["SORT"]
     plan_sig = dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32",
                     seg_out="*i64", cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32,
                     EPN=i32, B=i32, CAP=i32)
     place_sig = dict(ids_ptr="*i32", exs_ptr="*i32", tot_ptr="*i32", ob_ptr="*i64", cum_ptr="*i64", rb_ptr="*i64",
                      dest_ptr="*i64", row_ptr="*i64", rank=i32, N=i32, E=i32, R=i32)
     cases += [
-        ("plan(E/R=192: rule 4 in column chunks)", dp._plan_kernel, plan_sig, dict(small._plan_consts)),
+        ("plan(E/R=192: rule 4 by a sort)", dp._plan_kernel, plan_sig, dict(small._plan_consts)),
+        ("plan(E/R=192: rule 4 pairwise in column chunks)", dp._plan_kernel, plan_sig, dict(chunked._plan_consts)),
         ("place(direct, no histogram)", dp._place_kernel, place_sig, dict(small._place_consts)),
         ("plan", dp._plan_kernel,
          dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32", seg_out="*i64",

@@ -29,9 +29,11 @@ Kernels::
                         rule 2  quotas z[h,u] by the argmax/argmin loop           [R_P,R_P]
                         rule 3  every home splits its quotas over its experts; only column d
                                 is kept -> alloc[:,d], cum_alloc[:,d]            [R_P,EPN_P]
-                        rule 4  remote experts of d (all from one home, see the kernel), slot =
-                                number ahead in (alloc, e) order by pairwise compare, first B
-                                -> experts_to_copy[d], seg_len[d], cu_seqlens[d], row_base[:,d]
+                        rule 4  remote experts of d (all from one home, see the kernel), in
+                                (alloc, e) order: one sort of their keys (above RULE4_SORT_ABOVE
+                                experts per rank) or, per expert, the number ahead by pairwise
+                                compare; the first B -> experts_to_copy[d], seg_len[d],
+                                cu_seqlens[d], row_base[:,d]
     ids [S,K] ──► (only above DIRECT_MAX_SUBBLOCKS sub-blocks; below, _place_kernel compares each
                   entry with the earlier sub-blocks' entries directly, [SB,SB] at a time)
               ──► _hist_kernel, grid n/CH: per chunk of CH=KS*SB entries, per-expert counts of
@@ -61,11 +63,13 @@ from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.launch import Launcher
 from vllm_moonep.engine.planner import GlobalPlan
 
-__all__ = ["DIRECT_MAX_SUBBLOCKS", "DevicePlanner"]
+__all__ = ["DIRECT_MAX_SUBBLOCKS", "RULE4_SORT_ABOVE", "DevicePlanner"]
 
 #: place without the histogram kernel up to this many sub-blocks of 128 entries (S*K <= 1024):
 #: each program then compares its entries with at most this many earlier sub-blocks
 DIRECT_MAX_SUBBLOCKS = 8
+#: rule 4 orders slots by a sort above this many experts per rank (padded), by pairwise compare below
+RULE4_SORT_ABOVE = 64
 
 
 def _np2(x: int) -> int:
@@ -84,7 +88,7 @@ def _plan_kernel(
     tpe_out, alloc_out, etc_out, seg_out, cu_out, rb_out, ob_out, cum_out,
     R, E, EPN, B, CAP,
     R_P: tl.constexpr, EPN_P: tl.constexpr, R_SH: tl.constexpr, J_SH: tl.constexpr,
-    RB: tl.constexpr, JC: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr,
+    RB: tl.constexpr, JC: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, SORT: tl.constexpr,
 ):
     """Program ``d``: rules 1-3 for every home (identical in all programs), then rule 4 for rank ``d``.
 
@@ -174,36 +178,54 @@ def _plan_kernel(
     # Rule 4 for destination d. Rule 2 fills a receiver in one shot, so at most one home h* has
     # z[h*, d] > 0, and only h* moves rows to d: every remote expert of d sits in row h* of the
     # tile. One reduction down the columns gives each column's remote alloc and its row. Slot
-    # order is (alloc, e) descending: an expert's slot is the number of remote experts ahead of
-    # it, counted by pairwise comparison of the row with itself (no sort), in one sum that also
-    # carries their padded rows (count in the low J_SH bits). Reductions are the cost here (each
-    # is a chain of shuffles and a barrier), so they are packed wherever two values travel together.
+    # order is (alloc, e) descending, which within one home is (alloc, j) descending. Reductions
+    # are the cost here (each is a chain of shuffles and a barrier), so they are packed wherever
+    # two values travel together. Each way below yields, per lane: slot q_, expert e_, alloc a_,
+    # padded rows p_, padded rows of the slots before it ahead_, and whether it holds a slot (has_).
     remote = (a_d > 0) & (hh != d) & emask
     hx = tl.max(tl.where(remote, a_d * R_P + hh, -1), axis=0)  # [EPN_P]
     arow = tl.where(hx >= 0, hx >> R_SH, 0)  # alloc of remote expert (h*, j) on d, else 0
     erow = (hx & (R_P - 1)) * EPN + tl.arange(0, EPN_P)  # its expert id (where arow > 0)
     prow = tl.where(arow > 0, (arow + TP - 1) // TP * TP, 0)
-    a32 = arow.to(tl.int32)
     jr = tl.arange(0, EPN_P)
-    if JC == EPN_P:
-        gt = (a32[None, :] > a32[:, None]) | ((a32[None, :] == a32[:, None]) & (jr[None, :] > jr[:, None]))
-        packed = tl.sum(tl.where(gt, prow[None, :] * EPN_P + 1, 0), axis=1)
-    else:  # large EPN: JC columns at a time, each chunk picked out of the row by a masked max
-        NCH: tl.constexpr = EPN_P // JC
-        a2 = tl.reshape(a32, [NCH, JC])
-        ci = tl.arange(0, NCH)[:, None]
-        packed = tl.zeros([EPN_P], tl.int64)
-        for c in range(NCH):
-            ac = tl.max(tl.where(ci == c, a2, -1), axis=0)
-            jc = c * JC + tl.arange(0, JC)
-            pc = tl.where(ac > 0, (ac.to(tl.int64) + TP - 1) // TP * TP, 0)
-            gt = (ac[None, :] > a32[:, None]) | ((ac[None, :] == a32[:, None]) & (jc[None, :] > jr[:, None]))
-            packed += tl.sum(tl.where(gt, pc[None, :] * EPN_P + 1, 0), axis=1)
-    rank = packed & (EPN_P - 1)
-    ahead = packed >> J_SH  # padded rows of the slots before this one
-    mrow = (arow > 0) & (rank < B)  # holds slot `rank`
+    if SORT:
+        # one sort of (alloc, j) keys, descending: lane q of the result is slot q; the slot
+        # holders are the keys at or above the smallest held one
+        key = tl.where(arow > 0, arow * EPN_P + jr, -1)
+        srt = tl.sort(key, descending=True)
+        has_ = (srt >= 0) & (jr < B)
+        q_ = jr
+        a_ = tl.where(has_, srt >> J_SH, 0)
+        hstar = tl.max(tl.where(hx >= 0, hx & (R_P - 1), 0), axis=0)
+        e_ = hstar * EPN + (srt & (EPN_P - 1))
+        p_ = tl.where(has_, (a_ + TP - 1) // TP * TP, 0)
+        ahead_ = tl.cumsum(p_, axis=0) - p_
+        mrow = (arow > 0) & (key >= tl.min(tl.where(has_, srt, POS), axis=0))
+    else:
+        # an expert's slot is the number of remote experts ahead of it, counted by pairwise
+        # comparison of the row with itself (no sort), in one sum that also carries their padded
+        # rows (count in the low J_SH bits)
+        a32 = arow.to(tl.int32)
+        if JC == EPN_P:
+            gt = (a32[None, :] > a32[:, None]) | ((a32[None, :] == a32[:, None]) & (jr[None, :] > jr[:, None]))
+            packed = tl.sum(tl.where(gt, prow[None, :] * EPN_P + 1, 0), axis=1)
+        else:  # large EPN: JC columns at a time, each chunk picked out of the row by a masked max
+            NCH: tl.constexpr = EPN_P // JC
+            a2 = tl.reshape(a32, [NCH, JC])
+            ci = tl.arange(0, NCH)[:, None]
+            packed = tl.zeros([EPN_P], tl.int64)
+            for c in range(NCH):
+                ac = tl.max(tl.where(ci == c, a2, -1), axis=0)
+                jc = c * JC + tl.arange(0, JC)
+                pc = tl.where(ac > 0, (ac.to(tl.int64) + TP - 1) // TP * TP, 0)
+                gt = (ac[None, :] > a32[:, None]) | ((ac[None, :] == a32[:, None]) & (jc[None, :] > jr[:, None]))
+                packed += tl.sum(tl.where(gt, pc[None, :] * EPN_P + 1, 0), axis=1)
+        q_ = packed & (EPN_P - 1)
+        mrow = (arow > 0) & (q_ < B)  # holds slot q_
+        has_, e_, a_, p_ = mrow, erow, arow, prow
+        ahead_ = packed >> J_SH
     member = (ee == erow[None, :]) & mrow[None, :]
-    used = tl.sum(tl.where(mrow, prow * (2 * EPN_P) + 1, 0), axis=0)
+    used = tl.sum(tl.where(has_, p_ * (2 * EPN_P) + 1, 0), axis=0)
     n_used = used & (2 * EPN_P - 1)
     slot_rows = used >> (J_SH + 1)
 
@@ -219,12 +241,12 @@ def _plan_kernel(
     tl.store(cu_out + d * W + ee, cu, mask=emask)
     tl.store(rb_out + acol, cu - pad, mask=emask & (member == 0))
 
-    # used slots, scattered to their slot index
-    start = total + ahead
-    tl.store(etc_out + d * B + rank, erow.to(tl.int32), mask=mrow)
-    tl.store(seg_out + d * W + E + rank, arow, mask=mrow)
-    tl.store(cu_out + d * W + E + rank, start + prow, mask=mrow)
-    tl.store(rb_out + erow * R + d, start, mask=mrow)
+    # used slots
+    start = total + ahead_
+    tl.store(etc_out + d * B + q_, e_.to(tl.int32), mask=has_)
+    tl.store(seg_out + d * W + E + q_, a_, mask=has_)
+    tl.store(cu_out + d * W + E + q_, start + p_, mask=has_)
+    tl.store(rb_out + e_ * R + d, start, mask=has_)
     # unused slots [n_used, B)
     stotal = total + slot_rows
     for b0 in range(0, B, TAIL):
@@ -321,13 +343,15 @@ class DevicePlanner:
     ``fast_launch``: launch through the compiled kernel's C launcher once a kernel is compiled
     (saves the 28-38 us of host time Triton's dispatch takes per ``plan()``; ``engine/launch.py``).
     ``None``: the engine's ``FAST_LAUNCH`` default. The GPU random-case test alternates both paths.
-    ``plan_warps``, ``place_warps``, ``rule4_chunk``: tile choices to benchmark (``None``: the
-    planner's own).
+    ``plan_warps``, ``place_warps``, ``rule4``, ``rule4_chunk``: choices to benchmark (``None``: the
+    planner's own). ``rule4``: how slots are ordered, ``"sort"`` (one sort of the remote experts'
+    keys) or ``"pairwise"`` (each expert compared with every other, ``rule4_chunk`` columns at a
+    time); both give the same plan.
     """
 
     def __init__(self, R: int, E: int, S: int, K: int, B: int, token_padding: int, device: torch.device,
                  *, plan_warps: int | None = None, place_warps: int | None = None, fast_launch: bool | None = None,
-                 rule4_chunk: int | None = None):
+                 rule4: str | None = None, rule4_chunk: int | None = None):
         R, E, S, K, B, tp = (int(v) for v in (R, E, S, K, B, token_padding))
         if R < 1 or E < 1 or E % R != 0:
             raise ValueError(f"need R >= 1 and E % R == 0 (R={R}, E={E})")
@@ -349,16 +373,21 @@ class DevicePlanner:
         while rb * 2 <= self._R_P and rb * 2 * n_p <= 4096:
             rb *= 2
         self._RB = rb
-        # rule 4's pairwise tile [EPN_P, JC]: the whole row at once up to 64 experts per rank
-        # (``rule4_chunk`` overrides JC, a power of two up to EPN_P: bench_planner --rule4-chunk)
+        # rule 4: a sort above RULE4_SORT_ABOVE experts per rank (the pairwise tile would need
+        # column chunks, each a chain of reductions), else the whole [EPN_P, EPN_P] compare at once
+        if rule4 not in (None, "sort", "pairwise"):
+            raise ValueError(f"rule4 must be 'sort' or 'pairwise', got {rule4!r}")
+        self._sort = (rule4 or ("sort" if self._EPN_P > RULE4_SORT_ABOVE else "pairwise")) == "sort"
+        # the pairwise tile [EPN_P, JC] (``rule4_chunk`` overrides JC, a power of two up to EPN_P)
         self._JC = self._EPN_P if self._EPN_P <= 64 else max(2, 2048 // self._EPN_P)
         if rule4_chunk is not None:
             jc = int(rule4_chunk)
             if jc < 2 or jc > self._EPN_P or jc & (jc - 1):
                 raise ValueError(f"rule4_chunk must be a power of two in [2, {self._EPN_P}] (E/R padded), got {rule4_chunk}")
             self._JC = jc
-        big = max(self._R_P * self._R_P, n_p, rb * n_p, self._EPN_P * self._JC)
-        self._plan_warps = plan_warps or (4 if big <= 4096 and n_p <= 1024 else 8 if big <= 8192 else 16)
+        big = max(self._R_P * self._R_P, n_p, rb * n_p, 0 if self._sort else self._EPN_P * self._JC)
+        # warps by the largest register tile (bench_planner, H200: 8 warps halve R=8's plan)
+        self._plan_warps = plan_warps or (4 if big <= 2048 else 8 if big <= 8192 else 16)
 
         i64: dict[str, Any] = dict(dtype=torch.int64, device=dev)
         self._gp = GlobalPlan(
@@ -393,7 +422,7 @@ class DevicePlanner:
         self._plan_launch = Launcher(_plan_kernel, fast_launch)
         self._plan_consts = dict(
             R_P=self._R_P, EPN_P=self._EPN_P, R_SH=self._R_P.bit_length() - 1, J_SH=self._EPN_P.bit_length() - 1,
-            RB=self._RB, JC=self._JC, TAIL=64, TP=tp,
+            RB=self._RB, JC=self._JC, TAIL=64, TP=tp, SORT=self._sort,
         )
         self._hist_launch = Launcher(_hist_kernel, fast_launch)
         self._hist_consts = dict(KS=self._KS, SB=self._SB, E_P=self._E_P)

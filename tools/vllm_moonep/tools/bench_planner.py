@@ -52,7 +52,7 @@ def _median(measure, fn, iters: int, warmup: int) -> float:
     return statistics.median(measure(fn) for _ in range(iters))
 
 
-def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None, rule4_chunk=None):
+def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None, rule4_chunk=None, rule4=None):
     """Times of one configuration (seconds) after an exactness check against the host planner."""
     from vllm_moonep.engine.device_planner import DevicePlanner
 
@@ -61,7 +61,7 @@ def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None, ru
     tpe_cpu = torch.stack([torch.bincount(i.reshape(-1).long(), minlength=E) for i in ids])
     tpe = tpe_cpu.to(torch.int32).to(dev)
     ids0 = ids[0].to(dev)
-    dp = DevicePlanner(R, E, S, K, B, tp, dev, plan_warps=plan_warps, rule4_chunk=rule4_chunk)
+    dp = DevicePlanner(R, E, S, K, B, tp, dev, plan_warps=plan_warps, rule4_chunk=rule4_chunk, rule4=rule4)
 
     gp = dp.plan(tpe)
     dest, row = dp.place(gp, 0, ids0)
@@ -110,9 +110,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="timed calls (default 200 on cuda, 3 on cpu)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--plan-warps", type=int, default=None)
+    ap.add_argument("--rule4", choices=["sort", "pairwise"], default=None,
+                    help="how rule 4 orders the slots (default: the planner's own, a sort above "
+                         "RULE4_SORT_ABOVE experts per rank)")
     ap.add_argument("--rule4-chunk", type=int, default=None,
-                    help="columns per step of rule 4's slot-order count when E/R > 64 (a power of two; default: the "
-                         "planner's own, 2048 / padded E/R)")
+                    help="columns per step of the pairwise slot-order count when E/R > 64 (a power of two; default: "
+                         "the planner's own, 2048 / padded E/R)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -132,8 +135,8 @@ def main(argv=None) -> int:
     for S in a.tokens:
         for mv in a.maxvio:
             try:
-                r = bench_one(R, E, K, S, B, a.token_padding, mv, dev, iters, warmup, a.plan_warps, a.rule4_chunk)
-            except ValueError as exc:  # a tile choice the planner refuses (--rule4-chunk, --plan-warps)
+                r = bench_one(R, E, K, S, B, a.token_padding, mv, dev, iters, warmup, a.plan_warps, a.rule4_chunk, a.rule4)
+            except ValueError as exc:  # a choice the planner refuses (--rule4-chunk, --plan-warps)
                 ap.error(str(exc))
             us = {k: r[k] * 1e6 for k in ("host", "plan", "place", "graph")}
             print(f"| {S} | {mv:.1f} | {r['slots']} | {'yes' if r['match'] else 'NO'} | {us['host']:.1f} | "
