@@ -17,7 +17,8 @@ capacity), so every graph holds one token count, as graphs must.
 What a replay may assume: the launch sequence is fixed for the key (the buffer's own tensors,
 its epochs and plan live at fixed addresses, and every data-dependent decision is made on the
 device), the copied inputs have the shapes and dtypes the buffer already checked, and any other
-address the launches read (combine's ``hidden_nvsh``) is part of the key. The first call with a
+address the launches read (combine's ``hidden_nvsh``; dispatch's inputs in its in-place graphs,
+which the MoE step's staging tensors make the same every step) is part of the key. The first call with a
 key runs eagerly (it also compiles the kernels); a key seen again is captured once. A key that
 never repeats (an input address that changes every call) just stays eager; at most
 ``MAX_GRAPHS`` graphs per cache, the least recently replayed one giving way to a new key. Inside
@@ -71,6 +72,19 @@ class GraphCache:
         self.replays = 0  # calls served by a replay (tests read it)
         self.captures = 0
 
+    def ready(self, key: Hashable) -> bool:
+        """Whether ``run(key, ...)`` now replays or captures (a key seen before, captures left)
+        rather than launching eagerly; a caller with a fallback asks first, then ``remember``s."""
+        if not self.enabled or torch.cuda.is_current_stream_capturing():
+            return False
+        return key in self._graphs or (self.capturing and key in self._seen and self.captures < self.MAX_CAPTURES)
+
+    def remember(self, key: Hashable) -> None:
+        """Note ``key`` as seen: the next call with it captures (see ``ready``)."""
+        if len(self._seen) >= self.MAX_SEEN:
+            self._seen.clear()
+        self._seen.add(key)
+
     def run(self, key: Hashable, fn: Callable[..., Any], copied: tuple, fixed: tuple = ()) -> tuple[Any, bool]:
         """``(fn(*copied, *fixed), replayed)``. ``copied``: tensors whose values change between
         calls (copied into the graph's static tensors); ``fixed``: everything else, the same for
@@ -81,9 +95,7 @@ class GraphCache:
         entry = self._graphs.pop(key, None)
         if entry is None:
             if not self.capturing or key not in self._seen or self.captures >= self.MAX_CAPTURES:
-                if len(self._seen) >= self.MAX_SEEN:
-                    self._seen.clear()
-                self._seen.add(key)
+                self.remember(key)
                 return fn(*copied, *fixed), False
             if len(self._graphs) >= self.MAX_GRAPHS:
                 # the least recently replayed graph goes (its memory is reused in stream order)

@@ -30,8 +30,9 @@ Two executors of the same protocol:
   step, so a whole step can be captured in a CUDA graph (one graph per buffer capacity). Waits
   are bounded on the device and report through the ``ErrorBoard``. Called eagerly, dispatch and
   combine replay private graphs of their launches (``eager_graphs``; buffers up to
-  ``EAGER_GRAPH_MAX_TOKENS``), so a step costs the host a graph launch (and a few copies) instead
-  of ten or eleven kernel launches.
+  ``EAGER_GRAPH_MAX_TOKENS``), so a step costs the host a graph launch instead of ten or eleven
+  kernel launches. Dispatch inputs whose addresses repeat (the MoE step's staging tensors) are
+  read in place by their own graph; others are copied into the graph's static inputs first.
 - CPU ranks (``HostHeap`` without staging, shared ``/dev/shm`` mappings): the same buffers,
   written with torch ops through peer views, host planner, host waits (polling with the same
   bound; a time-out raises at once, naming the peer). This is how CPU CI tests the protocol.
@@ -70,6 +71,11 @@ _KERNELS = ("clear_rows", "put_counts", "wait_counts", "dispatch_rows", "finish_
             "combine_rows", "wait_combine", "reduce")
 _PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
 _WAIT_CODE = {"counts": CODE_WAIT_COUNTS, "dispatch": CODE_WAIT_ROWS, "combine": CODE_WAIT_OUTPUTS}
+
+
+def _where(t: torch.Tensor) -> tuple:
+    """What a graph that reads ``t`` in place depends on: its address and layout."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 class SymmetricTransport:
@@ -154,8 +160,11 @@ class SymmetricTransport:
             # rows the last step wrote (cleared at the next dispatch); rows [0, S*K) at first,
             # which the allocation zeroed
             self.real_rows = torch.arange(SK, dtype=torch.int32, device=self.device)
-            self.graphs = GraphCache(self.device, f"MoonEP buffer S={S}",
-                                     enabled=EAGER_GRAPHS and S <= EAGER_GRAPH_MAX_TOKENS)
+            eager_graphs = EAGER_GRAPHS and S <= EAGER_GRAPH_MAX_TOKENS
+            self.graphs = GraphCache(self.device, f"MoonEP buffer S={S}", enabled=eager_graphs)
+            # dispatch graphs that read their inputs in place, by input address (their own cache:
+            # callers whose addresses never repeat cost it a few captures, never the copying graph)
+            self.inplace = GraphCache(self.device, f"MoonEP buffer S={S}", enabled=eager_graphs)
         self._closed = False
 
     # ------------------------------------------------------------------ dispatch
@@ -165,8 +174,16 @@ class SymmetricTransport:
         """Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], GlobalPlan)``. The owning
         ``Buffer`` checks the error board before calling (and marks the group broken)."""
         if self.on_gpu:
-            # eager calls replay a private CUDA graph of the launches (engine/eager_graphs.py)
-            res, _ = self.graphs.run("dispatch", self._dispatch_gpu, (hidden, route_w, ids, tpe))
+            # eager calls replay a private CUDA graph of the launches (engine/eager_graphs.py):
+            # one that reads the inputs where they are, once their addresses repeat (a caller
+            # with fixed input tensors: no copies), else one that copies them into its own
+            inputs = (hidden, route_w, ids, tpe)
+            key = ("dispatch", *(_where(t) for t in inputs))
+            if self.inplace.ready(key):
+                res, _ = self.inplace.run(key, self._dispatch_gpu, (), inputs)
+            else:
+                self.inplace.remember(key)
+                res, _ = self.graphs.run("dispatch", self._dispatch_gpu, inputs)
             return res
         return self._dispatch_host(hidden, route_w, ids, tpe)
 
@@ -174,8 +191,7 @@ class SymmetricTransport:
         """Returns ``(hidden_sh [S,H], route_weights [S,K] or None)``."""
         if self.on_gpu:
             # the graph reads y (and y_w) where they are: their addresses are part of the key
-            key = ("combine", y.data_ptr(), tuple(y.shape), y.stride(), y.dtype,
-                   None if y_w is None else (y_w.data_ptr(), tuple(y_w.shape), y_w.stride(), y_w.dtype))
+            key = ("combine", _where(y), None if y_w is None else _where(y_w))
             (out, out_w), replayed = self.graphs.run(key, self._combine_gpu, (), (y, y_w))
             if replayed:  # the graph's output tensors are rewritten by its next replay: the caller gets copies
                 out = out.clone()
@@ -314,6 +330,7 @@ class SymmetricTransport:
         self._closed = True
         if getattr(self, "graphs", None) is not None:
             self.graphs.clear()  # their launches address the allocations freed below
+            self.inplace.clear()
         self.peer.clear()
         self.buf.clear()
         for h in reversed(self._handles):
