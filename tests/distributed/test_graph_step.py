@@ -71,12 +71,23 @@ def graph_step(layout_kind, B, tokens, replays):
         x, ids, w = rank_inputs(tokens, E, K, H, sigma=1.0 + i, seed=50 + i, rank=r)
         out = moe.forward(x.to(dev), ids.to(dev), w.to(dev), num_tokens_across_dp=tokens)
         eager_errs.append(check_against_dense(out.cpu(), x, ids, w, w13, w2))
+    # the same input tensors refilled with new routings: the dispatch graph that reads its inputs
+    # in place (their addresses repeat) must see the new values, not the captured ones
+    inplace = sum(buf._sym.inplace.replays for buf in moe.pool.buffers.values())
+    for i in range(3):
+        x, ids, w = rank_inputs(tokens, E, K, H, sigma=2.0 + i, seed=70 + i, rank=r)
+        x_s.copy_(x)
+        ids_s.copy_(ids)
+        w_s.copy_(w)
+        out = moe.forward(x_s, ids_s, w_s, num_tokens_across_dp=tokens)
+        eager_errs.append(check_against_dense(out.cpu(), x, ids, w, w13, w2))
+    res["inplace_replays"] = sum(buf._sym.inplace.replays for buf in moe.pool.buffers.values()) - inplace
     res["eager_replays"] = _replays(moe) - replays
     res["eager_err"] = max(eager_errs)
     # 1b) the private graphs off: the same sync-free step launches every engine kernel through
     # its compiled C launcher (engine/launch.py)
     for buf in moe.pool.buffers.values():
-        buf._sym.graphs.enabled = False
+        buf._sym.graphs.enabled = buf._sym.inplace.enabled = False
     launchers = _engine_launchers(moe)
     hits = [ln.hits for ln in launchers]
     check_against_dense(_sync_free_step(moe, x_s, ids_s, w_s, tokens).cpu(), x0, ids0, w0, w13, w2)
@@ -84,7 +95,7 @@ def graph_step(layout_kind, B, tokens, replays):
 
     res["fast"] = (FAST_LAUNCH, len(launchers), sum(ln.hits > h and ln.fast for ln, h in zip(launchers, hits)))
     for buf in moe.pool.buffers.values():
-        buf._sym.graphs.enabled = True
+        buf._sym.graphs.enabled = buf._sym.inplace.enabled = True
     # 2) the whole step in one CUDA graph, replayed on new routing (new plans, new slots)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -141,8 +152,9 @@ def test_step_is_sync_free_and_graph_replays_match_dense_nccl(layout_kind, B):
 
 
 def _replays(moe):
-    """Eager dispatch/combine calls served by the buffers' private graphs so far."""
-    return sum(buf._sym.graphs.replays for buf in moe.pool.buffers.values())
+    """Eager dispatch/combine calls served by the buffers' private graphs so far (copying their
+    inputs, or reading them in place)."""
+    return sum(buf._sym.graphs.replays + buf._sym.inplace.replays for buf in moe.pool.buffers.values())
 
 
 def _assert_eager_graphs(res):
@@ -155,11 +167,14 @@ def _assert_eager_graphs(res):
         assert x["eager_err"] < 2e-2
         if EAGER_GRAPHS:
             assert x["eager_replays"] >= 3, f"eager dispatches of the new routings were not replayed: {x['eager_replays']}"
+            assert x["inplace_replays"] >= 1, "refilled input tensors were never dispatched by the in-place graph"
 
 
 def _engine_launchers(moe):
     """The launchers of every engine kernel a step runs: the transport's eight, the device
-    planner's (two for small batches, three with the histogram) and the prefetch row copy."""
+    planner's (two for small batches, three with the histogram), the prefetch row copy and the
+    padding kernel."""
+    from vllm_moonep.common import pad_kernel
     from vllm_moonep.engine import row_copy
 
     out = []
@@ -168,6 +183,7 @@ def _engine_launchers(moe):
         out += list(sym._launch.values())
         out += sym.planner.launchers
     out.append(row_copy._copy_rows_kernel)
+    out.append(pad_kernel._launcher)
     return out
 
 
@@ -178,7 +194,7 @@ def _assert_fast_launch_taken(res):
     sync-free step."""
     for on, n, used in (x["fast"] for x in res):
         # these steps place at most 8 sub-blocks of entries: the planner's histogram kernel is skipped
-        assert n == 11, f"expected 11 engine launchers (transport 8, planner 2, row copy 1), found {n}"
+        assert n == 12, f"expected 12 engine launchers (transport 8, planner 2, row copy 1, padding 1), found {n}"
         assert used == (n if on else 0), f"{used} of {n} engine kernels used the compiled launcher (fast launch on: {on})"
 
 

@@ -64,6 +64,30 @@ def test_replicated_step_larger_shapes():
     assert res[0][0] < 2e-2
 
 
+def decode_step_home_routing():
+    r, R = dist.get_rank(), dist.get_world_size()
+    E, H, I, K = 16, 128, 128, 2
+    epn = E // R
+    moe, w13, w2 = _setup(E, H, I, K, B=2, max_tokens=256, tp=16)
+    x, _, w = rank_inputs(1, E, K, H, sigma=0.0, seed=3, rank=r)
+    ids = torch.tensor([[r * epn, r * epn + 1]], dtype=torch.int64)  # this rank's own experts
+    out = moe.forward(x, ids, w, num_tokens_across_dp=1)
+    check_against_dense(out, x, ids, w, w13, w2)
+    res = (moe.pool.pad_expert, int((moe.last.experts_to_copy >= 0).sum()), moe.last.capacity)
+    moe.pool.destroy()
+    return res
+
+
+@pytest.mark.parametrize("R", [2, 4])
+def test_decode_padding_stays_on_its_rank(R):
+    """Padding routed to one expert for every rank: a 1-token step's 127 padding tokens per rank
+    overfill that expert's home, and the plan prefetches it to every other rank on every step."""
+    res = ranks(R, decode_step_home_routing)
+    assert [p for p, _, _ in res] == [r * (16 // R) for r in range(R)], res
+    assert all(cap == 128 for _, _, cap in res), res
+    assert all(slots == 0 for _, slots, _ in res), f"padding made the plan prefetch experts: {res}"
+
+
 def varying_counts(counts):
     r = dist.get_rank()
     E, H, I, K = 16, 128, 128, 2

@@ -65,6 +65,8 @@ def test_sanitize_and_pad():
     assert s == 2 and px.shape == (5, 4) and pid.shape == (5, 2)
     assert torch.equal(px[:2], x) and bool((px[2:] == 0).all()) and bool((pid[2:] == 0).all()) and bool((pw[2:] == 0).all())
     assert tokens_per_expert(pid, 4).tolist() == [7, 1, 1, 1]
+    _, pid3, _, _ = pad_to_capacity(x, ids, w, 5, pad_expert=3)  # the rank's own home expert (invalid ids too)
+    assert bool((pid3[2:] == 3).all()) and tokens_per_expert(pid3, 4).tolist() == [0, 1, 1, 8]
     with pytest.raises(MoonEPInputError, match="capacity exceeded"):
         pad_to_capacity(x, ids, w, 1)
     with pytest.raises(MoonEPInputError, match="same shape"):

@@ -16,7 +16,7 @@ import torch
 
 from vllm_moonep.common.grouped_gemm import expert_ffn
 from vllm_moonep.common.layout import WeightLayout
-from vllm_moonep.common.padding import pad_to_capacity, tokens_per_expert
+from vllm_moonep.common.padding import pad_and_count
 from vllm_moonep.common.pool import MoonEPBufferPool
 from vllm_moonep.common.timing import NullTimer
 from vllm_moonep.engine import MoonEPBuffer, MoonEPInputError, MoonEPPlan, default_num_slots
@@ -128,9 +128,10 @@ def dispatch_and_prefetch(
     t = timer or _NULL
     with t.phase("pad"):
         cap = pool.capacity_for(num_tokens)  # raises on capacity overflow, before any collective
-        x, ids, w, s = pad_to_capacity(hidden, topk_ids, topk_weights, cap)
-        tpe = tokens_per_expert(ids, layout.num_experts)
         check_layout_matches_pool(pool, layout)
+        # on CUDA one kernel pads and counts into the pool's staging tensors (common/pad_kernel.py)
+        x, ids, w, tpe, s = pad_and_count(hidden, topk_ids, topk_weights, cap, layout.num_experts, pool.pad_expert,
+                                          pool.staging(cap, hidden))
         cap, buf = pool.get(num_tokens)
     with t.phase("dispatch"):
         x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, make_buffer, resolve_device
+from vllm_moonep.engine.defaults import say_once
 
 MIN_CAPACITY = 128
 
@@ -55,11 +59,52 @@ class MoonEPBufferPool:
         self.engine = engine
         self.buffers: dict[int, Any] = {}
         self._destroyed = False
+        self._pad_expert: int | None = None
+        self._staging: tuple[torch.Tensor, ...] | None = None
+        self._staging_views: dict[int, tuple[torch.Tensor, ...]] = {}
 
     @property
     def buffer_kwargs(self) -> dict[str, Any]:
         """The ``Buffer`` arguments (except ``S``) every buffer of this pool is made with."""
         return dict(self._kwargs)
+
+    @property
+    def pad_expert(self) -> int:
+        """The expert that padding rows of this rank route to: its first home expert (``rank * E/R``),
+        so padding never leaves the rank (``padding.pad_to_capacity``)."""
+        if self._pad_expert is None:
+            E, R = int(self._kwargs.get("E") or 0), int(self._kwargs.get("num_ep_ranks") or 1)
+            rank = dist.get_rank(self._kwargs.get("group")) if dist.is_available() and dist.is_initialized() else 0
+            self._pad_expert = max(rank, 0) * (E // R) if E and R > 0 else 0
+        return self._pad_expert
+
+    def staging(self, capacity: int, hidden: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Where a CUDA step of ``capacity`` tokens is padded to (``padding.pad_and_count``):
+        ``(x [cap, H] bf16, ids [cap, K] int32, w [cap, K] f32, tpe [E] int32)``, views of one set
+        sized for the largest capacity (Kimi-K2 at 8192 tokens: 117 MB), made at the first CUDA
+        step. Fixed addresses: each capacity's dispatch graph reads them in place. ``None`` for
+        hidden states off this pool's CUDA device (torch ops pad those)."""
+        if not hidden.is_cuda:
+            return None
+        if self._staging is None:
+            dev = resolve_device(self._kwargs.get("device"))
+            if dev.type != "cuda":
+                return None
+            H, K, E = (int(self._kwargs[k]) for k in ("H", "K", "E"))
+            top = self.capacity_for(self.max_tokens_per_rank)
+            self._staging = (torch.empty(top, H, dtype=torch.bfloat16, device=dev),
+                             torch.empty(top, K, dtype=torch.int32, device=dev),
+                             torch.empty(top, K, dtype=torch.float32, device=dev),
+                             torch.empty(E, dtype=torch.int32, device=dev))
+            self._staging_views = {}
+            mib = sum(t.numel() * t.element_size() for t in self._staging) / 2**20
+            say_once(f"MoonEP: CUDA steps are padded and counted by one kernel into staging tensors of the buffer pool "
+                     f"({mib:.0f} MiB for {top} tokens per rank; common/pad_kernel.py)", __name__)
+        views = self._staging_views.get(capacity)
+        if views is None:
+            x, ids, w, tpe = self._staging
+            views = self._staging_views[capacity] = (x[:capacity], ids[:capacity], w[:capacity], tpe)
+        return views if views[0].device == hidden.device else None
 
     def capacity_for(self, num_tokens: int) -> int:
         return capacity_for(num_tokens, self.max_tokens_per_rank, self.min_capacity)
@@ -89,6 +134,8 @@ class MoonEPBufferPool:
         collective, so it also works after a failed step. Call before the process group is
         destroyed. Every buffer is destroyed even if one raises (the first error is re-raised)."""
         self._destroyed = True
+        self._staging = None
+        self._staging_views = {}
         first = None
         while self.buffers:
             _, buf = self.buffers.popitem()
