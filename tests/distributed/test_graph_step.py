@@ -74,12 +74,13 @@ def graph_step(layout_kind, B, tokens, replays):
     # the same input tensors refilled with new routings: the dispatch graph that reads its inputs
     # in place (their addresses repeat) must see the new values, not the captured ones
     inplace = sum(buf._sym.inplace.replays for buf in moe.pool.buffers.values())
+    x_f, ids_f, w_f = x_s.clone(), ids_s.clone(), w_s.clone()  # x_s & co. keep step 0's inputs
     for i in range(3):
         x, ids, w = rank_inputs(tokens, E, K, H, sigma=2.0 + i, seed=70 + i, rank=r)
-        x_s.copy_(x)
-        ids_s.copy_(ids)
-        w_s.copy_(w)
-        out = moe.forward(x_s, ids_s, w_s, num_tokens_across_dp=tokens)
+        x_f.copy_(x)
+        ids_f.copy_(ids)
+        w_f.copy_(w)
+        out = moe.forward(x_f, ids_f, w_f, num_tokens_across_dp=tokens)
         eager_errs.append(check_against_dense(out.cpu(), x, ids, w, w13, w2))
     res["inplace_replays"] = sum(buf._sym.inplace.replays for buf in moe.pool.buffers.values()) - inplace
     res["eager_replays"] = _replays(moe) - replays
