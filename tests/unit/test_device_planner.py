@@ -95,7 +95,7 @@ def _case(name):
     if name == "direct_seven_subblocks":  # place without the histogram, ragged last sub-block
         ids, tpe = _routing(4, 200, 32, 4, 2.0, seed=21)
         return 4, 32, 200, 4, 8, 8, ids, tpe
-    if name == "direct_eight_subblocks_kimi_r2":  # the most sub-blocks placed directly; E/R=192 (rule 4 chunks)
+    if name == "direct_eight_subblocks_kimi_r2":  # the most sub-blocks placed directly; E/R=192 (rule 4 sorted)
         ids, tpe = _routing(2, 128, 384, 8, 2.0, seed=22)
         return 2, 384, 128, 8, 192, 128, ids, tpe
     if name == "hist_nine_subblocks":  # one sub-block past the direct limit: the histogram path again
@@ -105,6 +105,9 @@ def _case(name):
         return _case("direct_eight_subblocks_kimi_r2")
     if name == "many_experts_per_rank_chunk2":  # the narrowest chunk: equal allocs across many chunks
         return _case("many_experts_per_rank")
+    if name == "kimi_r8":  # E/R=48: sorted by default (above RULE4_SORT_ABOVE), B = E/R
+        ids, tpe = _routing(8, 16, 384, 8, 3.0, seed=48)
+        return 8, 384, 16, 8, 48, 128, ids, tpe
     if name == "R16":
         ids, tpe = _routing(16, 24, 128, 4, 2.0, seed=16)
         return 16, 128, 24, 4, 8, 8, ids, tpe
@@ -134,7 +137,7 @@ EDGE_CASES = [
     "many_chunks_ragged", "tpe_int64_strided", "many_experts_per_rank", "direct_seven_subblocks",
     "direct_eight_subblocks_kimi_r2", "hist_nine_subblocks", "kimi_r2_rule4_chunk32", "many_experts_per_rank_chunk2",
     "R16", "R32", "counts_not_summing_to_cap",
-    "out_of_range_ids",
+    "out_of_range_ids", "kimi_r8", "kimi_r8_pairwise",
     # rule 4 the other way than the planner picks for the shape (E/R <= 64: pairwise; above: sort)
     "many_experts_per_rank_pairwise", "direct_eight_subblocks_kimi_r2_pairwise",
     "sigma_2_5.0_sort", "sigma_4_2.0_sort", "sigma_8_1.0_sort", "sigma_8_5.0_sort", "few_slots_B1_sort",
@@ -235,6 +238,8 @@ _EDGE_DOCS = {
     "direct_eight_subblocks_kimi_r2": "the last sub-block count placed directly (off-by-one at the limit), E/R=192",
     "many_experts_per_rank_pairwise": "E/R > 64 the pairwise way: chunk extraction, padded rows carried across chunks",
     "direct_eight_subblocks_kimi_r2_pairwise": "Kimi-K2 at R=2 with the pairwise count in the planner's own chunks",
+    "kimi_r8": "Kimi-K2 at R=8 (E/R=48, skewed): the sorted slot order at the shape the planner sorts from",
+    "kimi_r8_pairwise": "the same with the one-tile pairwise count (the planner's way up to 32 experts per rank)",
     "hist_nine_subblocks": "just past the direct limit: the histogram path must take over",
     "kimi_r2_rule4_chunk32": "rule 4 with 32-column chunks (a benchmarked override) must give the same slots",
     "many_experts_per_rank_chunk2": "rule 4 with 2-column chunks: the count carried across 64 chunks",

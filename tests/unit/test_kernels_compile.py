@@ -66,7 +66,8 @@ def _kernels():
     small = dp.DevicePlanner(2, 384, 128, 8, 192, 128, torch.device("cpu"))  # E/R=192, 8 sub-blocks
     chunked = dp.DevicePlanner(2, 384, 128, 8, 192, 128, torch.device("cpu"), rule4="pairwise")
     assert small._place_consts["DIRECT"] and not planner._place_consts["DIRECT"]
-    assert small._plan_consts["SORT"] and not chunked._plan_consts["SORT"] and not planner._plan_consts["SORT"]
+    assert small._plan_consts["SORT"] and planner._plan_consts["SORT"] and not chunked._plan_consts["SORT"]
+    pairwise = dp.DevicePlanner(8, 384, 128, 8, 48, 128, torch.device("cpu"), rule4="pairwise")  # the whole row at once
     plan_sig = dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32",
                     seg_out="*i64", cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32,
                     EPN=i32, B=i32, CAP=i32)
@@ -75,6 +76,7 @@ def _kernels():
     cases += [
         ("plan(E/R=192: rule 4 by a sort)", dp._plan_kernel, plan_sig, dict(small._plan_consts)),
         ("plan(E/R=192: rule 4 pairwise in column chunks)", dp._plan_kernel, plan_sig, dict(chunked._plan_consts)),
+        ("plan(E/R=48: rule 4 pairwise, one tile)", dp._plan_kernel, plan_sig, dict(pairwise._plan_consts)),
         ("place(direct, no histogram)", dp._place_kernel, place_sig, dict(small._place_consts)),
         ("plan", dp._plan_kernel,
          dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32", seg_out="*i64",

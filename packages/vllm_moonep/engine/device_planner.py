@@ -68,8 +68,9 @@ __all__ = ["DIRECT_MAX_SUBBLOCKS", "RULE4_SORT_ABOVE", "DevicePlanner"]
 #: place without the histogram kernel up to this many sub-blocks of 128 entries (S*K <= 1024):
 #: each program then compares its entries with at most this many earlier sub-blocks
 DIRECT_MAX_SUBBLOCKS = 8
-#: rule 4 orders slots by a sort above this many experts per rank (padded), by pairwise compare below
-RULE4_SORT_ABOVE = 64
+#: rule 4 orders slots by a sort above this many experts per rank (padded), by pairwise compare at
+#: or below it (H200, plan kernel: E/R=48 sorted 26.7 us, pairwise 32.3; E/R=192 10.4 against 32.8)
+RULE4_SORT_ABOVE = 32
 
 
 def _np2(x: int) -> int:
@@ -373,8 +374,9 @@ class DevicePlanner:
         while rb * 2 <= self._R_P and rb * 2 * n_p <= 4096:
             rb *= 2
         self._RB = rb
-        # rule 4: a sort above RULE4_SORT_ABOVE experts per rank (the pairwise tile would need
-        # column chunks, each a chain of reductions), else the whole [EPN_P, EPN_P] compare at once
+        # rule 4: a sort above RULE4_SORT_ABOVE experts per rank (measured faster there; above 64
+        # the pairwise tile needs column chunks, each a chain of reductions), else the whole
+        # [EPN_P, EPN_P] compare at once
         if rule4 not in (None, "sort", "pairwise"):
             raise ValueError(f"rule4 must be 'sort' or 'pairwise', got {rule4!r}")
         self._sort = (rule4 or ("sort" if self._EPN_P > RULE4_SORT_ABOVE else "pairwise")) == "sort"
