@@ -35,3 +35,16 @@ def interpreter_report(script: str, timeout_s: float = 600) -> dict:
     assert proc.returncode == 0 and lines, (
         f"interpreter child failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return json.loads(lines[-1][len("REPORT "):])
+
+
+def print_report(cases, run_case) -> None:
+    """The child's side: ``{"err": run_case(name)}`` for every case (``None`` = as expected, else
+    what differed; an exception is reported there rather than hidden), printed as the
+    ``REPORT <json>`` line the parent reads."""
+    report = {}
+    for name in cases:
+        try:
+            report[name] = {"err": run_case(name)}
+        except Exception as e:  # report, don't hide
+            report[name] = {"err": f"{type(e).__name__}: {e}"}
+    print("REPORT " + json.dumps(report))

@@ -10,14 +10,13 @@ syncs forbidden, and inside a captured CUDA graph.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import fields
 
 import pytest
 import torch
 
-from tests.interpreter_child import interpreter_report
+from tests.interpreter_child import interpreter_report, print_report
 
 from vllm_moonep.engine.planner import place_entries, plan_global
 from vllm_moonep.testing.routing import route
@@ -191,20 +190,15 @@ def compare(dp, tpe_dev, ids_dev, tpe_cpu, ids_cpu, S, K, B, tp, ranks=None):
 def _child_main() -> None:
     from vllm_moonep.engine.device_planner import DevicePlanner
 
-    report = {}
-    dev = torch.device("cpu")
-    for name in CASES:
-        try:
-            R, E, S, K, B, tp, ids, tpe = _case(name)
-            dp = DevicePlanner(R, E, S, K, B, tp, dev, **OPTIONS.get(name, {}))
-            if name == "B_more_than_epn":  # a planner reused: the previous plan must leave no trace
-                dp.plan(_routing(4, 16, 16, 2, 0.0, seed=1)[1])
-            tpe_in = tpe if name == "tpe_int64_strided" else tpe.to(torch.int32)  # the engine passes int32
-            err = compare(dp, tpe_in, ids, tpe.to(torch.int64).contiguous(), ids, S, K, B, tp)
-            report[name] = {"err": err}
-        except Exception as e:  # report, don't hide
-            report[name] = {"err": f"{type(e).__name__}: {e}"}
-    print("REPORT " + json.dumps(report))
+    def run_case(name):
+        R, E, S, K, B, tp, ids, tpe = _case(name)
+        dp = DevicePlanner(R, E, S, K, B, tp, torch.device("cpu"), **OPTIONS.get(name, {}))
+        if name == "B_more_than_epn":  # a planner reused: the previous plan must leave no trace
+            dp.plan(_routing(4, 16, 16, 2, 0.0, seed=1)[1])
+        tpe_in = tpe if name == "tpe_int64_strided" else tpe.to(torch.int32)  # the engine passes int32
+        return compare(dp, tpe_in, ids, tpe.to(torch.int64).contiguous(), ids, S, K, B, tp)
+
+    print_report(CASES, run_case)
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,10 @@ the ``gpu`` test runs the same cases natively, with staging tensors from a real 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.interpreter_child import interpreter_report
+from tests.interpreter_child import interpreter_report, print_report
 
 SENTINEL = 77  # staging starts full of it: a row or count the kernel forgets to write shows
 
@@ -81,13 +79,7 @@ def run_case(name, device):
 
 
 def _child_main() -> None:
-    report = {}
-    for name in CASES:
-        try:
-            report[name] = {"err": run_case(name, torch.device("cpu"))}
-        except Exception as e:  # report, don't hide
-            report[name] = {"err": f"{type(e).__name__}: {e}"}
-    print("REPORT " + json.dumps(report))
+    print_report(CASES, lambda name: run_case(name, torch.device("cpu")))
 
 
 @pytest.fixture(scope="module")

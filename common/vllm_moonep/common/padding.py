@@ -8,6 +8,25 @@ import torch.nn.functional as F
 from vllm_moonep.engine import MoonEPInputError
 
 
+def _check_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    if topk_ids.shape != topk_weights.shape:
+        raise MoonEPInputError(
+            f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must have the same shape"
+        )
+    if topk_ids.is_floating_point():
+        raise MoonEPInputError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+
+
+def _check_rows(hidden: torch.Tensor, topk_ids: torch.Tensor, capacity: int) -> int:
+    """The step's token count ``s``, after checking it fits ``capacity`` and matches the routing."""
+    s = hidden.shape[0]
+    if s > capacity:
+        raise MoonEPInputError(f"MoonEP buffer capacity exceeded: {s} tokens > S={capacity}")
+    if topk_ids.shape[0] != s:
+        raise MoonEPInputError(f"topk_ids has {topk_ids.shape[0]} rows, hidden states {s}")
+    return s
+
+
 def sanitize_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                      pad_expert: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 ids and float32 weights; negative (invalid) ids become ``pad_expert`` with weight 0.
@@ -15,12 +34,7 @@ def sanitize_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     MoonEP's planner has no sentinel for invalid ids, so such slots cost a little compute and
     contribute nothing.
     """
-    if topk_ids.shape != topk_weights.shape:
-        raise MoonEPInputError(
-            f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must have the same shape"
-        )
-    if topk_ids.is_floating_point():
-        raise MoonEPInputError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    _check_routing(topk_ids, topk_weights)
     ids = topk_ids.to(torch.int32)
     w = topk_weights.to(torch.float32)
     invalid = ids < 0
@@ -39,11 +53,7 @@ def pad_to_capacity(
     expert for all ranks, a decode step's ~``capacity*K`` padding entries per rank overfill that
     expert's home, and the plan prefetches it to every other rank each step.
     """
-    s = hidden.shape[0]
-    if s > capacity:
-        raise MoonEPInputError(f"MoonEP buffer capacity exceeded: {s} tokens > S={capacity}")
-    if topk_ids.shape[0] != s:
-        raise MoonEPInputError(f"topk_ids has {topk_ids.shape[0]} rows, hidden states {s}")
+    s = _check_rows(hidden, topk_ids, capacity)
     ids, w = sanitize_routing(topk_ids, topk_weights, pad_expert)
     hidden = hidden.contiguous()
     pad = capacity - s
@@ -65,17 +75,8 @@ def pad_and_count(
     (``pad_kernel.py``: same values, two launches instead of about fifteen); otherwise torch ops.
     """
     if staging is not None and hidden.is_cuda and hidden.dtype == staging[0].dtype:
-        s = hidden.shape[0]
-        if s > capacity:
-            raise MoonEPInputError(f"MoonEP buffer capacity exceeded: {s} tokens > S={capacity}")
-        if topk_ids.shape[0] != s:
-            raise MoonEPInputError(f"topk_ids has {topk_ids.shape[0]} rows, hidden states {s}")
-        if topk_ids.shape != topk_weights.shape:
-            raise MoonEPInputError(
-                f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must have the same shape"
-            )
-        if topk_ids.is_floating_point():
-            raise MoonEPInputError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+        s = _check_rows(hidden, topk_ids, capacity)
+        _check_routing(topk_ids, topk_weights)
         x, ids, w, tpe = staging
         if (x.shape[0], x.shape[1], ids.shape[1], tpe.shape[0]) != (capacity, hidden.shape[1], topk_ids.shape[1],
                                                                       num_experts):
