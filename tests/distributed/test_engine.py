@@ -43,17 +43,27 @@ SYM_ENV = {"VLLM_MOONEP_TEST_TRANSPORT": "symmetric"}
 GPU_COLL_ENV = {**GPU_ENV, "VLLM_MOONEP_TEST_TRANSPORT": "collective"}
 
 
-def traceable_rows(S, H, K, E, B, tp, sigma, seed):
-    """Encode (source rank, token) in the hidden values and check every row's position."""
+def traceable_rows(S, H, K, E, B, tp, sigma, seed, uncombined_first=False, num_tokens=None):
+    """Encode (source rank, token) in the hidden values and check every row's position.
+    ``uncombined_first``: a dispatch of other routing (no combine) comes first, so its real rows
+    must not show through this step's padding. ``num_tokens``: tokens from there on are padding
+    (``Buffer.dispatch``'s extension): the GPU symmetric transport leaves their rows at 0 and
+    the outputs of the real tokens must not change; other transports move them as usual."""
     r, R = dist.get_rank(), dist.get_world_size()
     buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=_device(), dtype=torch.float32, transport=_transport())
+    if uncombined_first:
+        x0, w0, ids0, tpe0 = _inputs(S, E, K, H, 0.0, seed + 1, r, torch.float32)
+        buf.dispatch(x0 + 1000.0, w0, ids0, tpe0)
     _, w, ids, tpe = _inputs(S, E, K, H, sigma, seed, r, torch.float32)
     x = torch.zeros(S, H)
     x[:, 0] = r + 1
     x[:, 1] = torch.arange(S, dtype=torch.float32)
     x[:, 2:] = torch.randn(S, H - 2, generator=torch.Generator().manual_seed(r))
-    xn, wn, cu, plan = buf.dispatch(x.to(_device()), w, ids, tpe)
+    xn, wn, cu, plan = buf.dispatch(x.to(_device()), w, ids, tpe, num_tokens=num_tokens)
     assert xn.device.type == _device().type and cu.device.type == _device().type
+    # whose rows stay put: every source's tokens from num_tokens on, on the GPU symmetric path
+    kept = num_tokens if num_tokens is not None and _device().type == "cuda" and buf.transport_name == "symmetric" \
+        else S
     xn, wn, cu, w = xn.cpu(), wn.cpu(), cu.cpu(), w.cpu()
     plan_cpu_etc = plan.experts_to_copy.cpu()
     # the reference plan, from every rank's routing (regenerated from the shared seeds)
@@ -70,6 +80,9 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed):
             if d != r:
                 continue
             real[row] = True
+            if i // K >= kept:  # a padding token's entry: not moved, its row reads as padding
+                assert xn[row].abs().sum().item() == 0 and wn[row].item() == 0, (q, i, row)
+                continue
             assert xn[row, 0].item() == q + 1 and xn[row, 1].item() == i // K, (q, i, row)
             assert wn[row].item() == all_w[q].reshape(-1)[i].item()
     assert int(real.sum()) == S * K
@@ -78,8 +91,9 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed):
     assert bool((xn[:end][pad] == 0).all()) and bool((wn[:end][pad] == 0).all())
     # route weights come back exactly; identity expert sums K copies
     out, rw, _ = buf.combine(plan, xn.to(_device()), wn.to(_device()))
-    assert torch.equal(rw.cpu(), w)
-    torch.testing.assert_close(out.cpu(), K * x, rtol=0, atol=1e-5)
+    n = S if num_tokens is None else num_tokens  # outputs of the padding tokens are unspecified
+    assert torch.equal(rw.cpu()[:n], w[:n])
+    torch.testing.assert_close(out.cpu()[:n], K * x[:n], rtol=0, atol=1e-5)
     buf.destroy()
     return plan.slots_used
 
@@ -104,6 +118,23 @@ def test_rows_land_where_the_plan_says_cuda(R, env):
     """The same on CUDA: the symmetric transport's kernels (auto) and the collective one."""
     slots = ranks(R, traceable_rows, 24, 16, 4, 16, 16 // R, 8, 2.5, 7 + R, env=env)
     assert len(set(slots)) == 1 and slots[0] > 0, "skewed routing must use prefetch slots"
+
+
+@pytest.mark.parametrize("env", [pytest.param(GPU_ENV, marks=pytest.mark.gpu, id="cuda"),
+                                 pytest.param(SYM_ENV, id="host-heap"), pytest.param(None, id="collective")])
+@pytest.mark.parametrize("num_tokens", [None, 0, 5, 24])
+def test_padding_tokens_stay_put(num_tokens, env):
+    """Buffer.dispatch(num_tokens=n): rows of tokens at or past n that moved anyway on the GPU path
+    (or real tokens' rows that did not), or real tokens' outputs that changed with it."""
+    ranks(2, traceable_rows, 24, 16, 4, 16, 8, 8, 2.5, 11, False, num_tokens, env=env)
+
+
+@pytest.mark.parametrize("env", [pytest.param(GPU_ENV, marks=pytest.mark.gpu, id="cuda"),
+                                 pytest.param(SYM_ENV, id="host-heap")])
+def test_padding_reads_zero_after_a_dispatch_with_no_combine(env):
+    """Combine turns the rows it reads back into padding; a dispatch that follows a dispatch with
+    no combine must clear that dispatch's rows itself, else they show through as padding."""
+    ranks(2, traceable_rows, 24, 16, 4, 16, 8, 8, 2.5, 9, True, env=env)
 
 
 def per_expert_scale(S, H, K, E, B, tp, sigma, seed):
@@ -215,6 +246,9 @@ def bad_inputs_then_valid():
             buf.dispatch(*args)
         assert needle in str(ei.value), (name, str(ei.value))
         msgs[name] = str(ei.value)
+    for bad in (S + 1, -1, True, 2.0):
+        with pytest.raises(MoonEPInputError, match="num_tokens must be an int in"):
+            buf.dispatch(x, w, ids, tpe, num_tokens=bad)
     # a foreign plan and a destroyed buffer are state errors
     other = Buffer(S, H, K, E, R, B=2, token_padding=4, device=_device(), transport=_transport())
     _, _, _, foreign = other.dispatch(x, w, ids, tpe)

@@ -172,17 +172,14 @@ def _assert_eager_graphs(res):
 
 
 def _engine_launchers(moe):
-    """The launchers of every engine kernel a step runs: the transport's eight, the device
-    planner's (two for small batches, three with the histogram), the prefetch row copy and the
-    padding kernel."""
+    """The launchers of every engine kernel a step runs: the transport's (plan, dispatch_rows,
+    combine_rows, reduce for small batches), the prefetch row copy and the padding kernel."""
     from vllm_moonep.common import pad_kernel
     from vllm_moonep.engine import row_copy
 
     out = []
     for buf in moe.pool.buffers.values():
-        sym = buf._sym
-        out += list(sym._launch.values())
-        out += sym.planner.launchers
+        out += buf._sym.step_launchers
     out.append(row_copy._copy_rows_kernel)
     out.append(pad_kernel._launcher)
     return out
@@ -195,7 +192,7 @@ def _assert_fast_launch_taken(res):
     sync-free step."""
     for on, n, used in (x["fast"] for x in res):
         # these steps place at most 8 sub-blocks of entries: the planner's histogram kernel is skipped
-        assert n == 12, f"expected 12 engine launchers (transport 8, planner 2, row copy 1, padding 1), found {n}"
+        assert n == 6, f"expected 6 engine launchers (transport 4 incl. the plan, row copy 1, padding 1), found {n}"
         assert used == (n if on else 0), f"{used} of {n} engine kernels used the compiled launcher (fast launch on: {on})"
 
 

@@ -184,7 +184,47 @@ def compare(dp, tpe_dev, ids_dev, tpe_cpu, ids_cpu, S, K, B, tp, ranks=None):
         if not torch.equal(d.cpu(), ed) or not torch.equal(row.cpu(), er):
             i = int(((d.cpu() != ed) | (row.cpu() != er)).nonzero()[0])
             return f"rank {r} entry {i}: got ({int(d[i])}, {int(row[i])}), host ({int(ed[i])}, {int(er[i])})"
+        if dp.direct:  # rule 5 as the symmetric transport's dispatch_rows runs it (its tiles, inline)
+            d, row = _place_as_dispatch_rows(dp, gp, r, ids_dev[r])
+            if not torch.equal(d.cpu(), ed) or not torch.equal(row.cpu(), er):
+                i = int(((d.cpu() != ed) | (row.cpu() != er)).nonzero()[0])
+                return (f"rank {r} entry {i} placed inline (dispatch_rows tiles): got ({int(d[i])}, {int(row[i])}), "
+                        f"host ({int(ed[i])}, {int(er[i])})")
     return None
+
+
+try:  # the kernel's globals must be module globals (the interpreter resolves them here)
+    import triton
+    import triton.language as tl
+
+    from vllm_moonep.engine.device_planner import place_direct
+except ImportError:  # no Triton: the interpreter and GPU tests skip
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _tile_place_kernel(ids_ptr, ob, cum, rb, dest, row, rank, N, E, R, ROWS: tl.constexpr, R_P: tl.constexpr,
+                           CH: tl.constexpr):
+        i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        im = i < N
+        d, r = place_direct(ids_ptr, i, im, ob, cum, rb, rank, E, R, R_P, CH)
+        tl.store(dest + i, d, mask=im)
+        tl.store(row + i, r, mask=im)
+
+
+def _place_as_dispatch_rows(dp, gp, rank, ids):
+    """``(dest, row)`` from ``device_planner.place_direct`` on the tiles the symmetric transport's
+    dispatch_rows kernel uses (``_ROWS`` entries a program, ``_PLACE_CHUNK`` compared at a time)."""
+    from vllm_moonep.engine.symmetric_transport import _PLACE_CHUNK, _ROWS
+
+    flat = ids.reshape(-1).contiguous()
+    n = flat.numel()
+    dest = torch.empty(n, dtype=torch.int64, device=flat.device)
+    row = torch.empty(n, dtype=torch.int64, device=flat.device)
+    ob, cum, rb = dp.tables(gp)
+    _tile_place_kernel[(triton.cdiv(n, _ROWS),)](flat, ob, cum, rb, dest, row, rank, n, dp.E, dp.R, ROWS=_ROWS,
+                                                 R_P=dp._R_P, CH=_PLACE_CHUNK)
+    return dest, row
 
 
 def _child_main() -> None:

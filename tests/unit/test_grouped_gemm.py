@@ -100,3 +100,24 @@ def test_grouped_mm_path_on_cpu_matches_float64():
     ref = expert_ffn_float64(x, rw, cu, w)
     assert torch.isfinite(out[:33]).all()
     assert _rel(out[:33], ref[:33]) < 1e-2
+
+
+def test_tiles_follow_the_steps_tokens_not_the_buffers_slack():
+    """At world size 1 a 128-token buffer of Kimi-K2 has NvS = 1024 + 2*127*384 rows, more than
+    every entry tuned at EP=8: keyed by NvS, a 1-token decode step ran the 4096-token prefill tiles
+    (282 us of expert compute on an H200 instead of ~170). Keyed by the step's tokens it gets the
+    decode entry; without them, the NvS rule as before."""
+    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
+    entries = [e for e in tk.load_tuning() if e["H"] == 7168 and e["I"] == 2048]
+    by_tokens = {e["tokens_per_rank"]: e for e in entries}
+    assert {1, 4096} <= set(by_tokens), "the packaged table tunes Kimi-K2 at 1 and 4096 tokens per rank"
+    nvs_ws1 = 128 * 8 + 2 * 127 * 384
+
+    def tiles(e):
+        return {"gate_up": e["gate_up"], "down": e["down"]}
+
+    assert tk.select_config(7168, 2048, nvs_ws1, 388) == tiles(by_tokens[4096])
+    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=1) == tiles(by_tokens[1])
+    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=3000) == tiles(by_tokens[4096])
+    # more tokens than any entry: the NvS rule (the largest entry here)
+    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=10**6) == tiles(by_tokens[4096])

@@ -25,28 +25,24 @@ def _kernels():
     from vllm_moonep.engine import symmetric_kernels as k
 
     i32, i64, bf16 = "i32", "i64", "*bf16"
+    rows_sig = dict(x=bf16, w="*fp32", ids="*i32", dest="*i64", row="*i64", ob="*i64", cum="*i64", rb="*i64",
+                    table="*i64", board=i64, epoch="*i64", ticket="*i32", sig="*i64", cu="*i64", seg_len="*i64",
+                    cu32="*i32", real_rows="*i32", n_entries=i32, n_move=i32, K=i32, H=i32, R=i32, E=i32, me=i32, G=i32, TP=i32,
+                    timeout_ns=i64, n_prog=i32)
+    rows_cx = dict(ROWS=4, BLOCK_H=4096, R_PAD=8, G_PAD=1024, CHUNK=1024, PCH=256)
     cases = [
-        ("put_counts", k.put_counts_kernel,
-         dict(tpe="*i32", table="*i64", R=i32, me=i32, E=i32), dict(E_PAD=512, R_PAD=8)),
-        ("wait_counts", k.wait_counts_kernel,
-         dict(sig="*i64", epoch="*i64", R=i32, board=i64, timeout_ns=i64), dict(R_PAD=8)),
-        ("dispatch_rows", k.dispatch_rows_kernel,
-         dict(x=bf16, w="*fp32", dest="*i64", row="*i64", table="*i64", board=i64, epoch="*i64", n_entries=i32, K=i32,
-              H=i32, R=i32, me=i32, n_prog=i32), dict(ROWS=4, BLOCK_H=4096, R_PAD=8)),
+        ("dispatch_rows(place inline)", k.dispatch_rows_kernel, rows_sig, dict(rows_cx, PLACE=True)),
+        ("dispatch_rows(placed before)", k.dispatch_rows_kernel, rows_sig, dict(rows_cx, PLACE=False)),
         ("clear_rows", k.clear_rows_kernel,
          dict(real_rows="*i32", recv_x=bf16, recv_w="*fp32", recv_src="*i32", SK=i32, H=i32, n_prog=i32),
          dict(ROWS=4, BLOCK_H=4096)),
-        ("finish_dispatch", k.finish_dispatch_kernel,
-         dict(cu="*i64", seg_len="*i64", cu32="*i32", real_rows="*i32", G=i32, TP=i32, sig="*i64", epoch="*i64",
-              R=i32, per_src=i32, board=i64, timeout_ns=i64, n_prog=i32), dict(G_PAD=1024, CHUNK=1024, R_PAD=8)),
         ("combine_rows", k.combine_rows_kernel,
-         dict(y=bf16, yw="*fp32", recv_src="*i32", real_rows="*i32", table="*i64", epoch="*i64", SK=i32, H=i32, R=i32,
-              me=i32, n_prog=i32), dict(HAS_W=True, ROWS=4, BLOCK_H=4096, R_PAD=8)),
+         dict(y=bf16, yw="*fp32", recv_x=bf16, recv_w="*fp32", recv_src="*i32", real_rows="*i32", table="*i64",
+              board=i64, epoch="*i64", ticket="*i32", sig="*i64", SK=i32, H=i32, R=i32, me=i32, timeout_ns=i64,
+              n_prog=i32), dict(HAS_W=True, ROWS=4, BLOCK_H=4096, R_PAD=8)),
         ("reduce", k.reduce_kernel,
          dict(comb_x=bf16, comb_w="*fp32", out=bf16, out_w="*fp32", S=i32, K=i32, H=i32, n_prog=i32),
          dict(HAS_W=True, K_PAD=8, BLOCK_H=2048)),
-        ("wait_combine", k.wait_combine_kernel,
-         dict(sig="*i64", epoch="*i64", R=i32, per_src=i32, board=i64, timeout_ns=i64), dict(R_PAD=8)),
         ("copy_rows(table)", row_copy._kernel().fn,
          dict(ids="*i32", dst=bf16, src=bf16, table="*i64", rows_per_source=i32, row_elems=i64),
          dict(TABLE=True, CHUNK=65536, BLOCK=4096)),
@@ -70,18 +66,19 @@ def _kernels():
     pairwise = dp.DevicePlanner(8, 384, 128, 8, 48, 128, torch.device("cpu"), rule4="pairwise")  # the whole row at once
     plan_sig = dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32",
                     seg_out="*i64", cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32,
-                    EPN=i32, B=i32, CAP=i32)
+                    EPN=i32, B=i32, CAP=i32, x_tpe="*i32", x_table="*i64", x_sig="*i64", x_epoch="*i64", x_board=i64,
+                    x_timeout_ns=i64, me=i32)
     place_sig = dict(ids_ptr="*i32", exs_ptr="*i32", tot_ptr="*i32", ob_ptr="*i64", cum_ptr="*i64", rb_ptr="*i64",
                      dest_ptr="*i64", row_ptr="*i64", rank=i32, N=i32, E=i32, R=i32)
     cases += [
-        ("plan(E/R=192: rule 4 by a sort)", dp._plan_kernel, plan_sig, dict(small._plan_consts)),
-        ("plan(E/R=192: rule 4 pairwise in column chunks)", dp._plan_kernel, plan_sig, dict(chunked._plan_consts)),
-        ("plan(E/R=48: rule 4 pairwise, one tile)", dp._plan_kernel, plan_sig, dict(pairwise._plan_consts)),
+        ("plan(E/R=192: rule 4 by a sort)", dp._plan_kernel, plan_sig, dict(small._plan_consts, EXCHANGE=False)),
+        ("plan(E/R=192: rule 4 by a sort, counts exchanged)", dp._plan_kernel, plan_sig,
+         dict(small._plan_consts, EXCHANGE=True)),
+        ("plan(E/R=192: rule 4 pairwise in column chunks)", dp._plan_kernel, plan_sig,
+         dict(chunked._plan_consts, EXCHANGE=False)),
+        ("plan(E/R=48: rule 4 pairwise, one tile)", dp._plan_kernel, plan_sig, dict(pairwise._plan_consts, EXCHANGE=True)),
         ("place(direct, no histogram)", dp._place_kernel, place_sig, dict(small._place_consts)),
-        ("plan", dp._plan_kernel,
-         dict(tpe_ptr="*i32", s_tr=i32, s_te=i32, tpe_out="*i64", alloc_out="*i64", etc_out="*i32", seg_out="*i64",
-              cu_out="*i64", rb_out="*i64", ob_out="*i64", cum_out="*i64", R=i32, E=i32, EPN=i32, B=i32, CAP=i32),
-         dict(planner._plan_consts)),
+        ("plan", dp._plan_kernel, plan_sig, dict(planner._plan_consts, EXCHANGE=True)),
         ("hist", dp._hist_kernel, dict(ids_ptr="*i32", exs_ptr="*i32", tot_ptr="*i32", N=i32, E=i32),
          dict(planner._hist_consts)),
         ("place", dp._place_kernel,

@@ -76,6 +76,13 @@ def _case_data(name: str):
         real = [3, 0, 21, 1, 50, 48]
         lens = [((r + 47) // 48) * 48 for r in real]
         w = contiguous(len(lens), H, I)
+    elif name == "weight0_block_inside":
+        # a decode step's padding entries (weight 0, hidden not necessarily 0) in the middle of a
+        # segment, real rows on both sides: whole tiles of weight 0 skip their GEMM and must still
+        # be written (as zeros), and the real rows next to them must not be dropped
+        H, I = 64, 32
+        lens = [70, 9]
+        w = contiguous(len(lens), H, I)
     elif name == "float32":
         H, I = 32, 48
         lens = [4, 0, 29]
@@ -96,10 +103,13 @@ def _case_data(name: str):
             start += L
         rw[48 + 5] = 0.0  # weight 0 on a real row inside segment 2
         rw[96] = 0.0  # segment 3's only real row
+    if name == "weight0_block_inside":
+        rw[10:50] = 0.0  # rows 16-47 are two whole interpreter tiles (BM=16), 10-15 and 48-49 share tiles with real rows
     return x, rw, cu, w, n
 
 
-CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "padded_segments", "float32"]
+CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "padded_segments", "weight0_block_inside",
+         "float32"]
 
 
 def _child_main() -> None:

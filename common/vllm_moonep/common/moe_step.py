@@ -134,7 +134,10 @@ def dispatch_and_prefetch(
                                           pool.staging(cap, hidden))
         cap, buf = pool.get(num_tokens)
     with t.phase("dispatch"):
-        x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)
+        if getattr(buf, "accepts_num_tokens", False):  # the built-in engine: padding tokens' rows stay put
+            x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe, num_tokens=s)
+        else:
+            x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)
     with t.phase("prefetch"):
         layout.prefetch(buf, plan)
     return x_nvsh, w_nvs, cu, DispatchState(buf, plan, cap, s, int(ids.shape[1]), cu)
@@ -184,7 +187,7 @@ class MoonEPMoE:
             self.pool, self.layout, hidden, topk_ids, topk_weights, n, timer=self.timer
         )
         with self.timer.phase("experts"):
-            y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl)
+            y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n)
         with self.timer.phase("combine"):
             out = combine_rows(state, y)
         self.last = state.info()

@@ -319,19 +319,34 @@ class Buffer:
         need(bool((counts == tpe.to(torch.int64)).all()), "tokens_per_expert is not the bincount of topk_experts_sk")
 
     # ------------------------------------------------------------------ contract API
+    #: ``dispatch`` takes ``num_tokens`` (an extension of the contract; callers check for it)
+    accepts_num_tokens = True
+
     def dispatch(
         self,
         hidden_sh: torch.Tensor,
         route_weights_sk: torch.Tensor,
         topk_experts_sk: torch.Tensor,
         tokens_per_expert: torch.Tensor,
+        *,
+        num_tokens: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Plan]:
-        """Plan and move rows. Returns ``(hidden_nvsh [NvS,H], route_weights_nvs [NvS], cu_seqlens [E+B] int32, plan)``."""
+        """Plan and move rows. Returns ``(hidden_nvsh [NvS,H], route_weights_nvs [NvS], cu_seqlens [E+B] int32, plan)``.
+
+        ``num_tokens`` (this engine's extension; ``None`` = ``S``): tokens ``[num_tokens, S)`` are the
+        caller's padding. They are planned and placed like any token (the plan, ``cu_seqlens`` and
+        every row position are the contract's), but the symmetric transport on GPUs does not move
+        their rows: those rows read hidden 0, weight 0, as padding rows do, and combine's outputs
+        for those tokens are unspecified. A decode step padded from 1 token to 128 then moves 8
+        rows, not 1024. Other transports move every row (same results on the real tokens)."""
         self._alive("dispatch")
         self._check_dispatch_inputs(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)
+        if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                       or not 0 <= num_tokens <= self.S):
+            raise MoonEPInputError(f"dispatch: num_tokens must be an int in [0, S={self.S}], got {num_tokens!r}")
         if self._sym is not None:
             hidden_nvsh, route_nvs, cu, gp = self._sym.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
-                                                                tokens_per_expert)
+                                                                tokens_per_expert, num_tokens)
             plan = Plan(experts_to_copy=gp.experts_to_copy, global_plan=gp, owner=id(self), step=self._step,
                         cu_seqlens=cu)
             self._step += 1

@@ -24,7 +24,8 @@ Contract:
 Kernels::
 
     tpe_all [R,E] ──► _plan_kernel, grid R; program d runs rules 1-3 (identical in every
-                      program) and rule 4 for destination d, all in registers:
+                      program) and rule 4 for destination d, all in registers (the symmetric
+                      transport's launch first exchanges the counts: put to d, wait for all):
                         rule 1  counts [R_P,EPN_P], balances; also ordinal_base[d,:], tpe[d,:]
                         rule 2  quotas z[h,u] by the argmax/argmin loop           [R_P,R_P]
                         rule 3  every home splits its quotas over its experts; only column d
@@ -34,8 +35,9 @@ Kernels::
                                 experts per rank) or, per expert, the number ahead by pairwise
                                 compare; the first B -> experts_to_copy[d], seg_len[d],
                                 cu_seqlens[d], row_base[:,d]
-    ids [S,K] ──► (only above DIRECT_MAX_SUBBLOCKS sub-blocks; below, _place_kernel compares each
-                  entry with the earlier sub-blocks' entries directly, [SB,SB] at a time)
+    ids [S,K] ──► (only above DIRECT_MAX_SUBBLOCKS sub-blocks; below, place_direct compares each
+                  entry with the earlier entries directly, [SB,SB] at a time, in _place_kernel or
+                  inside the symmetric transport's dispatch_rows kernel)
               ──► _hist_kernel, grid n/CH: per chunk of CH=KS*SB entries, per-expert counts of
                   the chunk (tot[c,:]) and of its sub-blocks before each sub-block (exs[c*KS+k,:])
               ──► _place_kernel, grid n/SB, one sub-block of SB entries (rule 5):
@@ -62,6 +64,7 @@ import triton.language as tl
 from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.launch import Launcher
 from vllm_moonep.engine.planner import GlobalPlan
+from vllm_moonep.engine.signals import exchange_counts
 
 __all__ = ["DIRECT_MAX_SUBBLOCKS", "RULE4_SORT_ABOVE", "DevicePlanner"]
 
@@ -83,15 +86,19 @@ def _np2(x: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["B", "CAP"])
+@triton.jit(do_not_specialize=["B", "CAP", "me"])
 def _plan_kernel(
     tpe_ptr, s_tr, s_te,
     tpe_out, alloc_out, etc_out, seg_out, cu_out, rb_out, ob_out, cum_out,
     R, E, EPN, B, CAP,
+    x_tpe, x_table, x_sig, x_epoch, x_board, x_timeout_ns, me,
     R_P: tl.constexpr, EPN_P: tl.constexpr, R_SH: tl.constexpr, J_SH: tl.constexpr,
     RB: tl.constexpr, JC: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, SORT: tl.constexpr,
+    EXCHANGE: tl.constexpr,
 ):
     """Program ``d``: rules 1-3 for every home (identical in all programs), then rule 4 for rank ``d``.
+    ``EXCHANGE`` (the symmetric transport): first put this rank's counts ``x_tpe`` into row ``me``
+    of rank ``d``'s ``tpe_ptr`` table and wait for every peer's (``signals.exchange_counts``).
 
     Experts live in an ``[R_P, EPN_P]`` tile (row = home ``h``, column = ``j``, ``e = h*EPN + j``),
     so group sums are row sums and row-major order is expert order (padding holds zeros).
@@ -106,6 +113,8 @@ def _plan_kernel(
     ee = hh * EPN + jj
     emask = (hh < R) & (jj < EPN)
     rvalid = hr < R
+    if EXCHANGE:
+        exchange_counts(x_tpe, ee, emask, x_table, x_sig, x_epoch, x_board, x_timeout_ns, R, E, me, R_P)
 
     # Rule 1 (and the row-wise tables): counts, ordinal_base[d,:] (exclusive sum over ranks), tpe[d,:].
     count = tl.zeros([R_P, EPN_P], tl.int64)
@@ -283,44 +292,11 @@ def _hist_kernel(ids_ptr, exs_ptr, tot_ptr, N, E, KS: tl.constexpr, SB: tl.const
     tl.store(tot_ptr + c * E + e, tot, mask=e < E)
 
 
-@triton.jit(do_not_specialize=["rank", "N"])
-def _place_kernel(
-    ids_ptr, exs_ptr, tot_ptr, ob_ptr, cum_ptr, rb_ptr, dest_ptr, row_ptr,
-    rank, N, E, R,
-    KS: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, R_P: tl.constexpr, DIRECT: tl.constexpr,
-):
-    """Sub-block ``s`` of SB entries: global ordinal of each entry, then its destination and row.
-    ``DIRECT`` (few sub-blocks): earlier sub-blocks are compared entry by entry, no histogram."""
-    s = tl.program_id(0)
-    i = tl.arange(0, SB)
-    offs = s * SB + i
-    m = offs < N
-    x = tl.load(ids_ptr + offs, mask=m, other=-1)
-    valid = m & (x >= 0) & (x < E)
-    xc = tl.where(valid, x, 0).to(tl.int32)
-    xe = tl.where(valid, x, -1)
-    # entries of expert e before this sub-block: earlier ranks, then earlier entries of this rank
-    g = tl.load(ob_ptr + rank * E + xc, mask=valid, other=0).to(tl.int64)
-    if DIRECT:
-        # an [SB, SB] comparison per earlier sub-block (a valid id never equals an invalid one)
-        cnt = tl.zeros([SB], tl.int32)
-        for s0 in range(0, s):
-            y = tl.load(ids_ptr + s0 * SB + i)  # s0 < s: a whole sub-block, inside N
-            cnt += tl.sum((xe[:, None] == y[None, :]).to(tl.int32), axis=1)
-        g += cnt.to(tl.int64)
-    else:
-        # earlier chunks (their totals) and earlier sub-blocks of this chunk (the histogram's prefix)
-        c = s // KS
-        g += tl.load(exs_ptr + s * E + xc, mask=valid, other=0).to(tl.int64)
-        acc = tl.zeros([CB, SB], tl.int32)
-        for c0 in range(0, c, CB):
-            cc = c0 + tl.arange(0, CB)[:, None]
-            acc += tl.load(tot_ptr + cc * E + xc[None, :], mask=(cc < c) & valid[None, :], other=0)
-        g += tl.sum(acc, axis=0).to(tl.int64)
-    # and inside the sub-block
-    same = (xe[:, None] == xe[None, :]) & (i[None, :] < i[:, None])
-    g += tl.sum(same.to(tl.int32), axis=1).to(tl.int64)
-    # destination: first d with cum_alloc[e, d] > g (= how many are <= g, as the host counts)
+@triton.jit
+def dest_row(cum_ptr, rb_ptr, xc, valid, g, R, R_P: tl.constexpr):
+    """Rule 5's last step for entries of experts ``xc`` with global ordinals ``g``: destination =
+    first ``d`` with ``cum_alloc[e, d] > g`` (how many are ``<= g``, as the host counts), row =
+    ``row_base[e, dest] + g - cum_alloc[e, dest-1]``; ``-1`` for entries that are not ``valid``."""
     dd = tl.arange(0, R_P)[None, :]
     dm = valid[:, None] & (dd < R)
     cum = tl.load(cum_ptr + xc[:, None] * R + dd, mask=dm, other=0)
@@ -328,9 +304,65 @@ def _place_kernel(
     prev = tl.sum(tl.where(dd == dest[:, None] - 1, cum, 0), axis=1)
     dcl = tl.minimum(dest, R - 1)
     rb = tl.load(rb_ptr + xc * R + dcl, mask=valid, other=0)
-    row = rb + g - prev
-    tl.store(dest_ptr + offs, tl.where(valid, dest, -1), mask=m)
-    tl.store(row_ptr + offs, tl.where(valid, row, -1), mask=m)
+    return tl.where(valid, dest, -1), tl.where(valid, rb + g - prev, -1)
+
+
+@triton.jit
+def place_direct(ids_ptr, i, im, ob_ptr, cum_ptr, rb_ptr, rank, E, R, R_P: tl.constexpr, CH: tl.constexpr):
+    """Rule 5 for this rank's flat entries ``i`` (where ``im``) with no histogram: each entry's
+    ordinal among its expert's entries is ``ordinal_base[rank, e]`` plus the earlier entries of
+    this rank with the same id, counted by comparing with them ``CH`` at a time (small batches).
+    Returns ``(dest, row)``, ``-1`` for ids outside ``[0, E)`` (which shift no other ordinal)."""
+    x = tl.load(ids_ptr + i, mask=im, other=-1)
+    valid = im & (x >= 0) & (x < E)
+    xc = tl.where(valid, x, 0).to(tl.int32)
+    xe = tl.where(valid, x, -1)
+    g = tl.load(ob_ptr + rank * E + xc, mask=valid, other=0).to(tl.int64)
+    hi = tl.max(tl.where(im, i, 0), axis=0)  # no entry at or past the last one counts
+    c = tl.arange(0, CH)
+    cnt = tl.zeros(i.shape, tl.int32)
+    for c0 in range(0, hi, CH):
+        k = c0 + c
+        y = tl.load(ids_ptr + k, mask=k < hi, other=-1)  # a valid id never equals an invalid one
+        cnt += tl.sum(((xe[:, None] == y[None, :]) & (k[None, :] < i[:, None])).to(tl.int32), axis=1)
+    return dest_row(cum_ptr, rb_ptr, xc, valid, g + cnt.to(tl.int64), R, R_P)
+
+
+@triton.jit(do_not_specialize=["rank", "N"])
+def _place_kernel(
+    ids_ptr, exs_ptr, tot_ptr, ob_ptr, cum_ptr, rb_ptr, dest_ptr, row_ptr,
+    rank, N, E, R,
+    KS: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, R_P: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """Sub-block ``s`` of SB entries: global ordinal of each entry, then its destination and row.
+    ``DIRECT`` (few sub-blocks): earlier entries are compared one by one, no histogram."""
+    s = tl.program_id(0)
+    i = tl.arange(0, SB)
+    offs = s * SB + i
+    m = offs < N
+    if DIRECT:
+        dest, row = place_direct(ids_ptr, offs, m, ob_ptr, cum_ptr, rb_ptr, rank, E, R, R_P, SB)
+    else:
+        x = tl.load(ids_ptr + offs, mask=m, other=-1)
+        valid = m & (x >= 0) & (x < E)
+        xc = tl.where(valid, x, 0).to(tl.int32)
+        xe = tl.where(valid, x, -1)
+        # entries of expert e before this sub-block: earlier ranks, earlier chunks (their totals),
+        # earlier sub-blocks of this chunk (the histogram's prefix)
+        g = tl.load(ob_ptr + rank * E + xc, mask=valid, other=0).to(tl.int64)
+        c = s // KS
+        g += tl.load(exs_ptr + s * E + xc, mask=valid, other=0).to(tl.int64)
+        acc = tl.zeros([CB, SB], tl.int32)
+        for c0 in range(0, c, CB):
+            cc = c0 + tl.arange(0, CB)[:, None]
+            acc += tl.load(tot_ptr + cc * E + xc[None, :], mask=(cc < c) & valid[None, :], other=0)
+        g += tl.sum(acc, axis=0).to(tl.int64)
+        # and inside the sub-block
+        same = (xe[:, None] == xe[None, :]) & (i[None, :] < i[:, None])
+        g += tl.sum(same.to(tl.int32), axis=1).to(tl.int64)
+        dest, row = dest_row(cum_ptr, rb_ptr, xc, valid, g, R, R_P)
+    tl.store(dest_ptr + offs, dest, mask=m)
+    tl.store(row_ptr + offs, row, mask=m)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,23 +467,46 @@ class DevicePlanner:
         self._direct = n_sub <= DIRECT_MAX_SUBBLOCKS
         self._place_consts = dict(KS=self._KS, SB=self._SB, CB=self._CB, R_P=self._R_P, DIRECT=self._direct)
 
-    def plan(self, tpe_all: torch.Tensor) -> GlobalPlan:
-        """Rules 1-4 from the all-gathered ``tpe_all [R, E]`` (int32 or int64, on ``device``); one launch."""
+    def plan(self, tpe_all: torch.Tensor, exchange: tuple | None = None) -> GlobalPlan:
+        """Rules 1-4 from the all-gathered ``tpe_all [R, E]`` (int32 or int64, on ``device``); one launch.
+
+        ``exchange``: the symmetric transport's ``(tpe [E], table, sig, epoch, board address,
+        timeout_ns, rank)``: the same launch first puts ``tpe`` into row ``rank`` of every peer's
+        ``tpe_all`` (the transport's counts buffer) and waits for theirs (``signals.exchange_counts``).
+        """
         R, E = self.R, self.E
         if tuple(tpe_all.shape) != (R, E) or tpe_all.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"tpe_all must be [R={R}, E={E}] int32/int64, got {tuple(tpe_all.shape)} {tpe_all.dtype}")
         if tpe_all.device != self.device:
             raise ValueError(f"tpe_all is on {tpe_all.device}, the planner on {self.device}")
         gp = self._gp
+        exchanging = exchange is not None
+        # without it, unused pointers and values (EXCHANGE=False)
+        xargs: tuple = exchange if exchange is not None else (gp.tpe, gp.tpe, gp.tpe, gp.tpe, 0, 0, 0)
         self._plan_launch(
             (R, 1, 1),
             tpe_all, tpe_all.stride(0), tpe_all.stride(1),
             gp.tpe, gp.alloc, gp.experts_to_copy, gp.seg_len, gp.cu_seqlens, gp.row_base, gp.ordinal_base,
             gp.cum_alloc,
-            R, E, self.epn, self.B, self.S * self.K,
-            num_warps=self._plan_warps, **self._plan_consts,
+            R, E, self.epn, self.B, self.S * self.K, *xargs,
+            num_warps=self._plan_warps, EXCHANGE=exchanging, **self._plan_consts,
         )
         return gp
+
+    @property
+    def result(self) -> GlobalPlan:
+        """The ``GlobalPlan`` every ``plan`` call rewrites in place (and returns)."""
+        return self._gp
+
+    @property
+    def direct(self) -> bool:
+        """Whether ``place`` runs without the histogram (small batches): then rule 5 can also run
+        inside another kernel (``place_direct``), as the symmetric transport's dispatch does."""
+        return self._direct
+
+    def tables(self, gp: GlobalPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ordinal_base, cum_alloc, row_base)`` as rule 5's kernels read them."""
+        return self._table(gp.ordinal_base), self._table(gp.cum_alloc), self._table(gp.row_base)
 
     @property
     def launchers(self) -> list[Launcher]:
@@ -471,7 +526,7 @@ class DevicePlanner:
         flat = ids.reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        ob, cum, rb = (self._table(t) for t in (gp.ordinal_base, gp.cum_alloc, gp.row_base))
+        ob, cum, rb = self.tables(gp)
         if not self._direct:
             self._hist_launch((self._n_chunks, 1, 1), flat, self._exs, self._tot, self._n, self.E,
                               num_warps=4, **self._hist_consts)

@@ -12,11 +12,13 @@ on the heap at construction (collective), never per step::
                  comb_w [S*K] f32      their route weights
                  sig [3, R] i64        signal counters per phase and source (see symmetric_kernels)
 
-    dispatch:  put counts to every peer -> wait(counts) -> plan [R,E] (device planner) -> place own
-               entries -> write each entry's row into recv_* of its destination -> signal
-               -> zero own padding rows, wait(rows)
-    combine:   each real row of recv_x's outputs -> comb_* of its source -> signal
-               -> wait(outputs) -> out[t] = bf16(sum_k fp32 comb_x[t*K+k])
+    dispatch:  put counts to every peer, wait(counts), plan [R,E] (one device-planner launch)
+               -> place own entries, write each entry's row into recv_* of its destination,
+                  signal, list own real rows, wait(rows) (one launch; a histogram and a place
+                  launch before it above DIRECT_MAX_SUBBLOCKS sub-blocks of entries)
+    combine:   each real row's output -> comb_* of its source, the row back to padding
+               (hidden 0, weight 0, source -1), signal, wait(outputs)
+               -> out[t] = bf16(sum_k fp32 comb_x[t*K+k])
 
 Ordering between steps needs no extra barrier: a rank writes into a peer's ``recv_*`` for step
 ``t+1`` only after its own wait for step ``t+1``'s counts, which the peer sends after its combine
@@ -28,10 +30,12 @@ Two executors of the same protocol:
 - GPU (``TorchSymmHeap`` or any heap whose peers are addressable): Triton kernels
   (``symmetric_kernels``) and the device planner; no host synchronization, no allocation per
   step, so a whole step can be captured in a CUDA graph (one graph per buffer capacity). Waits
-  are bounded on the device and report through the ``ErrorBoard``. Called eagerly, dispatch and
-  combine replay private graphs of their launches (``eager_graphs``; buffers up to
-  ``EAGER_GRAPH_MAX_TOKENS``), so a step costs the host a graph launch instead of ten or eleven
-  kernel launches. Dispatch inputs whose addresses repeat (the MoE step's staging tensors) are
+  are bounded on the device and report through the ``ErrorBoard``; each is done in the launch
+  that needs it (the plan launch waits for the counts, the last program of a row-moving launch
+  for the peers' rows), so a small dispatch is two launches and a combine two. Called eagerly,
+  dispatch and combine replay private graphs of their launches (``eager_graphs``; buffers up to
+  ``EAGER_GRAPH_MAX_TOKENS``), so a step costs the host a graph launch instead of its kernel
+  launches. Dispatch inputs whose addresses repeat (the MoE step's staging tensors) are
   read in place by their own graph; others are copied into the graph's static inputs first.
 - CPU ranks (``HostHeap`` without staging, shared ``/dev/shm`` mappings): the same buffers,
   written with torch ops through peer views, host planner, host waits (polling with the same
@@ -66,9 +70,11 @@ PROGRAMS_PER_SM = 4
 _ROWS = 4
 #: programs of the (local) reduce; it only waits on the signals, so any count works
 _REDUCE_PROGRAMS = 1056
-#: the GPU executor's kernels (``symmetric_kernels.<name>_kernel``), in the order a step runs them
-_KERNELS = ("clear_rows", "put_counts", "wait_counts", "dispatch_rows", "finish_dispatch",
-            "combine_rows", "wait_combine", "reduce")
+#: entries compared at a time when dispatch_rows places its entries itself (small batches)
+_PLACE_CHUNK = 256
+#: the GPU executor's kernels (``symmetric_kernels.<name>_kernel``; clear_rows only after a dispatch
+#: that had no combine)
+_KERNELS = ("clear_rows", "dispatch_rows", "combine_rows", "reduce")
 _PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
 _WAIT_CODE = {"counts": CODE_WAIT_COUNTS, "dispatch": CODE_WAIT_ROWS, "combine": CODE_WAIT_OUTPUTS}
 
@@ -131,6 +137,12 @@ class SymmetricTransport:
         self.peer = {name: [heap.peer_view(h, d) for d in range(R)] for (name, _, _), h in zip(specs, self._handles)}
         heap.barrier()  # every rank zeroed its signals before anyone signals
         self.epoch = torch.zeros(3, dtype=torch.int64, device=self.device)  # steps of each phase so far (GPU)
+        # launch-local tickets (dispatch_rows, combine_rows): which program finishes last (GPU)
+        self.tickets = torch.zeros(2, dtype=torch.int32, device=self.device)
+        # whether the last dispatch's rows are still real (no combine since): the next dispatch
+        # then clears them first; combine leaves every row padding
+        self._rows_real = False
+        self._tokens = S  # tokens whose rows the last dispatch moved (GPU)
         self._host_epoch = [0, 0, 0]
         self.board = ErrorBoard(self.device, rank=rank, world_size=R, timeout_s=self.timeout_s,
                                 what=f"MoonEP buffer S={S} (symmetric transport)")
@@ -143,6 +155,11 @@ class SymmetricTransport:
             from vllm_moonep.engine.device_planner import DevicePlanner
 
             self.planner = DevicePlanner(R, E, S, K, B, token_padding, self.device)
+            # views the launches read, made once: the plan's tables are rewritten in place by every plan
+            gp = self.planner.result
+            self._place_tables = self.planner.tables(gp)
+            self._cu_mine, self._seg_mine = gp.cu_seqlens[rank], gp.seg_len[rank]
+            self._ticket_d, self._ticket_c = self.tickets[0:1], self.tickets[1:2]
             from vllm_moonep.engine import symmetric_kernels as k
 
             # every kernel through a Launcher: after the first call, Triton's compiled runner
@@ -169,21 +186,28 @@ class SymmetricTransport:
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(
-        self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor
+        self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
+        num_tokens: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GlobalPlan]:
         """Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], GlobalPlan)``. The owning
-        ``Buffer`` checks the error board before calling (and marks the group broken)."""
+        ``Buffer`` checks the error board before calling (and marks the group broken).
+        ``num_tokens``: on GPUs only the rows of tokens below it move (``Buffer.dispatch``)."""
         if self.on_gpu:
+            if self._rows_real:  # a dispatch with no combine since: its rows go back to padding first
+                self._clear_rows()
+            self._rows_real = True
+            n_tok = self.S if num_tokens is None else int(num_tokens)
+            self._tokens = n_tok  # combine sums these tokens only
             # eager calls replay a private CUDA graph of the launches (engine/eager_graphs.py):
             # one that reads the inputs where they are, once their addresses repeat (a caller
             # with fixed input tensors: no copies), else one that copies them into its own
             inputs = (hidden, route_w, ids, tpe)
-            key = ("dispatch", *(_where(t) for t in inputs))
+            key = ("dispatch", n_tok, *(_where(t) for t in inputs))
             if self.inplace.ready(key):
-                res, _ = self.inplace.run(key, self._dispatch_gpu, (), inputs)
+                res, _ = self.inplace.run(key, self._dispatch_gpu, (), (*inputs, n_tok))
             else:
                 self.inplace.remember(key)
-                res, _ = self.graphs.run("dispatch", self._dispatch_gpu, inputs)
+                res, _ = self.graphs.run(("dispatch", n_tok), self._dispatch_gpu, inputs, (n_tok,))
             return res
         return self._dispatch_host(hidden, route_w, ids, tpe)
 
@@ -191,8 +215,9 @@ class SymmetricTransport:
         """Returns ``(hidden_sh [S,H], route_weights [S,K] or None)``."""
         if self.on_gpu:
             # the graph reads y (and y_w) where they are: their addresses are part of the key
-            key = ("combine", _where(y), None if y_w is None else _where(y_w))
-            (out, out_w), replayed = self.graphs.run(key, self._combine_gpu, (), (y, y_w))
+            key = ("combine", self._tokens, _where(y), None if y_w is None else _where(y_w))
+            self._rows_real = False
+            (out, out_w), replayed = self.graphs.run(key, self._combine_gpu, (), (y, y_w, self._tokens))
             if replayed:  # the graph's output tensors are rewritten by its next replay: the caller gets copies
                 out = out.clone()
                 out_w = out_w.clone() if out_w is not None else None
@@ -203,41 +228,59 @@ class SymmetricTransport:
     def _timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
 
-    def _dispatch_gpu(self, hidden, route_w, ids, tpe):
+    def _clear_rows(self) -> None:
+        """The last dispatch's rows back to padding (a dispatch that had no combine)."""
+        b = self.buf
+        self._launch["clear_rows"]((self.programs, 1, 1), self.real_rows, b["recv_x"], b["recv_w"], b["recv_src"],
+                                   self._SK, self.H, self.programs, ROWS=_ROWS, BLOCK_H=self._block_h, num_warps=8)
+
+    def _dispatch_gpu(self, hidden, route_w, ids, tpe, n_tok):
         # host time is what limits small batches: everything per call is a lookup (constants in __init__)
         R, E, rank, H, P, SK, RP, tmo = self.R, self.E, self.rank, self.H, self.programs, self._SK, self._RP, self._tmo
         b = self.buf
-        L = self._launch
-        L["clear_rows"]((P, 1, 1), self.real_rows, b["recv_x"], b["recv_w"], b["recv_src"], SK, H, P, ROWS=_ROWS,
-                        BLOCK_H=self._block_h, num_warps=8)
-        L["put_counts"]((R, 1, 1), tpe, self.table, R, rank, E, E_PAD=self._E_PAD, R_PAD=RP)
-        L["wait_counts"]((1, 1, 1), b["sig"], self.epoch, R, self.board.address, tmo, R_PAD=RP)
-        gp = self.planner.plan(b["counts"])
-        dest, row = self.planner.place(gp, rank, ids)
-        L["dispatch_rows"]((P, 1, 1), hidden, route_w, dest, row, self.table, self.board.address, self.epoch, SK,
-                           self.K, H, R, rank, P, ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
-        L["finish_dispatch"]((P, 1, 1), gp.cu_seqlens[rank], gp.seg_len[rank], self.cu32, self.real_rows, self._G,
-                             self.tp, b["sig"], self.epoch, R, P, self.board.address, tmo, P,
-                             G_PAD=self._G_PAD, CHUNK=1024, R_PAD=RP, num_warps=4)
+        board = self.board.address
+        gp = self.planner.plan(b["counts"], (tpe, self.table, b["sig"], self.epoch, board, tmo, rank))
+        flat = ids.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if self.planner.direct:  # dispatch_rows places the entries itself
+            dest = row = flat
+            ob, cum, rb = self._place_tables
+        else:
+            dest, row = self.planner.place(gp, rank, ids)
+            ob = cum = rb = dest
+        self._launch["dispatch_rows"](
+            (P, 1, 1), hidden, route_w, flat, dest, row, ob, cum, rb, self.table, board, self.epoch, self._ticket_d,
+            b["sig"], self._cu_mine, self._seg_mine, self.cu32, self.real_rows, SK, n_tok * self.K, self.K, H, R, E, rank,
+            self._G, self.tp, tmo, P, PLACE=self.planner.direct, ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP,
+            G_PAD=self._G_PAD, CHUNK=1024, PCH=_PLACE_CHUNK, num_warps=8)
         return b["recv_x"], b["recv_w"], self.cu32, gp
 
-    def _combine_gpu(self, y, y_w):
+    def _combine_gpu(self, y, y_w, n_tok):
         R, rank, H, K, P, RP = self.R, self.rank, self.H, self.K, self.programs, self._RP
         b = self.buf
         has_w = y_w is not None
-        L = self._launch
-        L["combine_rows"]((P, 1, 1), y, y_w if has_w else b["recv_w"], b["recv_src"], self.real_rows, self.table,
-                          self.epoch, self.S * K, H, R, rank, P, HAS_W=has_w, ROWS=_ROWS,
-                          BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
+        self._launch["combine_rows"](
+            (P, 1, 1), y, y_w if has_w else b["recv_w"], b["recv_x"], b["recv_w"], b["recv_src"], self.real_rows,
+            self.table, self.board.address, self.epoch, self._ticket_c, b["sig"], self.S * K, H, R, rank, self._tmo,
+            P, HAS_W=has_w, ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP, num_warps=8)
         # the result is the caller's (a layer's output must survive the next layer's combine on
         # this buffer): fresh tensors from the caching allocator, no synchronization
         out = torch.empty(self.S, H, dtype=self.dtype, device=self.device)
         out_w = torch.empty(self.S, K, dtype=torch.float32, device=self.device) if has_w else out
         n_red, bh = self._n_red, self._bh_red
-        L["wait_combine"]((1, 1, 1), b["sig"], self.epoch, R, P, self.board.address, self._tmo, R_PAD=RP)
-        L["reduce"]((n_red, 1, 1), b["comb_x"], b["comb_w"], out, out_w, self.S, K, H, n_red, HAS_W=has_w,
-                    K_PAD=self._K_PAD, BLOCK_H=bh, num_warps=4)
+        self._launch["reduce"]((n_red, 1, 1), b["comb_x"], b["comb_w"], out, out_w, n_tok, K, H, n_red, HAS_W=has_w,
+                               K_PAD=self._K_PAD, BLOCK_H=bh, num_warps=4)
         return out, (out_w if has_w else None)
+
+    @property
+    def step_launchers(self) -> list[Launcher]:
+        """The launchers one dispatch + combine runs, in order (GPU): the plan, the planner's
+        histogram and place only for large batches, then the transport's three (clear_rows runs
+        only for a dispatch that follows a dispatch with no combine)."""
+        plan, *placing = self.planner.launchers
+        return [plan, *([] if self.planner.direct else placing),
+                *(self._launch[k] for k in ("dispatch_rows", "combine_rows", "reduce"))]
 
     # ------------------------------------------------------------------ CPU executor
     def _signal_host(self, phase: str, peers) -> None:

@@ -257,7 +257,7 @@ def main(argv=None) -> int:
                                 if kind == "gate_up":
                                     fn = lambda: tk._launch_gate_up(x, rw, cu, eff, prep, act, c, False)  # noqa: E731
                                 else:
-                                    fn = lambda: tk._launch_down(act, cu, eff, prep, o, c, False)  # noqa: E731
+                                    fn = lambda: tk._launch_down(act, rw, cu, eff, prep, o, c, False)  # noqa: E731
                                 replay, _g = _graphed(fn)
                                 tot += _bench(replay, warmup=10, rep=max(20, args.rep // 3))
                         except Exception as e:  # out of resources etc.
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
                 act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
                 conf = cfg or tk.select_config(H, I, nvs_, G)
                 k1 = tk._launch_gate_up(x, rw, cu, eff, prep, act, conf["gate_up"], False)
-                k2 = tk._launch_down(act, cu, eff, prep, torch.empty_like(x), conf["down"], False)
+                k2 = tk._launch_down(act, rw, cu, eff, prep, torch.empty_like(x), conf["down"], False)
                 resources[f"{sname}/t{tokens}"] = {
                     name: {"n_regs": getattr(k, "n_regs", None), "n_spills": getattr(k, "n_spills", None),
                            "shared": getattr(getattr(k, "metadata", None), "shared", None)}

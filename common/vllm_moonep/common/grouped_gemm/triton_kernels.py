@@ -24,6 +24,9 @@ builds the cached pointer table):
 3. ``_down_kernel``: the same tile machinery over ``H`` output columns, ``K = I``; rows of the
    trimmed tail are written as zeros by extra "zero tiles" at the end of the schedule.
 
+Both GEMM kernels also skip the main loop of a tile whose rows all have weight 0 (``_live``) and
+write its zeros: a decode step's padding entries land inside segments, not only at their tails.
+
 Weights are reached through a per-group pointer table (``int64 [G, 3]``: base address of
 ``gate_g``, ``up_g``, ``down_g``), built once per ``GroupedWeights`` (cached; rebuilt when a pool's
 storage, the group map, or its version counter changes), so the pools may be any tensors, views
@@ -107,6 +110,15 @@ def _group_table(cu_ptr, eff_ptr, G, GP2: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
+def _live(rw, rows, ee):
+    """Whether any row of a tile (below the group's trimmed end) has a non-zero routing weight.
+    A tile of weight-0 rows has output exactly 0: both kernels skip its GEMM. Such tiles sit
+    inside segments too, not only in the trimmed tail: a decode step's padding entries all go to
+    one expert of their rank, and other ranks' real rows of that expert come after them."""
+    return tl.max(tl.where(rows < ee, tl.abs(rw), 0.0), 0) > 0.0
+
+
+@triton.jit
 def _pick(sel, v):
     return tl.sum(tl.where(sel, v, 0), 0)
 
@@ -158,27 +170,28 @@ def _gate_up_kernel(
         u_ptrs = wu + cols_ld[:, None] * s_un + offs_k[None, :] * s_uk
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, K, BK):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                bg = tl.load(g_ptrs)
-                bu = tl.load(u_ptrs)
-            else:
-                km = (k + offs_k) < K
-                a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, tl.trans(bg), acc_g)
-                acc_u = tl.dot(a, tl.trans(bu), acc_u)
-            a_ptrs += BK
-            g_ptrs += BK * s_gk
-            u_ptrs += BK * s_uk
         rw = tl.load(rw_ptr + rows_ld)
+        if _live(rw, rows, ee):  # else every row of the tile has weight 0: act = 0, no GEMM
+            for k in range(0, K, BK):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    bg = tl.load(g_ptrs)
+                    bu = tl.load(u_ptrs)
+                else:
+                    km = (k + offs_k) < K
+                    a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                    bg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
+                    bu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
+                if DOT_F32:
+                    a = a.to(tl.float32)
+                    acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
+                    acc_u = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_u, input_precision="ieee")
+                else:
+                    acc_g = tl.dot(a, tl.trans(bg), acc_g)
+                    acc_u = tl.dot(a, tl.trans(bu), acc_u)
+                a_ptrs += BK
+                g_ptrs += BK * s_gk
+                u_ptrs += BK * s_uk
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
         a_out = act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :]
         tl.store(a_out, act.to(act_ptr.dtype.element_ty), mask=(rows < ee)[:, None] & (cols < N)[None, :])
@@ -186,7 +199,7 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, cu_ptr, eff_ptr, tab_ptr, out_ptr,
+    act_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, out_ptr,
     G, N, K, stride_am, stride_om,
     s_dn, s_dk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
@@ -215,20 +228,21 @@ def _down_kernel(
             a_ptrs = act_ptr + rows_ld[:, None] * stride_am + offs_k[None, :]
             d_ptrs = wd + cols_ld[:, None] * s_dn + offs_k[None, :] * s_dk
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k in range(0, K, BK):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(d_ptrs)
-                else:
-                    km = (k + offs_k) < K
-                    a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-                    b = tl.load(d_ptrs, mask=km[None, :], other=0.0)
-                if DOT_F32:
-                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, tl.trans(b), acc)
-                a_ptrs += BK
-                d_ptrs += BK * s_dk
+            if _live(tl.load(rw_ptr + rows_ld), rows, ee):  # else act is 0 on every row: out = 0
+                for k in range(0, K, BK):
+                    if EVEN_K:
+                        a = tl.load(a_ptrs)
+                        b = tl.load(d_ptrs)
+                    else:
+                        km = (k + offs_k) < K
+                        a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                        b = tl.load(d_ptrs, mask=km[None, :], other=0.0)
+                    if DOT_F32:
+                        acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, tl.trans(b), acc)
+                    a_ptrs += BK
+                    d_ptrs += BK * s_dk
             acc = tl.where((rows < ee)[:, None], acc, 0.0)
             o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < en)[:, None] & (cols < N)[None, :])
@@ -403,15 +417,25 @@ def _tuning_table() -> list:
     return load_tuning()
 
 
-def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None = None) -> dict:
+def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None = None,
+                  tokens: int | None = None) -> dict:
     """Tile configs for ``(gate_up, down)``: tuning.json's entry for ``(H, I)`` with the smallest
-    ``max_rows >= NvS``, else a generic regime from the rows per group the buffer implies.
-    ``entries``: a tile table's entries (``load_tuning``); ``None``: the packaged one."""
+    ``tokens_per_rank >= tokens`` when the caller knows the step's tokens per rank (the rows a
+    rank computes follow them, whatever the buffer's slack), else the smallest ``max_rows >= NvS``
+    (``NvS`` = ``S*K`` plus ``2*(tp-1)*E/R`` rows of slack: at world size 1 the slack alone
+    passes every entry tuned at EP=8); with no entry, a generic regime from the rows per group
+    the buffer implies. ``entries``: a tile table's entries (``load_tuning``); ``None``: the
+    packaged one."""
     if interpreting():
         return _INTERP_CONFIG
     table = _tuning_table() if entries is None else entries
     best = None
-    for e in table:
+    if tokens is not None:
+        for e in table:
+            if e.get("H") == H and e.get("I") == I and tokens <= e.get("tokens_per_rank", -1):
+                if best is None or e["tokens_per_rank"] < best["tokens_per_rank"]:
+                    best = e
+    for e in table if best is None else ():
         if e.get("H") == H and e.get("I") == I and nvs <= e.get("max_rows", 0):
             if best is None or e["max_rows"] < best["max_rows"]:
                 best = e
@@ -465,13 +489,13 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32):
     )
 
 
-def _launch_down(act, cu, eff, prep, dst, c, dot_f32):
+def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32):
     I, H = act.shape[1], dst.shape[1]
     G = int(cu.numel())
     s_dn, s_dk = prep.strides[2]
     grid = (max(1, _num_sms(act.device) * int(c.get("progs_per_sm", 1))),)
     return _down_kernel[grid](
-        act, cu, eff, prep.table, dst,
+        act, route_w, cu, eff, prep.table, dst,
         G, H, I, act.stride(0), dst.stride(0),
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
@@ -489,9 +513,11 @@ def expert_ffn_triton(
     out: torch.Tensor | None = None,
     config: dict | None = None,
     act: torch.Tensor | None = None,
+    tokens: int | None = None,
 ) -> torch.Tensor:
     """The fused expert compute (see the module doc). ``config`` overrides the tile configs
-    (``{"gate_up": {...}, "down": {...}}``); ``act`` is an optional ``[NvS, I]`` scratch."""
+    (``{"gate_up": {...}, "down": {...}}``); ``act`` is an optional ``[NvS, I]`` scratch;
+    ``tokens``: the step's tokens per rank, which picks the tiles (``select_config``)."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -511,12 +537,12 @@ def expert_ffn_triton(
     dst = out if out.stride(1) == 1 else torch.empty_like(x)
     if act is None or act.shape != (NvS, I) or act.dtype != x.dtype or act.stride(1) != 1:
         act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
-    cfg = config or select_config(H, I, NvS, G)
+    cfg = config or select_config(H, I, NvS, G, tokens=tokens)
     dot_f32 = interpreting() or x.dtype == torch.float32
     eff = torch.empty(G, dtype=torch.int32, device=dev)
     _launch_trim(cu, route_w, eff)
     _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32)
-    _launch_down(act, cu, eff, prep, dst, cfg["down"], dot_f32)
+    _launch_down(act, route_w, cu, eff, prep, dst, cfg["down"], dot_f32)
     if dst is not out:
         out.copy_(dst)
     return out

@@ -1,0 +1,125 @@
+"""Device-side signalling of the symmetric transport (Triton ``@jit`` helpers, no kernels).
+
+Used by ``symmetric_kernels`` (rows and outputs) and by the device planner's plan kernel when it
+also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
+
+    table [7, R] i64   address of buffer T_* on rank d (rows below), loaded and cast to a pointer
+    sig [3, R] i64     sig[phase, src] on this rank: programs of src that finished writing here
+
+    writer program:  its stores -> barrier -> atomic +1 on sig[phase, me] of each peer (release, sys)
+    waiter:          acquire-reads sig[phase, :] until every source reached its target, bounded by
+                     %globaltimer; a time-out writes the error board (first failure wins) and returns
+    last program:    a launch-local ticket picks the one program that finishes after all others
+                     (the one that then waits for the peers, so no separate waiting launch)
+
+Counters only grow (targets are ``epoch * programs``, with ``epoch`` on the device so replayed CUDA
+graphs keep counting), so a signal of the next step is never taken for this one's.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from vllm_moonep.engine import error_board as eb
+
+__all__ = ["T_COUNTS", "T_X", "T_W", "T_SRC", "T_CX", "T_CW", "T_SIG", "PH_COUNTS", "PH_DISPATCH", "PH_COMBINE"]
+
+# rows of the address table (constexpr: kernels read them)
+T_COUNTS, T_X, T_W, T_SRC, T_CX, T_CW, T_SIG = (tl.constexpr(i) for i in range(7))
+# phases (rows of sig)
+PH_COUNTS, PH_DISPATCH, PH_COMBINE = (tl.constexpr(i) for i in range(3))
+# what the kernels record on the error board (codes defined in error_board)
+C_WAIT_COUNTS, C_WAIT_ROWS, C_WAIT_OUTPUTS, C_BAD_ID = (
+    tl.constexpr(c) for c in (eb.CODE_WAIT_COUNTS, eb.CODE_WAIT_ROWS, eb.CODE_WAIT_OUTPUTS, eb.CODE_BAD_ID))
+
+
+@triton.jit
+def now_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def signal(table, R, me, phase, peer_mask, R_PAD: tl.constexpr):
+    """Add 1 to ``sig[phase, me]`` on every peer in ``peer_mask`` (after this program's writes)."""
+    tl.debug_barrier()
+    d = tl.arange(0, R_PAD)
+    m = (d < R) & peer_mask
+    base = tl.load(table + T_SIG * R + d, mask=m, other=0)
+    ptr = base.to(tl.pointer_type(tl.int64)) + phase * R + me
+    tl.atomic_add(ptr, tl.full([R_PAD], 1, tl.int64), mask=m, sem="release", scope="sys")
+
+
+@triton.jit
+def report(board, code, peer, epoch, elapsed, seen, target):
+    """First failure wins: claim the record (word 7), fill it, then raise the flag (word 0)."""
+    bp = board.to(tl.pointer_type(tl.int64))
+    zero = tl.cast(0, tl.int64)
+    if tl.atomic_cas(bp + 7, zero, zero + 1, sem="relaxed", scope="sys") == 0:
+        tl.store(bp + 1, code)
+        tl.store(bp + 2, peer)
+        tl.store(bp + 3, epoch)
+        tl.store(bp + 4, elapsed)
+        tl.store(bp + 5, seen)
+        tl.store(bp + 6, target)
+        tl.atomic_xchg(bp, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, R_PAD: tl.constexpr):
+    """Spin until every ``sig[phase, src] >= target``, bounded; gives up at once once the board is
+    set. Ends with a barrier, so every thread of the program may read what the peers wrote."""
+    d = tl.arange(0, R_PAD)
+    m = d < R
+    bp = board.to(tl.pointer_type(tl.int64))
+    ptr = sig + phase * R + d
+    seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
+    pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
+    failed = tl.load(bp, volatile=True)
+    t0 = now_ns()
+    elapsed = t0 - t0
+    while (pending > 0) & (elapsed < timeout_ns) & (failed == 0):
+        seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
+        pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
+        failed = tl.load(bp, volatile=True)
+        elapsed = now_ns() - t0
+    if (pending > 0) & (failed == 0):
+        late = (seen < target) & m
+        first = tl.min(tl.where(late, d, R_PAD), axis=0)
+        got = tl.min(tl.where(d == first, seen, target), axis=0)
+        report(board, code, first.to(tl.int64), epoch_no, elapsed, got, target)
+    tl.debug_barrier()
+
+
+@triton.jit
+def last_to_arrive(ticket, n_prog):
+    """True in exactly one program of the launch: the last to get here (after its own writes and
+    signals). It resets the ticket for the next launch that uses it."""
+    tl.debug_barrier()
+    t = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+    last = t == n_prog - 1
+    if last:
+        tl.store(ticket, 0)
+    return last
+
+
+@triton.jit
+def exchange_counts(tpe, offs, mask, table, sig, epoch, board, timeout_ns, R, E, me, R_PAD: tl.constexpr):
+    """Program ``d`` of a launch of ``R`` programs: this rank's ``tpe[offs]`` (expert ids) into row
+    ``me`` of rank ``d``'s counts ``[R, E]``, signal ``d``; then wait (bounded) until every peer's
+    counts of this step arrived here. Every program waits on ``epoch[PH_COUNTS] + 1`` and leaves the
+    epoch alone: a later launch of the step advances it (``count_epoch``), after all have read it."""
+    d = tl.program_id(0)
+    v = tl.load(tpe + offs, mask=mask, other=0)
+    dst = tl.load(table + T_COUNTS * R + d).to(tl.pointer_type(tl.int32))
+    tl.store(dst + me * E + offs, v.to(tl.int32), mask=mask)
+    signal(table, R, me, PH_COUNTS, tl.arange(0, R_PAD) == d, R_PAD)
+    ep = tl.load(epoch + PH_COUNTS) + 1
+    wait(sig, PH_COUNTS, R, ep, ep, board, C_WAIT_COUNTS, timeout_ns, R_PAD)
+
+
+@triton.jit
+def count_epoch(epoch, phase):
+    """Program 0: this phase happened once more (every reader of the old value ran in an earlier launch)."""
+    if tl.program_id(0) == 0:
+        tl.store(epoch + phase, tl.load(epoch + phase) + 1)
