@@ -230,13 +230,13 @@ def check_worker(opts: MoonEPOptions, device: torch.device) -> dict:
     engine = resolve_engine(opts.engine)
     heap = resolve_heap(opts, device) if opts.weight_layout == "symmetric" else None
     if opts.impl != "auto":
-        avail = available_kernels(device)
-        if opts.impl not in avail:
-            why = " (the Triton kernels need a CUDA device and an importable triton)" if opts.impl == "triton" else (
-                " (torch._grouped_mm needs bf16 on an sm90+ GPU, or a torch build that runs it on CPU)")
+        from vllm_moonep.common.grouped_gemm import impl_unusable
+
+        reason = impl_unusable(opts.impl, *_dummy_weights(device, True))
+        if reason is not None:
             raise MoonEPUnavailableError(
-                f"moonep option impl={opts.impl!r} cannot run on this worker ({device}){why}; available here: "
-                f"{', '.join(avail)}; use impl='auto' to take the best of them"
+                f"moonep option impl={opts.impl!r} cannot run on this worker ({device}) ({reason}); available here: "
+                f"{', '.join(available_kernels(device))}; use impl='auto' to take the best of them"
             )
     return {"engine": engine, "heap": heap}
 

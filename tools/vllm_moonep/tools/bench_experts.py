@@ -15,6 +15,11 @@ before each run by ``triton.testing.do_bench``:
 - ``triton``: ``expert_ffn_triton`` (tile configs from tuning.json, or the tuned ones with --tune);
 - ``poc``: three ``torch._grouped_mm`` over ``E+B`` groups plus elementwise ops, as vLLM 0.33's
   ``MoonEPExperts.apply`` does;
+- ``quack``: ``expert_ffn_quack`` (quack-kernels' varlen GEMM, the optional extra) over gate and up
+  as views of one ``w13 [E+B, 2I, H]`` holding the same values (the symmetric layout's form: one
+  GEMM with the fused ``silu(gate) * up * route_w`` epilogue, then down), on the same rows; where
+  quack cannot run (not installed, compile error) the column reads ``-`` and the reason is printed.
+  quack's own tiles unless ``--quack-tuned`` (its autotuner: minutes per new shape);
 - ``floor`` = max(useful FLOP / measured matmul rate, touched weight bytes / measured copy rate),
   useful FLOP = ``6*H*I`` per real row (never padding), touched bytes = ``3*H*I*2`` per non-empty
   group.
@@ -23,6 +28,10 @@ before each run by ``triton.testing.do_bench``:
 the one with the least total time over both routings, writes ``tuning.json`` (to ``$OUT`` if set,
 else the current directory) and uses it for the table. Prints a markdown table; writes
 ``bench_experts.json`` to ``$OUT`` if set.
+
+After the table it names the regimes ``(H, I, rows-per-group bucket)`` where quack beat Triton at
+every point, both routings (CUDA-graph times): what ``vllm_moonep.common.grouped_gemm.api.QUACK_FASTER``
+takes (``impl=auto`` then uses quack there).
 """
 
 from __future__ import annotations
@@ -193,6 +202,73 @@ def set_floor(row: dict, ceil: dict) -> None:
     row.update(floor_flop_us=t_fl, floor_bytes_us=t_by, floor_us=max(t_fl, t_by),
                floor_kind="flop" if t_fl >= t_by else "bytes")
     row.update(triton_over_floor=row["triton_us"] / row["floor_us"], poc_over_floor=row["poc_us"] / row["floor_us"])
+    if row.get("quack_us") is not None:
+        row["quack_over_floor"] = row["quack_us"] / row["floor_us"]
+
+
+def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args):
+    """The quack column at one point: ``(fields, error)``. ``error`` (the exception text) when quack
+    failed to compile or run here (then no further quack runs); a CUDA-graph capture that fails
+    leaves ``quack_us`` empty with the reason and keeps the eager time."""
+    out_q = torch.full_like(x, float("nan"))
+
+    def f_q():
+        return expert_ffn_quack(x, rw, cu, weights, out=out_q, tuned=args.quack_tuned)
+
+    try:
+        f_q()  # the first call compiles
+        torch.cuda.synchronize()
+    except Exception as e:
+        return {"quack_us": None}, f"{type(e).__name__}: {str(e)[:300]}"
+    fields = {
+        "quack_unwritten": int(torch.isnan(out_q[:n]).sum()),
+        "err_quack_vs_poc": relative_error(out_q[:n], out_p[:n]),
+        "quack_eager_us": _bench(f_q, rep=args.rep) * 1e3,
+        "quack_us": None,
+    }
+    try:
+        r_q, g_q = _graphed(f_q)
+        fields["quack_us"] = _bench(r_q, rep=args.rep) * 1e3
+        del g_q
+    except Exception as e:
+        fields["quack_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return fields, None
+
+
+def quack_faster_regimes(rows: list) -> set:
+    """``(H, I, rows-per-group bucket)`` where quack's graph time beat Triton's at every measured point
+    (both routings): the regimes ``api.QUACK_FASTER`` may take."""
+    by: dict = {}
+    for r in rows:
+        shp = SHAPES[r["shape"]]
+        key = (shp["H"], shp["I"], r["rows_per_group_bucket"])
+        by.setdefault(key, []).append(r.get("quack_us") is not None and r["quack_us"] < r["triton_us"])
+    return {k for k, wins in by.items() if wins and all(wins)}
+
+
+def _us(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _ratio(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _quack_note(row: dict) -> str:
+    if row.get("quack_graph_error"):
+        return f" (eager {row['quack_eager_us']:.1f} us; graph capture failed: {row['quack_graph_error'][:120]})"
+    if row.get("quack_us") is None:
+        return ""
+    return f" x{row['quack_over_floor']:.2f} err {row['err_quack_vs_poc']:.1e} unw {row['quack_unwritten']}"
+
+
+def _quack_version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("quack-kernels")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def main(argv=None) -> int:
@@ -201,6 +277,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
+    ap.add_argument("--quack-tuned", action="store_true",
+                    help="quack column: quack's autotuner (compiles and times its config space per new shape: minutes)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_experts: needs a CUDA GPU", file=sys.stderr)
@@ -209,6 +287,8 @@ def main(argv=None) -> int:
 
     from vllm_moonep.common.grouped_gemm import GroupedWeights
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
+    from vllm_moonep.common.grouped_gemm.api import rows_per_group_bucket
+    from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack, quack_unusable
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -220,6 +300,8 @@ def main(argv=None) -> int:
     rows = []
     tuned_entries = []
     resources = {}
+    quack_absent: dict[str, str] = {}  # shape -> why the quack column is empty
+    quack_error = None  # the first error quack raised: no further quack runs
     tokens_list = [int(t) for t in args.tokens.split(",")]
     for sname in args.shapes.split(","):
         shp = SHAPES[sname]
@@ -232,6 +314,17 @@ def main(argv=None) -> int:
         w_down = (torch.randn(G, H, I, device=dev, generator=gen, dtype=torch.bfloat16) * I**-0.5)
         weights = GroupedWeights.contiguous(w_gate, w_up, w_down)
         prep = tk.prepare_weights(weights, dev)
+        q_weights = w13 = None
+        why_q = quack_error or quack_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights)
+        if why_q is None:
+            w13 = torch.empty(G, 2 * I, H, device=dev, dtype=torch.bfloat16)
+            w13[:, :I].copy_(w_gate)
+            w13[:, I:].copy_(w_up)
+            q_weights = GroupedWeights([w13[:, :I]], [w13[:, I:]], [w_down], weights.group_pool, weights.group_row,
+                                       weights.dense_groups)
+        else:
+            quack_absent[sname] = why_q
+            print(f"# quack: - ({why_q})", flush=True)
         for tokens in tokens_list:
             cases = []
             for routing, sigma in (("balanced", 0.0), ("skewed", SKEW_SIGMA)):
@@ -293,6 +386,12 @@ def main(argv=None) -> int:
                 t_tri = _bench(r_tri, rep=args.rep) * 1e3
                 t_poc = _bench(r_poc, rep=args.rep) * 1e3
                 del g_tri, g_poc
+                qrow = {"quack_us": None}
+                if q_weights is not None and quack_error is None:
+                    qrow, quack_error = _quack_point(expert_ffn_quack, x, rw, cu, q_weights, out_p, n, args)
+                    if quack_error is not None:
+                        quack_absent[sname] = quack_error
+                        print(f"# quack: - ({quack_error}); no further quack runs", flush=True)
                 row = {
                     "shape": sname, "tokens": tokens, "routing": routing, "maxvio": mv, "NvS": nvs_,
                     "rows": n, "real_rows": real_rows, "busy_groups": busy,
@@ -302,6 +401,8 @@ def main(argv=None) -> int:
                     "triton_tflops_useful": flop / (t_tri * 1e-6) / 1e12,
                     "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
                     "err_vs_poc": err_tp, "unwritten": unwritten, "config": conf,
+                    "groups": G, "rows_per_group": nvs_ / G, "rows_per_group_bucket": rows_per_group_bucket(nvs_, G),
+                    **qrow,
                 }
                 set_floor(row, ceil)
                 rows.append(row)
@@ -309,7 +410,8 @@ def main(argv=None) -> int:
                 print(
                     f"# {sname:14s} t={tokens:5d} {routing:8s} rows={n:6d} real={real_rows:6d} busy={busy:3d} "
                     f"triton {t_tri:9.1f} us  poc {t_poc:9.1f} us  floor {floor_us:9.1f} us ({row['floor_kind']}) "
-                    f"x{row['triton_over_floor']:.2f}  {row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}",
+                    f"x{row['triton_over_floor']:.2f}  {row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
+                    f"quack {_us(row['quack_us'])} us{_quack_note(row)}",
                     flush=True,
                 )
             # resource report of the kernels used at this point
@@ -328,7 +430,7 @@ def main(argv=None) -> int:
                 }
             except Exception as e:
                 resources[f"{sname}/t{tokens}"] = {"error": str(e)[:200]}
-        del w_gate, w_up, w_down, weights, prep
+        del w_gate, w_up, w_down, weights, prep, q_weights, w13
         tk._CACHE.clear()
         torch.cuda.empty_cache()
 
@@ -344,15 +446,21 @@ def main(argv=None) -> int:
     print()
     print("Times: CUDA-graph replay, median (eager launches in the JSON).")
     print()
-    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | PoC us | floor us | Triton/floor | PoC/floor | useful TFLOP/s | weight GB/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | PoC us | quack us | floor us | Triton/floor | PoC/floor | quack/floor | useful TFLOP/s | weight GB/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['rows']} ({r['real_rows']}) | {r['busy_groups']} | "
-            f"{r['triton_us']:.1f} | {r['poc_us']:.1f} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
-            f"{r['triton_over_floor']:.2f} | {r['poc_over_floor']:.2f} | {r['triton_tflops_useful']:.0f} | {r['triton_weight_gbs']:.0f} |"
+            f"{r['triton_us']:.1f} | {r['poc_us']:.1f} | {_us(r['quack_us'])} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
+            f"{r['triton_over_floor']:.2f} | {r['poc_over_floor']:.2f} | {_ratio(r.get('quack_over_floor'))} | "
+            f"{r['triton_tflops_useful']:.0f} | {r['triton_weight_gbs']:.0f} |"
         )
     print()
+    for sname, why in quack_absent.items():
+        print(f"# quack column for {sname}: - ({why})")
+    faster = quack_faster_regimes(rows)
+    print(f"# quack faster than Triton at every point, both routings (QUACK_FASTER regimes (H, I, rows/group bucket)): "
+          f"{sorted(faster) or 'none'}")
     for k, v in resources.items():
         print(f"# resources {k}: {v}")
     result = {
@@ -360,6 +468,8 @@ def main(argv=None) -> int:
         "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(), "ceilings": ceil,
         "rows": rows, "resources": resources, "argv": sys.argv,
+        "quack": {"version": _quack_version(), "tuned": args.quack_tuned, "absent": quack_absent,
+                  "faster_regimes": sorted(faster)},
     }
     if out_dir:
         with open(os.path.join(out_dir, "bench_experts.json"), "w") as f:

@@ -16,13 +16,26 @@ are others, with no copies. Implementations (``impl=``):
   proof of concept does (bf16 on sm90+), over a source whose used groups are the rows of one
   dense tensor.
 - ``triton``: the fused Triton kernels in ``triton_kernels.py`` (any source, pointer table).
-- ``auto``: triton on CUDA when it is importable, else grouped_mm where it applies, else reference.
+- ``quack``: quack-kernels' varlen grouped GEMM (``quack_impl.py``; an optional extra,
+  ``vllm-moonep[quack]``), bf16 on sm90+, over a dense source like ``grouped_mm``.
+- ``auto``: quack where ``api.QUACK_FASTER`` lists the regime (measured faster than triton there)
+  and it runs, else triton on CUDA when it is importable, else grouped_mm where it applies, else
+  reference. Said once per process (per outcome), with the reason. An explicit ``impl`` that
+  cannot run raises ``MoonEPInputError`` with why (the import error, the device); its compile and
+  launch errors propagate: no explicit choice falls back to another.
 
 Rows past ``cu_seqlens[-1]`` are not computed: the output there is unspecified (zero in the
 reference), and nothing downstream reads them.
 """
 
-from vllm_moonep.common.grouped_gemm.api import IMPLS, GroupedWeights, available_impls, expert_ffn, resolve_impl
+from vllm_moonep.common.grouped_gemm.api import (
+    IMPLS,
+    GroupedWeights,
+    available_impls,
+    expert_ffn,
+    impl_unusable,
+    resolve_impl,
+)
 from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
 
 __all__ = [
@@ -31,5 +44,6 @@ __all__ = [
     "available_impls",
     "expert_ffn",
     "expert_ffn_reference",
+    "impl_unusable",
     "resolve_impl",
 ]

@@ -11,7 +11,7 @@ import torch
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError
 
-IMPLS = ("auto", "reference", "grouped_mm", "triton")
+IMPLS = ("auto", "reference", "grouped_mm", "triton", "quack")
 
 
 @dataclass(frozen=True)
@@ -92,14 +92,37 @@ class GroupedWeights:
                 raise MoonEPInputError(f"GroupedWeights pool {p}: all weights must share one dtype")
 
 
+#: modules whose import was probed: name -> ``None`` (imports) or the error text; an import is
+#: probed once per process (a missing package would otherwise be looked for on every call)
+_IMPORTS: dict[str, str | None] = {}
+
+
+def import_error(module: str) -> str | None:
+    """Why ``module`` does not import (``"ModuleNotFoundError: No module named 'quack'"``), or
+    ``None`` when it does; probed once per process."""
+    if module not in _IMPORTS:
+        try:
+            importlib.import_module(module)
+            _IMPORTS[module] = None
+        except Exception as exc:
+            _IMPORTS[module] = f"{type(exc).__name__}: {exc}"
+    return _IMPORTS[module]
+
+
+def _cuda_capability(x: torch.Tensor) -> tuple[int, int] | None:
+    """``x``'s GPU's compute capability, ``None`` off CUDA."""
+    if x.device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(x.device)
+
+
 def _triton_unusable(x: torch.Tensor) -> str | None:
     """Why the Triton kernels cannot run on ``x`` (``None``: they can)."""
-    if x.device.type != "cuda":
+    if _cuda_capability(x) is None:
         return f"the Triton kernels need a CUDA device, the rows are on {x.device}"
-    try:
-        importlib.import_module("vllm_moonep.common.grouped_gemm.triton_kernels")  # the probe is the import
-    except Exception as exc:
-        return f"the Triton kernels do not import ({type(exc).__name__}: {exc})"
+    err = import_error("vllm_moonep.common.grouped_gemm.triton_kernels")  # the probe is the import
+    if err is not None:
+        return f"the Triton kernels do not import ({err})"
     return None
 
 
@@ -123,38 +146,106 @@ def _cpu_grouped_mm_works() -> bool:
 def _grouped_mm_usable(x: torch.Tensor, w: GroupedWeights) -> bool:
     if w.dense_groups is None or x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type == "cuda":
-        return torch.cuda.get_device_capability(x.device)[0] >= 9
+    cap = _cuda_capability(x)
+    if cap is not None:
+        return cap[0] >= 9
     return x.device.type == "cpu" and _cpu_grouped_mm_works()
 
 
+_GROUPED_MM_NEEDS = ("it needs the dense [home ; slots] weights (per-layer slots, B >= E/R), bf16 rows, and sm_90 on "
+                     "CUDA or a torch that runs it on CPU")
+
+
+def quack_unusable(x: torch.Tensor, w: GroupedWeights) -> str | None:
+    """Why quack-kernels' varlen GEMM (``impl="quack"``) cannot run on ``x`` and ``w``
+    (``None``: it can). The first call imports quack (the CuTe DSL: seconds)."""
+    err = import_error("vllm_moonep.common.grouped_gemm.quack_epilogue")  # imports quack
+    if err is not None:
+        return f"quack-kernels does not import ({err}; pip install 'vllm-moonep[quack]')"
+    cap = _cuda_capability(x)
+    if cap is None:
+        return f"quack-kernels' GEMMs need a CUDA GPU of sm_90 or newer, the rows are on {x.device}"
+    if cap[0] < 9:
+        return f"quack-kernels' GEMMs need sm_90 or newer, this GPU is sm_{cap[0]}{cap[1]}"
+    if x.dtype != torch.bfloat16:
+        return f"the quack path takes bf16 rows and weights, got {x.dtype}"
+    if w.dense_groups is None:
+        return ("the quack path needs the used groups' weights as the rows of one tensor (GroupedWeights.dense_groups: "
+                "per-layer slots, B >= E/R, no shared slot pool)")
+    return None
+
+
+def impl_unusable(impl: str, x: torch.Tensor, w: GroupedWeights) -> str | None:
+    """Why the implementation ``impl`` (not ``auto``) cannot run on ``x`` and ``w``; ``None``: it can."""
+    if impl == "reference":
+        return None
+    if impl == "grouped_mm":
+        return None if _grouped_mm_usable(x, w) else _GROUPED_MM_NEEDS
+    if impl == "triton":
+        return _triton_unusable(x)
+    if impl == "quack":
+        return quack_unusable(x, w)
+    raise MoonEPInputError(f"expert_ffn: impl must be one of {IMPLS}, got {impl!r}")
+
+
 def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:
-    out = ["reference"]
+    return [i for i in IMPLS if i != "auto" and impl_unusable(i, x, w) is None]
+
+
+#: Where quack-kernels' varlen GEMM (``impl="quack"``) was measured faster than the Triton kernels,
+#: so ``impl="auto"`` takes it there (when it can run) instead of keeping our own kernels: a set of
+#: regimes ``(H, I, rows_per_group_bucket(NvS, G))``. Empty until measured: the lead fills it from
+#: ``python -m vllm_moonep.tools.bench_experts`` on the device (its quack column, CUDA-graph times;
+#: a regime goes in when quack beat Triton at every point of it, both routings; the tool prints the
+#: regimes that qualify as ``quack faster at``).
+QUACK_FASTER: frozenset[tuple[int, int, int]] = frozenset()
+
+
+def rows_per_group_bucket(rows: int, groups: int) -> int:
+    """The regime's row part: the power of two at or above ``rows / groups`` (``rows``: the
+    buffer's ``NvS``, sized from the token capacity; ``groups``: ``E + B``)."""
+    per = max(1, -(-rows // max(1, groups)))
+    return 1 << (per - 1).bit_length()
+
+
+def quack_regime(x: torch.Tensor, w: GroupedWeights) -> tuple[int, int, int]:
+    """``(H, I, bucket)``: the key of ``QUACK_FASTER`` for these rows and weights."""
+    return (w.hidden, w.intermediate, rows_per_group_bucket(int(x.shape[0]), w.num_groups))
+
+
+def _resolve_auto(x: torch.Tensor, w: GroupedWeights) -> tuple[str, str]:
+    """``(impl, why)`` of ``impl="auto"``: quack where ``QUACK_FASTER`` says it was measured faster
+    (and it runs here), else triton, else grouped_mm, else reference."""
+    regime = quack_regime(x, w)
+    note = ""
+    if regime in QUACK_FASTER:
+        why_not = quack_unusable(x, w)
+        if why_not is None:
+            return "quack", (f"quack-kernels was measured faster than the Triton kernels at H={regime[0]}, "
+                             f"I={regime[1]}, {regime[2]} rows per group (QUACK_FASTER)")
+        note = f"; quack was measured faster at this regime but cannot run: {why_not}"
+    why_not_triton = _triton_unusable(x)
+    if why_not_triton is None:
+        return "triton", "the Triton kernels run here" + note
     if _grouped_mm_usable(x, w):
-        out.append("grouped_mm")
-    if _triton_unusable(x) is None:
-        out.append("triton")
-    return out
+        return "grouped_mm", why_not_triton + note
+    return "reference", why_not_triton + "; torch._grouped_mm cannot take these rows or weights" + note
 
 
 def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights) -> str:
+    """The implementation ``impl`` runs as. ``auto`` says once per process (per distinct outcome)
+    which one it took and why; an explicit ``impl`` that cannot run raises ``MoonEPInputError`` with
+    the reason (the import error, the device), never falls back to another."""
     if impl not in IMPLS:
         raise MoonEPInputError(f"expert_ffn: impl must be one of {IMPLS}, got {impl!r}")
-    avail = available_impls(x, w)
     if impl == "auto":
-        for cand in ("triton", "grouped_mm", "reference"):
-            if cand in avail:
-                # not triton: then _triton_unusable gives the reason (it is what left triton out)
-                why = "the Triton kernels run here" if cand == "triton" else str(_triton_unusable(x))
-                if cand == "reference":
-                    why += "; torch._grouped_mm cannot take these rows or weights"
-                say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")
-                return cand
-    if impl not in avail:
-        reason = _triton_unusable(x) if impl == "triton" else (
-            "it needs the dense [home ; slots] weights (per-layer slots, B >= E/R), bf16 rows, and sm_90 on CUDA "
-            "or a torch that runs it on CPU")
-        raise MoonEPInputError(f"expert_ffn: impl={impl!r} cannot run here: {reason} (available: {avail})")
+        cand, why = _resolve_auto(x, w)
+        say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")
+        return cand
+    reason = impl_unusable(impl, x, w)
+    if reason is not None:
+        raise MoonEPInputError(
+            f"expert_ffn: impl={impl!r} cannot run here: {reason} (available: {available_impls(x, w)})")
     return impl
 
 
@@ -200,6 +291,10 @@ def expert_ffn(
         from vllm_moonep.common.grouped_gemm.torch_grouped_mm import expert_ffn_grouped_mm
 
         return expert_ffn_grouped_mm(x, route_w, cu_seqlens, weights, out=out)
+    if which == "quack":
+        from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack
+
+        return expert_ffn_quack(x, route_w, cu_seqlens, weights, out=out)
     from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
 
     return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens)
