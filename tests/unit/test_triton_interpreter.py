@@ -124,7 +124,9 @@ def _child_main() -> None:
         try:
             x, rw, cu, w, n = _case_data(name)
             out = torch.full_like(x, float("nan"))
-            expert_ffn_triton(x, rw, cu, w, out=out)
+            expert_ffn_triton(x, rw, cu, w, out=out)  # padded=True: tiles of weight-0 rows skipped
+            out_dense = torch.full_like(x, float("nan"))
+            expert_ffn_triton(x, rw, cu, w, out=out_dense, padded=False)  # every tile runs its main loop
             ref = expert_ffn_float64(x, rw, cu, w)
             got = out[:n].double()
             unwritten = int(torch.isnan(got).sum())
@@ -133,7 +135,8 @@ def _child_main() -> None:
             # rows whose reference is exactly zero (weight-0 rows, padding) must be exactly zero
             zero_rows = (ref[:n].abs().sum(dim=1) == 0) if n else torch.zeros(0, dtype=torch.bool)
             zero_ok = bool((got[zero_rows] == 0).all()) if n else True
-            report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n}
+            same = bool(torch.equal(out[:n], out_dense[:n]))
+            report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
     print("REPORT " + json.dumps(report))
@@ -153,6 +156,7 @@ def test_interpreter_case(report, case):
     assert r["unwritten"] == 0, f"{case}: {r['unwritten']} output elements inside segments were not written"
     assert r["zero_ok"], f"{case}: rows with a zero reference are not exactly zero"
     assert r["err"] < TOL, f"{case}: relative error {r['err']:.3e} >= {TOL}"
+    assert r["skip_same"], f"{case}: skipping the tiles of weight-0 rows (padded=True) changed the output"
 
 
 if __name__ == "__main__":

@@ -187,7 +187,11 @@ class MoonEPMoE:
             self.pool, self.layout, hidden, topk_ids, topk_weights, n, timer=self.timer
         )
         with self.timer.phase("experts"):
-            y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n)
+            # this rank's rows hold padding entries unless its own count fills the buffer (other
+            # ranks' padding reaches it only where the plan moves part of their pad expert here:
+            # then those rows are computed, with the same result)
+            padded = state.num_tokens < state.capacity
+            y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n, padded=padded)
         with self.timer.phase("combine"):
             out = combine_rows(state, y)
         self.last = state.info()

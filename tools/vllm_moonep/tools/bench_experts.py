@@ -371,13 +371,14 @@ def main(argv=None) -> int:
                 out_t = torch.full_like(x, float("nan"))
                 act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
                 conf = cfg or tk.select_config(H, I, nvs_, G)
-                tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act)
+                tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act, padded=False)
                 out_p = torch.empty_like(x)
                 poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)
                 torch.cuda.synchronize()
                 unwritten = int(torch.isnan(out_t[:n]).sum())
                 err_tp = relative_error(out_t[:n], out_p[:n])
-                f_tri = lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act)  # noqa: E731
+                f_tri = lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act,  # noqa: E731
+                                                     padded=False)
                 f_poc = lambda: poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)  # noqa: E731
                 t_tri_eager = _bench(f_tri, rep=args.rep) * 1e3
                 t_poc_eager = _bench(f_poc, rep=args.rep) * 1e3

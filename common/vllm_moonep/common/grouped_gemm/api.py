@@ -258,10 +258,13 @@ def expert_ffn(
     impl: str = "auto",
     out: torch.Tensor | None = None,
     tokens: int | None = None,
+    padded: bool = True,
 ) -> torch.Tensor:
     """The MoonEP expert compute: ``[NvS, H]`` rows in, ``[NvS, H]`` rows out (see the package doc).
     ``tokens``: the step's tokens per rank (before padding), where the caller knows it: the Triton
-    kernels pick their tiles by it (``None``: by the row count ``NvS``)."""
+    kernels pick their tiles by it (``None``: by the row count ``NvS``). ``padded=False``: the
+    step has no padding tokens on any rank, so the Triton kernels need not look for tiles of
+    weight-0 rows inside segments (results are the same either way)."""
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise MoonEPInputError(f"expert_ffn: x must be [NvS, H={weights.hidden}], got {list(x.shape)}")
     if route_w.shape != (x.shape[0],):
@@ -297,4 +300,4 @@ def expert_ffn(
         return expert_ffn_quack(x, route_w, cu_seqlens, weights, out=out)
     from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
 
-    return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens)
+    return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded)

@@ -24,8 +24,9 @@ builds the cached pointer table):
 3. ``_down_kernel``: the same tile machinery over ``H`` output columns, ``K = I``; rows of the
    trimmed tail are written as zeros by extra "zero tiles" at the end of the schedule.
 
-Both GEMM kernels also skip the main loop of a tile whose rows all have weight 0 (``_live``) and
-write its zeros: a decode step's padding entries land inside segments, not only at their tails.
+Both GEMM kernels also skip the main loop of a tile whose rows all have weight 0 (``_live``,
+``padded=True``) and write its zeros: a padded step's padding entries land inside segments, not
+only at their tails.
 
 Weights are reached through a per-group pointer table (``int64 [G, 3]``: base address of
 ``gate_g``, ``up_g``, ``down_g``), built once per ``GroupedWeights`` (cached; rebuilt when a pool's
@@ -112,9 +113,11 @@ def _group_table(cu_ptr, eff_ptr, G, GP2: tl.constexpr, BM: tl.constexpr):
 @triton.jit
 def _live(rw, rows, ee):
     """Whether any row of a tile (below the group's trimmed end) has a non-zero routing weight.
-    A tile of weight-0 rows has output exactly 0: both kernels skip its GEMM. Such tiles sit
-    inside segments too, not only in the trimmed tail: a decode step's padding entries all go to
-    one expert of their rank, and other ranks' real rows of that expert come after them."""
+    A tile of weight-0 rows has output exactly 0: with ``SKIP`` both kernels give it no main loop
+    (a loop bound, not a branch around the loop: a branch cost the software pipeline 4-17% on an
+    H200). Such tiles sit inside segments, not only in the trimmed tail, once a step was padded:
+    a rank's padding entries all go to one expert of its own, and other ranks' real rows of that
+    expert come after them. ``SKIP`` off compiles the loop as it was (steps with no padding)."""
     return tl.max(tl.where(rows < ee, tl.abs(rw), 0.0), 0) > 0.0
 
 
@@ -150,7 +153,7 @@ def _gate_up_kernel(
     G, N, K, stride_xm, stride_am,
     s_gn, s_gk, s_un, s_uk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -170,28 +173,30 @@ def _gate_up_kernel(
         u_ptrs = wu + cols_ld[:, None] * s_un + offs_k[None, :] * s_uk
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        k_end = K
+        if SKIP:  # every row of the tile has weight 0: no main loop, act = 0 (see _live)
+            k_end = tl.where(_live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
+        for k in range(0, k_end, BK):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                bg = tl.load(g_ptrs)
+                bu = tl.load(u_ptrs)
+            else:
+                km = (k + offs_k) < K
+                a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, tl.trans(bg), acc_g)
+                acc_u = tl.dot(a, tl.trans(bu), acc_u)
+            a_ptrs += BK
+            g_ptrs += BK * s_gk
+            u_ptrs += BK * s_uk
         rw = tl.load(rw_ptr + rows_ld)
-        if _live(rw, rows, ee):  # else every row of the tile has weight 0: act = 0, no GEMM
-            for k in range(0, K, BK):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                    bg = tl.load(g_ptrs)
-                    bu = tl.load(u_ptrs)
-                else:
-                    km = (k + offs_k) < K
-                    a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-                    bg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
-                    bu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
-                if DOT_F32:
-                    a = a.to(tl.float32)
-                    acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
-                    acc_u = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_u, input_precision="ieee")
-                else:
-                    acc_g = tl.dot(a, tl.trans(bg), acc_g)
-                    acc_u = tl.dot(a, tl.trans(bu), acc_u)
-                a_ptrs += BK
-                g_ptrs += BK * s_gk
-                u_ptrs += BK * s_uk
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
         a_out = act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :]
         tl.store(a_out, act.to(act_ptr.dtype.element_ty), mask=(rows < ee)[:, None] & (cols < N)[None, :])
@@ -203,7 +208,7 @@ def _down_kernel(
     G, N, K, stride_am, stride_om,
     s_dn, s_dk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -228,21 +233,23 @@ def _down_kernel(
             a_ptrs = act_ptr + rows_ld[:, None] * stride_am + offs_k[None, :]
             d_ptrs = wd + cols_ld[:, None] * s_dn + offs_k[None, :] * s_dk
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if _live(tl.load(rw_ptr + rows_ld), rows, ee):  # else act is 0 on every row: out = 0
-                for k in range(0, K, BK):
-                    if EVEN_K:
-                        a = tl.load(a_ptrs)
-                        b = tl.load(d_ptrs)
-                    else:
-                        km = (k + offs_k) < K
-                        a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-                        b = tl.load(d_ptrs, mask=km[None, :], other=0.0)
-                    if DOT_F32:
-                        acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a, tl.trans(b), acc)
-                    a_ptrs += BK
-                    d_ptrs += BK * s_dk
+            k_end = K
+            if SKIP:  # act is 0 on every row of the tile: no main loop, out = 0
+                k_end = tl.where(_live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
+            for k in range(0, k_end, BK):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                    b = tl.load(d_ptrs)
+                else:
+                    km = (k + offs_k) < K
+                    a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+                    b = tl.load(d_ptrs, mask=km[None, :], other=0.0)
+                if DOT_F32:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(b), acc)
+                a_ptrs += BK
+                d_ptrs += BK * s_dk
             acc = tl.where((rows < ee)[:, None], acc, 0.0)
             o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < en)[:, None] & (cols < N)[None, :])
@@ -474,7 +481,7 @@ def _launch_trim(cu, route_w, eff):
     return _trim_kernel[(int(cu.numel()),)](cu, route_w, eff, BLK=256, num_warps=4)
 
 
-def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32):
+def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     I, H = act.shape[1], x.shape[1]
     G = int(cu.numel())
     (s_gn, s_gk), (s_un, s_uk), _ = prep.strides
@@ -484,12 +491,12 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32):
         G, I, H, x.stride(0), act.stride(0),
         s_gn, s_gk, s_un, s_uk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
-        EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32,
+        EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
-def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32):
+def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
     I, H = act.shape[1], dst.shape[1]
     G = int(cu.numel())
     s_dn, s_dk = prep.strides[2]
@@ -499,7 +506,7 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32):
         G, H, I, act.stride(0), dst.stride(0),
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
-        EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32,
+        EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
@@ -514,10 +521,13 @@ def expert_ffn_triton(
     config: dict | None = None,
     act: torch.Tensor | None = None,
     tokens: int | None = None,
+    padded: bool = True,
 ) -> torch.Tensor:
     """The fused expert compute (see the module doc). ``config`` overrides the tile configs
     (``{"gate_up": {...}, "down": {...}}``); ``act`` is an optional ``[NvS, I]`` scratch;
-    ``tokens``: the step's tokens per rank, which picks the tiles (``select_config``)."""
+    ``tokens``: the step's tokens per rank, which picks the tiles (``select_config``);
+    ``padded``: the step may hold padding entries (weight-0 rows inside segments), whose tiles
+    are then skipped (``_live``); ``False`` for rows that have none."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -541,8 +551,8 @@ def expert_ffn_triton(
     dot_f32 = interpreting() or x.dtype == torch.float32
     eff = torch.empty(G, dtype=torch.int32, device=dev)
     _launch_trim(cu, route_w, eff)
-    _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32)
-    _launch_down(act, route_w, cu, eff, prep, dst, cfg["down"], dot_f32)
+    _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32, padded)
+    _launch_down(act, route_w, cu, eff, prep, dst, cfg["down"], dot_f32, padded)
     if dst is not out:
         out.copy_(dst)
     return out
