@@ -25,7 +25,7 @@ MiB = 2**20
 class SkipsPrefetch(ReplicatedWeightLayout):
     """A deliberately wrong layout: never fills the slots (stale zeros are read instead)."""
 
-    def prefetch(self, buffer, plan):
+    def prefetch(self, buffer, plan, rows=None):
         return None
 
 

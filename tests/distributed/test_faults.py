@@ -164,10 +164,10 @@ class _DieInPrefetch:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def prefetch(self, buffer, plan):
+    def prefetch(self, buffer, plan, rows=None):
         if dist.get_rank() == self._victim and plan.step == self._at:
             os._exit(17)
-        self._inner.prefetch(buffer, plan)
+        self._inner.prefetch(buffer, plan, rows)
 
 
 def rank_dies_mid_step(victim, at_step):

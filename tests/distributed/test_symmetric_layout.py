@@ -151,6 +151,22 @@ def aliasing_and_prefetch(E, B):
             assert torch.equal(layout.slots_w2[b].view(torch.int16), w2[e].view(torch.int16))
         else:
             assert bool((layout.slots_w13[b] == sentinel).all()) and bool((layout.slots_w2[b] == sentinel).all())
+    # with the dispatched rows: a planned slot whose rows all have weight 0 (padding) stays as it
+    # was; one with a weight-0 row next to a real one is copied. Segments: E home ones of 1 row,
+    # then slot b's of b+1 rows; slot 0's row has weight 0, every other slot's first row too.
+    cu = torch.tensor([1] * E + [b + 1 for b in range(B)], dtype=torch.int32).cumsum(0).to(torch.int32)
+    w = torch.ones(int(cu[-1]))
+    for b in range(B):
+        w[int(cu[E + b - 1])] = 0.0
+    layout.slots_w13.fill_(sentinel)
+    layout.slots_w2.fill_(sentinel)
+    layout.prefetch(None, SimpleNamespace(experts_to_copy=table), rows=(cu, w))
+    for b in range(B):
+        e = int(table[r, b])
+        if e >= 0 and b > 0:
+            assert torch.equal(layout.slots_w13[b].view(torch.int16), w13[e].view(torch.int16)), f"slot {b} <- {e}"
+        else:  # unplanned, or planned with only padding rows (slot 0)
+            assert bool((layout.slots_w13[b] == sentinel).all()) and bool((layout.slots_w2[b] == sentinel).all()), b
     # bad plan: clear error, layout usable
     with pytest.raises(MoonEPInputError, match="outside"):
         layout.prefetch(None, SimpleNamespace(experts_to_copy=torch.full((R, B), E, dtype=torch.int32)))

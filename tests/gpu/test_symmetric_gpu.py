@@ -108,6 +108,21 @@ def layout_prefetch_and_steps(E, B, sigma, seed):
             assert torch.equal(sym.slots_w2[b].view(torch.int16), w2[e].view(torch.int16))
         else:
             assert bool((sym.slots_w13[b] == sentinel).all())
+    # the copy kernel's live rule: slot 0's only row has weight 0 (padding): not copied; every
+    # other planned slot has a real row after a weight-0 one: copied
+    cu = torch.tensor([1] * E + [b + 1 for b in range(B)]).cumsum(0).to(torch.int32)
+    w = torch.ones(int(cu[-1]))
+    for b in range(B):
+        w[int(cu[E + b - 1])] = 0.0
+    sym.slots_w13.fill_(sentinel)
+    sym.slots_w2.fill_(sentinel)
+    sym.prefetch(None, SimpleNamespace(experts_to_copy=table.to(dev)), rows=(cu.to(dev), w.to(dev)))
+    for b in range(B):
+        e = int(table[r, b])
+        if e >= 0 and b > 0:
+            assert torch.equal(sym.slots_w2[b].view(torch.int16), w2[e].view(torch.int16)), b
+        else:
+            assert bool((sym.slots_w13[b] == sentinel).all()) and bool((sym.slots_w2[b] == sentinel).all()), b
     # full steps: symmetric == replicated bitwise (reference compute), both close to dense
     rep = ReplicatedWeightLayout(lw13, lw2, E, B)
     pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, device=dev), 256, engine="builtin")

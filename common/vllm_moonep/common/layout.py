@@ -50,9 +50,14 @@ class WeightLayout(Protocol):
         """
         ...
 
-    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan) -> None:
+    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Fill this rank's slot rows as ``plan.experts_to_copy[rank]`` says, so that the slot
         groups hold the planned experts when the expert compute reads them.
+
+        ``rows=(cu_seqlens, route_weights_nvs)`` of the dispatch: a layout may then leave unfilled
+        a slot whose rows all have weight 0 (padding entries; the expert compute never reads
+        its weights: the symmetric layout does, the replicated one fills every planned slot).
 
         May assume: every rank calls it once per step, after ``buffer.dispatch`` returned
         ``plan`` and before the expert compute; ``buffer`` made ``plan`` (a layout that owns its

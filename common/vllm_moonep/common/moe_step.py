@@ -139,7 +139,7 @@ def dispatch_and_prefetch(
         else:
             x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)
     with t.phase("prefetch"):
-        layout.prefetch(buf, plan)
+        layout.prefetch(buf, plan, rows=(cu, w_nvs))  # slots that hold only padding rows stay unfilled
     return x_nvsh, w_nvs, cu, DispatchState(buf, plan, cap, s, int(ids.shape[1]), cu)
 
 

@@ -7,6 +7,14 @@ replicated layout: its own rows ``[0, E)``) or a device table of addresses (the 
 every peer's home rows, read over NVLink). On CUDA one Triton launch does it with no host
 synchronization (graph-capturable); on CPU, the slot ids are read on the host and only used
 slots move.
+
+``live=(cu_seqlens [E+B], route_weights [NvS], E)`` (the dispatched rows): a slot whose segment
+``E+b`` holds only rows of weight 0 is not copied either. Those are padding entries (a padded
+step's pad expert, split across ranks by the plan like any hot expert): the expert compute skips
+rows of weight 0, so nothing reads that slot, and a decode step no longer pulls a whole remote
+expert (88 MB for Kimi-K2) over NVLink to compute zeros. The slot keeps what it held (zeros
+from allocation or an earlier expert: finite, so even a compute that multiplies such rows by
+their weight 0 gets 0).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import torch
 if TYPE_CHECKING:  # imported where the kernel is made: CPU-only installs have no Triton
     from vllm_moonep.engine.launch import Launcher
 
-__all__ = ["copy_rows", "address_table"]
+__all__ = ["copy_rows", "address_table", "live_slot_ids"]
 
 _CHUNK = 1 << 16  # elements per program
 
@@ -38,11 +46,19 @@ def _kernel():
         return _copy_rows_kernel
 
     @triton.jit
-    def copy_rows_kernel(ids, dst, src, table, rows_per_source, row_elems, TABLE: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK: tl.constexpr):
+    def copy_rows_kernel(ids, dst, src, table, rows_per_source, row_elems, cu, w, E, TABLE: tl.constexpr,
+                         LIVE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         c = tl.program_id(1)
         e = tl.load(ids + b)
+        if LIVE:  # a slot whose rows all have weight 0 is not read: no copy
+            start = tl.load(cu + E + b - 1)
+            end = tl.load(cu + E + b)
+            r = tl.arange(0, BLOCK)
+            big = tl.zeros([BLOCK], tl.float32)
+            for r0 in range(start, end, BLOCK):
+                big = tl.maximum(big, tl.abs(tl.load(w + r0 + r, mask=r0 + r < end, other=0.0)))
+            e = tl.where(tl.max(big, 0) > 0.0, e, -1)
         if e >= 0:
             owner = e // rows_per_source
             local = (e % rows_per_source).to(tl.int64)
@@ -68,9 +84,11 @@ _copy_rows_kernel: Launcher | None = None
 
 
 def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | None = None,
-              table: torch.Tensor | None = None, rows_per_source: int) -> None:
+              table: torch.Tensor | None = None, rows_per_source: int,
+              live: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """See the module doc. ``dst`` is ``[B, ...]`` contiguous; ``src`` is ``[N, ...]`` (rows of
-    the same shape) or ``table`` holds one address per source."""
+    the same shape) or ``table`` holds one address per source; ``live``: skip slots whose rows
+    all have weight 0."""
     B = dst.shape[0]
     row_elems = dst[0].numel() if B else 0
     if B == 0 or row_elems == 0:
@@ -80,10 +98,13 @@ def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | 
 
         kern = _kernel()
         grid = (B, triton.cdiv(row_elems, _CHUNK))
+        cu, w, E = live if live is not None else (slot_ids, dst, 0)
         kern(grid, slot_ids, dst, src if src is not None else dst, table if table is not None else slot_ids,
-             rows_per_source, row_elems, TABLE=table is not None, CHUNK=_CHUNK, BLOCK=4096, num_warps=8)
+             rows_per_source, row_elems, cu, w, E, TABLE=table is not None, LIVE=live is not None, CHUNK=_CHUNK,
+             BLOCK=4096, num_warps=8)
         return
-    used = [(b, e) for b, e in enumerate(slot_ids.tolist()) if e >= 0]
+    used = [(b, e) for b, e in enumerate(live_slot_ids(slot_ids.tolist(), live))]
+    used = [(b, e) for b, e in used if e >= 0]
     if not used:
         return
     if src is None:
@@ -91,3 +112,17 @@ def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | 
     d = torch.tensor([b for b, _ in used], dtype=torch.int64)
     s = torch.tensor([e for _, e in used], dtype=torch.int64)
     dst.index_copy_(0, d, src.reshape((-1,) + tuple(dst.shape[1:])).index_select(0, s))
+
+
+def live_slot_ids(slots: list[int], live: tuple[torch.Tensor, torch.Tensor, int] | None) -> list[int]:
+    """The host's version of the ``live`` rule: ``-1`` for a slot whose rows all have weight 0."""
+    if live is None:
+        return list(slots)
+    cu, w, E = live
+    ends = cu.tolist()
+    wl = w.detach().abs().cpu()
+    out = []
+    for b, e in enumerate(slots):
+        lo, hi = int(ends[E + b - 1]), int(ends[E + b])
+        out.append(e if e >= 0 and hi > lo and bool((wl[lo:hi] > 0).any()) else -1)
+    return out

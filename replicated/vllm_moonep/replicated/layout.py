@@ -79,7 +79,10 @@ class ReplicatedWeightLayout:
         assert self._weights is not None  # cleared only by destroy (_alive)
         return self._weights
 
-    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan) -> None:
+    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The contract's ``prefetch_weight`` from the local full weights (every planned slot;
+        ``rows`` is not used: local copies are what the proof of concept does)."""
         self._alive("prefetch")
         buffer.prefetch_weight(
             plan=plan,

@@ -48,7 +48,7 @@ from vllm_moonep.engine import (
     group_rank_world,
     resolve_device,
 )
-from vllm_moonep.engine.row_copy import address_table, copy_rows
+from vllm_moonep.engine.row_copy import address_table, copy_rows, live_slot_ids
 from vllm_moonep.engine.heaps import HeapHandle, SymmetricHeap, make_heap
 
 if TYPE_CHECKING:
@@ -382,20 +382,24 @@ class SymmetricWeightLayout:
         assert self._weights is not None  # cleared only by destroy (_alive)
         return self._weights
 
-    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan) -> None:
-        """Slot ``b`` <- a bitwise copy of expert ``plan.experts_to_copy[rank, b]`` read from its owner; ``-1`` untouched."""
+    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Slot ``b`` <- a bitwise copy of expert ``plan.experts_to_copy[rank, b]`` read from its owner; ``-1`` untouched.
+        ``rows=(cu_seqlens, route_weights_nvs)`` of the dispatch: slots whose rows all have weight 0
+        (padding) are not copied (``engine/row_copy.py``, ``live``)."""
         self._alive("prefetch")
         etc = getattr(plan, "experts_to_copy", None)
         R, B, epn = self.world_size, self.num_slots, self.epn
         if not isinstance(etc, torch.Tensor) or etc.dim() != 2 or tuple(etc.shape) != (R, B):
             shape = list(etc.shape) if isinstance(etc, torch.Tensor) else type(etc).__name__
             raise MoonEPInputError(f"prefetch: plan.experts_to_copy must be [R={R}, B={B}], got {shape}")
+        live = None if rows is None else (rows[0], rows[1], self.num_experts)
         if self._peer_tables is not None:  # GPU, every owner addressable: no host read
             mine = etc[self.rank]
-            copy_rows(mine, self.slots_w13, table=self._peer_tables[0], rows_per_source=epn)
-            copy_rows(mine, self.slots_w2, table=self._peer_tables[1], rows_per_source=epn)
+            copy_rows(mine, self.slots_w13, table=self._peer_tables[0], rows_per_source=epn, live=live)
+            copy_rows(mine, self.slots_w2, table=self._peer_tables[1], rows_per_source=epn, live=live)
         else:
-            self._prefetch_host(etc[self.rank].tolist())
+            self._prefetch_host(live_slot_ids(etc[self.rank].tolist(), live))
         if self.slot_pool is not None:
             self.slot_pool.holder = self
 
