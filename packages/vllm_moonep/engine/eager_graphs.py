@@ -9,7 +9,7 @@
 Why: under a CUDA graph the engine's dispatch and combine of 1-128 tokens take about one
 all-to-all each (docs/PERFORMANCE.md), but called eagerly (vLLM's eager mode, batches above its
 capture sizes, piecewise graphs that leave the MoE op out) each launch costs 15-35 us of host
-time, ten or eleven of them per dispatch and combine, while the peer waits: the host, not NVLink,
+time, ten or eleven of them per dispatch and combine then (four now), while the peer waits: the host, not NVLink,
 set the time. A replay costs one graph launch (dispatch: plus the copies of its four inputs;
 combine: plus copies of its outputs). Each ``GraphCache`` belongs to one transport (one buffer
 capacity), so every graph holds one token count, as graphs must.
