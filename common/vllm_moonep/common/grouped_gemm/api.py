@@ -194,11 +194,13 @@ def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:
 
 #: Where quack-kernels' varlen GEMM (``impl="quack"``) was measured faster than the Triton kernels,
 #: so ``impl="auto"`` takes it there (when it can run) instead of keeping our own kernels: a set of
-#: regimes ``(H, I, rows_per_group_bucket(NvS, G))``. Empty until measured: the lead fills it from
-#: ``python -m vllm_moonep.tools.bench_experts`` on the device (its quack column, CUDA-graph times;
-#: a regime goes in when quack beat Triton at every point of it, both routings; the tool prints the
-#: regimes that qualify as ``quack faster at``).
-QUACK_FASTER: frozenset[tuple[int, int, int]] = frozenset()
+#: regimes ``(H, I, rows_per_group_bucket(NvS, G))``, from ``python -m vllm_moonep.tools.bench_experts
+#: --shapes kimi-k2,qwen3-30b-a3b --tokens 1,16,256,1024,4096 --rep 20`` on an H200 (its quack column,
+#: CUDA-graph times; a regime is listed when quack beat Triton at every point of it, both routings;
+#: the tool prints the regimes that qualify). 2026-11-30, quack-kernels 0.6.5: Qwen3 at 1024 and 4096
+#: tokens per rank of EP=8 (154-165 us against 198-200; 474-503 against 571-624), Kimi-K2 at 4096
+#: (4705-5204 against 5423-5579). Decode and mid sizes stay on Triton (quack 1.2-1.6x slower there).
+QUACK_FASTER: frozenset[tuple[int, int, int]] = frozenset({(2048, 768, 128), (2048, 768, 256), (7168, 2048, 128)})
 
 
 def rows_per_group_bucket(rows: int, groups: int) -> int:
