@@ -1,6 +1,6 @@
 """``impl="quack"`` (quack-kernels' varlen GEMM, an optional extra) without quack and without a GPU:
 the core imports without it, an explicit request names the import error, ``auto`` never picks it
-where it cannot run and picks it only where ``QUACK_FASTER`` lists the regime, an explicit impl's
+where it cannot run and picks it only where ``QUACK_FROM_TOKENS`` lists the shape and step size, an explicit impl's
 own errors propagate (no fallback), and the data plumbing of ``quack_impl`` (cu_seqlens_m, the
 gate/up view, the transposes) through a torch stand-in for quack's two calls."""
 
@@ -106,48 +106,56 @@ def test_quack_unusable_reasons(fresh):
     assert "dense_groups" in quack_unusable(x, table)
 
 
-def test_rows_per_group_bucket():
-    """The regime key's row part (the power of two at or above NvS / G) off by one bucket."""
-    b = api.rows_per_group_bucket
-    assert b(12200, 432) == 32 and b(14240, 432) == 64 and b(36832, 144) == 256 and b(4096, 32) == 128
-    assert b(0, 10) == 1 and b(5, 0) == 8
-
-
-def test_auto_takes_quack_only_where_measured_faster_and_usable(fresh, caplog):
-    """auto picking quack without a measurement, not picking it where QUACK_FASTER lists the regime, picking it
-    where it cannot run, or importing quack (seconds) to decide a regime nobody listed."""
+def test_auto_takes_quack_only_from_the_measured_tokens_on(fresh, caplog):
+    """auto picking quack without a measurement or below the measured step size, not picking it from
+    there on, picking it where it cannot run, or importing quack (seconds) to decide a shape or step
+    size nobody listed."""
     x, rw, cu, w = _case([3, 0, 5])
-    regime = api.quack_regime(x, w)
-    assert regime == (32, 16, 8)  # H, I, ceil(13 rows / 3 groups) -> 8
 
     def must_not_probe(*a):
-        raise AssertionError("auto probed quack for a regime QUACK_FASTER does not list")
+        raise AssertionError("auto probed quack where QUACK_FROM_TOKENS does not list the shape and step size")
 
     fresh.setattr(api, "quack_unusable", must_not_probe)
-    assert resolve_impl("auto", x, w) != "quack"
+    assert resolve_impl("auto", x, w, 10**6) != "quack"  # shape not listed
+    fresh.setattr(api, "QUACK_FROM_TOKENS", {(w.hidden, w.intermediate): 64})
+    assert resolve_impl("auto", x, w, 63) != "quack" and resolve_impl("auto", x, w) != "quack"  # below / unknown
     # listed and usable: quack, and the reason says so
-    fresh.setattr(api, "QUACK_FASTER", frozenset({regime}))
     fresh.setattr(api, "quack_unusable", lambda x, w: None)
     with caplog.at_level(logging.INFO, logger="vllm_moonep.common"):
-        assert resolve_impl("auto", x, w) == "quack"
-        assert resolve_impl("auto", x, w) == "quack"
-    said = [r.getMessage() for r in caplog.records if "impl=auto" in r.getMessage()]
-    assert len(said) == 1 and "-> quack" in said[0] and "QUACK_FASTER" in said[0], said
-    # another regime of the same weights (more rows per group): not listed, not quack
-    assert resolve_impl("auto", torch.zeros(400, 32, dtype=torch.bfloat16), w) != "quack"
+        assert resolve_impl("auto", x, w, 64) == "quack"
+        assert resolve_impl("auto", x, w, 4096) == "quack"
+    said = [r.getMessage() for r in caplog.records if "-> quack" in r.getMessage()]
+    assert len(said) == 1 and "QUACK_FROM_TOKENS" in said[0] and "from 64 tokens" in said[0], said
+
+
+def test_bench_names_where_quack_won_from_on():
+    """The bench's summary naming a start where quack lost at a larger point, or a shape it never beat."""
+    from vllm_moonep.tools.bench_experts import SHAPES, quack_from_tokens
+
+    def rows(shape, wins):
+        return [{"shape": shape, "tokens": t, "triton_us": 10.0, "quack_us": 9.0 if won else 11.0}
+                for t, won in wins for _ in ("balanced", "skewed")]
+
+    kimi = SHAPES["kimi-k2"]
+    got = quack_from_tokens(rows("kimi-k2", [(1, True), (256, False), (1024, True), (4096, True)])
+                            + rows("qwen3-30b-a3b", [(1024, True), (4096, False)]))
+    assert got == {(kimi["H"], kimi["I"]): 1024}
+    mixed = rows("kimi-k2", [(4096, True)])
+    mixed[1]["quack_us"] = 12.0  # lost on the other routing
+    assert quack_from_tokens(mixed) == {}
 
 
 def test_auto_never_picks_quack_when_absent(no_quack, caplog):
-    """Where quack is not installed, auto picked it (then failed at the first layer) because QUACK_FASTER listed the
-    regime; or it dropped it silently."""
+    """Where quack is not installed, auto picked it (then failed at the first layer) because QUACK_FROM_TOKENS
+    listed the shape; or it dropped it silently."""
     x, rw, cu, w = _case([3, 0, 5])
-    no_quack.setattr(api, "QUACK_FASTER", frozenset({api.quack_regime(x, w)}))
+    no_quack.setattr(api, "QUACK_FROM_TOKENS", {(w.hidden, w.intermediate): 1})
     with caplog.at_level(logging.INFO, logger="vllm_moonep.common"):
-        out = expert_ffn(x, rw, cu, w, impl="auto")
+        out = expert_ffn(x, rw, cu, w, impl="auto", tokens=1)
     assert torch.isfinite(out[: int(cu[-1])]).all()
     said = [r.getMessage() for r in caplog.records if "impl=auto" in r.getMessage()]
     assert len(said) == 1 and "-> quack" not in said[0], said
-    assert "quack was measured faster at this regime but cannot run: quack-kernels does not import" in said[0]
+    assert "quack was measured faster at this shape and step size but cannot run: quack-kernels does not import" in said[0]
 
 
 def test_explicit_triton_names_its_import_error(fresh):

@@ -29,9 +29,10 @@ the one with the least total time over both routings, writes ``tuning.json`` (to
 else the current directory) and uses it for the table. Prints a markdown table; writes
 ``bench_experts.json`` to ``$OUT`` if set.
 
-After the table it names the regimes ``(H, I, rows-per-group bucket)`` where quack beat Triton at
-every point, both routings (CUDA-graph times): what ``vllm_moonep.common.grouped_gemm.api.QUACK_FASTER``
-takes (``impl=auto`` then uses quack there).
+After the table it names, per shape ``(H, I)``, the smallest measured tokens per rank from which
+quack beat Triton at every measured point, both routings (CUDA-graph times): what
+``vllm_moonep.common.grouped_gemm.api.QUACK_FROM_TOKENS`` takes (``impl=auto`` then uses quack from
+there on, for callers that pass the step's tokens).
 """
 
 from __future__ import annotations
@@ -235,15 +236,26 @@ def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args):
     return fields, None
 
 
-def quack_faster_regimes(rows: list) -> set:
-    """``(H, I, rows-per-group bucket)`` where quack's graph time beat Triton's at every measured point
-    (both routings): the regimes ``api.QUACK_FASTER`` may take."""
-    by: dict = {}
+def quack_from_tokens(rows: list) -> dict:
+    """Per ``(H, I)``: the smallest measured tokens per rank from which quack's graph time beat
+    Triton's at every measured point (both routings), the values ``api.QUACK_FROM_TOKENS`` may take;
+    shapes where quack lost at the largest point are left out."""
+    wins: dict = {}
     for r in rows:
         shp = SHAPES[r["shape"]]
-        key = (shp["H"], shp["I"], r["rows_per_group_bucket"])
-        by.setdefault(key, []).append(r.get("quack_us") is not None and r["quack_us"] < r["triton_us"])
-    return {k for k, wins in by.items() if wins and all(wins)}
+        won = r.get("quack_us") is not None and r["quack_us"] < r["triton_us"]
+        by_tokens = wins.setdefault((shp["H"], shp["I"]), {})
+        by_tokens[r["tokens"]] = by_tokens.get(r["tokens"], True) and won
+    out = {}
+    for key, by_tokens in wins.items():
+        start = None
+        for t in sorted(by_tokens, reverse=True):
+            if not by_tokens[t]:
+                break
+            start = t
+        if start is not None:
+            out[key] = start
+    return out
 
 
 def _us(v) -> str:
@@ -287,7 +299,6 @@ def main(argv=None) -> int:
 
     from vllm_moonep.common.grouped_gemm import GroupedWeights
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
-    from vllm_moonep.common.grouped_gemm.api import rows_per_group_bucket
     from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack, quack_unusable
 
     dev = torch.device("cuda")
@@ -402,7 +413,7 @@ def main(argv=None) -> int:
                     "triton_tflops_useful": flop / (t_tri * 1e-6) / 1e12,
                     "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
                     "err_vs_poc": err_tp, "unwritten": unwritten, "config": conf,
-                    "groups": G, "rows_per_group": nvs_ / G, "rows_per_group_bucket": rows_per_group_bucket(nvs_, G),
+                    "groups": G, "rows_per_group": nvs_ / G,
                     **qrow,
                 }
                 set_floor(row, ceil)
@@ -459,9 +470,9 @@ def main(argv=None) -> int:
     print()
     for sname, why in quack_absent.items():
         print(f"# quack column for {sname}: - ({why})")
-    faster = quack_faster_regimes(rows)
-    print(f"# quack faster than Triton at every point, both routings (QUACK_FASTER regimes (H, I, rows/group bucket)): "
-          f"{sorted(faster) or 'none'}")
+    faster = quack_from_tokens(rows)
+    print(f"# quack faster than Triton at every measured point from these tokens per rank on, both routings "
+          f"(QUACK_FROM_TOKENS, (H, I): tokens): {faster or 'none'}")
     for k, v in resources.items():
         print(f"# resources {k}: {v}")
     result = {

@@ -18,8 +18,8 @@ are others, with no copies. Implementations (``impl=``):
 - ``triton``: the fused Triton kernels in ``triton_kernels.py`` (any source, pointer table).
 - ``quack``: quack-kernels' varlen grouped GEMM (``quack_impl.py``; an optional extra,
   ``vllm-moonep[quack]``), bf16 on sm90+, over a dense source like ``grouped_mm``.
-- ``auto``: quack where ``api.QUACK_FASTER`` lists the regime (measured faster than triton there)
-  and it runs, else triton on CUDA when it is importable, else grouped_mm where it applies, else
+- ``auto``: quack where ``api.QUACK_FROM_TOKENS`` says it was measured faster than triton (per
+  shape, from a number of tokens per rank on; the caller passes ``tokens``) and it runs, else triton on CUDA when it is importable, else grouped_mm where it applies, else
   reference. Said once per process (per outcome), with the reason. An explicit ``impl`` that
   cannot run raises ``MoonEPInputError`` with why (the import error, the device); its compile and
   launch errors propagate: no explicit choice falls back to another.

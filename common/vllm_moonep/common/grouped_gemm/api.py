@@ -193,39 +193,29 @@ def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:
 
 
 #: Where quack-kernels' varlen GEMM (``impl="quack"``) was measured faster than the Triton kernels,
-#: so ``impl="auto"`` takes it there (when it can run) instead of keeping our own kernels: a set of
-#: regimes ``(H, I, rows_per_group_bucket(NvS, G))``, from ``python -m vllm_moonep.tools.bench_experts
-#: --shapes kimi-k2,qwen3-30b-a3b --tokens 1,16,256,1024,4096 --rep 20`` on an H200 (its quack column,
-#: CUDA-graph times; a regime is listed when quack beat Triton at every point of it, both routings;
-#: the tool prints the regimes that qualify). 2026-11-30, quack-kernels 0.6.5: Qwen3 at 1024 and 4096
-#: tokens per rank of EP=8 (154-165 us against 198-200; 474-503 against 571-624), Kimi-K2 at 4096
-#: (4705-5204 against 5423-5579). Decode and mid sizes stay on Triton (quack 1.2-1.6x slower there).
-QUACK_FASTER: frozenset[tuple[int, int, int]] = frozenset({(2048, 768, 128), (2048, 768, 256), (7168, 2048, 128)})
+#: so ``impl="auto"`` takes it there (when it can run and the caller passes the step's tokens)
+#: instead of keeping our own kernels: ``(H, I) -> tokens per rank from which on``. From
+#: ``python -m vllm_moonep.tools.bench_experts --shapes kimi-k2,qwen3-30b-a3b --tokens 1,16,256,1024,4096
+#: --rep 20`` on an H200 (its quack column, CUDA-graph times; the tool prints, per shape, the smallest
+#: measured token count from which quack beat Triton at every measured point, both routings).
+#: 2026-11-30, quack-kernels 0.6.5: Qwen3 at 1024 and 4096 tokens (154-165 us against 198-200;
+#: 474-503 against 571-624), Kimi-K2 at 4096 (4705-5204 against 5423-5579); decode and mid sizes
+#: stay on Triton (quack 1.2-1.6x slower there). Keyed by tokens, not by the buffer's rows: NvS
+#: carries slack that depends on E/R and B, the tokens do not.
+QUACK_FROM_TOKENS: dict[tuple[int, int], int] = {(2048, 768): 1024, (7168, 2048): 4096}
 
 
-def rows_per_group_bucket(rows: int, groups: int) -> int:
-    """The regime's row part: the power of two at or above ``rows / groups`` (``rows``: the
-    buffer's ``NvS``, sized from the token capacity; ``groups``: ``E + B``)."""
-    per = max(1, -(-rows // max(1, groups)))
-    return 1 << (per - 1).bit_length()
-
-
-def quack_regime(x: torch.Tensor, w: GroupedWeights) -> tuple[int, int, int]:
-    """``(H, I, bucket)``: the key of ``QUACK_FASTER`` for these rows and weights."""
-    return (w.hidden, w.intermediate, rows_per_group_bucket(int(x.shape[0]), w.num_groups))
-
-
-def _resolve_auto(x: torch.Tensor, w: GroupedWeights) -> tuple[str, str]:
-    """``(impl, why)`` of ``impl="auto"``: quack where ``QUACK_FASTER`` says it was measured faster
-    (and it runs here), else triton, else grouped_mm, else reference."""
-    regime = quack_regime(x, w)
+def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None) -> tuple[str, str]:
+    """``(impl, why)`` of ``impl="auto"``: quack where ``QUACK_FROM_TOKENS`` says it was measured
+    faster (and it runs here), else triton, else grouped_mm, else reference."""
     note = ""
-    if regime in QUACK_FASTER:
+    start = QUACK_FROM_TOKENS.get((w.hidden, w.intermediate))
+    if start is not None and tokens is not None and tokens >= start:
         why_not = quack_unusable(x, w)
         if why_not is None:
-            return "quack", (f"quack-kernels was measured faster than the Triton kernels at H={regime[0]}, "
-                             f"I={regime[1]}, {regime[2]} rows per group (QUACK_FASTER)")
-        note = f"; quack was measured faster at this regime but cannot run: {why_not}"
+            return "quack", (f"quack-kernels was measured faster than the Triton kernels at H={w.hidden}, "
+                             f"I={w.intermediate} from {start} tokens per rank (QUACK_FROM_TOKENS)")
+        note = f"; quack was measured faster at this shape and step size but cannot run: {why_not}"
     why_not_triton = _triton_unusable(x)
     if why_not_triton is None:
         return "triton", "the Triton kernels run here" + note
@@ -234,14 +224,15 @@ def _resolve_auto(x: torch.Tensor, w: GroupedWeights) -> tuple[str, str]:
     return "reference", why_not_triton + "; torch._grouped_mm cannot take these rows or weights" + note
 
 
-def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights) -> str:
-    """The implementation ``impl`` runs as. ``auto`` says once per process (per distinct outcome)
-    which one it took and why; an explicit ``impl`` that cannot run raises ``MoonEPInputError`` with
-    the reason (the import error, the device), never falls back to another."""
+def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights, tokens: int | None = None) -> str:
+    """The implementation ``impl`` runs as (``tokens``: the step's tokens per rank, where known).
+    ``auto`` says once per process (per distinct outcome) which one it took and why; an explicit
+    ``impl`` that cannot run raises ``MoonEPInputError`` with the reason (the import error, the
+    device), never falls back to another."""
     if impl not in IMPLS:
         raise MoonEPInputError(f"expert_ffn: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        cand, why = _resolve_auto(x, w)
+        cand, why = _resolve_auto(x, w, tokens)
         say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")
         return cand
     reason = impl_unusable(impl, x, w)
@@ -264,7 +255,8 @@ def expert_ffn(
 ) -> torch.Tensor:
     """The MoonEP expert compute: ``[NvS, H]`` rows in, ``[NvS, H]`` rows out (see the package doc).
     ``tokens``: the step's tokens per rank (before padding), where the caller knows it: the Triton
-    kernels pick their tiles by it (``None``: by the row count ``NvS``). ``padded=False``: the
+    kernels pick their tiles by it (``None``: by the row count ``NvS``), and ``auto`` whether quack
+    runs it (``QUACK_FROM_TOKENS``; ``None``: Triton). ``padded=False``: the
     step has no padding tokens on any rank, so the Triton kernels need not look for tiles of
     weight-0 rows inside segments (results are the same either way)."""
     if x.dim() != 2 or x.shape[1] != weights.hidden:
@@ -287,7 +279,7 @@ def expert_ffn(
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype:
         raise MoonEPInputError(f"expert_ffn: out must be {list(x.shape)} {x.dtype}")
-    which = resolve_impl(impl, x, weights)
+    which = resolve_impl(impl, x, weights, tokens)
     if which == "reference":
         from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
 

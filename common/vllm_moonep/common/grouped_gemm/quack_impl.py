@@ -2,7 +2,7 @@
 ``pip install 'vllm-moonep[quack]'``). A third path beside the Triton kernels and the PoC's
 ``torch._grouped_mm``, kept so the three can be measured on the same rows
 (``tools/vllm_moonep/tools/bench_experts.py``) and ``impl="auto"`` can take it where it was
-measured faster (``api.QUACK_FASTER``).
+measured faster (``api.QUACK_FROM_TOKENS``).
 
 Like ``grouped_mm`` it takes the weights only when the used groups are the rows of one dense
 tensor (``GroupedWeights.dense_groups``: pool 0 row ``j`` serves group ``dense_groups[j]``, every
