@@ -143,6 +143,10 @@ def run_bare(o, x, ids, w, *, apply_on_input: bool = False, wr=None):
     pf, ex = o["pf"], o["experts"]
     a1q, scale, meta, ids2, w_nvs = pf.prepare(x, w, ids, o["E"], None, apply_on_input, FUSED_MOE_UNQUANTIZED_CONFIG)
     assert scale is None and ids2 is None and w_nvs.dim() == 1
+    # what our experts pick their kernels by travels in prepare's metadata (tiles, quack, tile skip)
+    st = pf.last
+    assert meta.step_tokens is not None and meta.step_tokens >= x.shape[0], meta
+    assert meta.padded == (st.num_tokens < st.capacity), (meta, st)
     y = torch.empty_like(a1q)
     ex.apply(y, a1q, o["w13_l"], o["w2_l"], w_nvs, ids, MoEActivation.SILU, o["E"], None, None, None,
              torch.empty(0, device=x.device), torch.empty(0, device=x.device), meta, apply_on_input)

@@ -22,6 +22,7 @@ with ``reset``). Constructors accept and ignore extra keyword arguments (vLLM's 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -53,6 +54,15 @@ __all__ = [
 ]
 
 log = logging.getLogger("vllm_moonep.vllm")
+
+
+@dataclasses.dataclass
+class MoonEPTokensMetadata(mk.ExpertTokensMetadata):
+    """vLLM's per-expert row counts plus what our experts pick their kernels by; the modular kernel
+    hands prepare's metadata to the experts unchanged."""
+
+    step_tokens: int | None = None  # the step's tokens per rank (the max over DP ranks)
+    padded: bool = True  # this rank's tokens do not fill the buffer (weight-0 rows inside segments)
 
 
 def dp_max_num_tokens() -> int | None:
@@ -222,7 +232,8 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._state = state
         self.last = state.info()
         rows = torch.diff(cu, prepend=cu.new_zeros(1))
-        meta = mk.ExpertTokensMetadata(expert_num_tokens=rows, expert_num_tokens_cpu=None)
+        meta = MoonEPTokensMetadata(expert_num_tokens=rows, expert_num_tokens_cpu=None, step_tokens=n,
+                                    padded=state.num_tokens < state.capacity)
         # No per-row top-k ids after dispatch; route weights come back in row order.
         return x_nvsh, None, meta, None, w_nvs
 
@@ -383,4 +394,8 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
             # The weight was folded into the input rows before dispatch: real rows get 1 (vLLM's
             # own prepare still ships the original weight), padding and sanitized invalid ids keep 0.
             route_w = (route_w != 0).to(route_w.dtype)
-        expert_ffn(hidden_states, route_w, cu, lay.grouped_weights(), impl=self.impl, out=output)
+        # the step's tokens and whether it was padded, from our prepare (the MoE step passes the same):
+        # the Triton kernels' tiles, quack's regimes and the weight-0 tile skip follow them
+        expert_ffn(hidden_states, route_w, cu, lay.grouped_weights(), impl=self.impl, out=output,
+                   tokens=getattr(expert_tokens_meta, "step_tokens", None),
+                   padded=getattr(expert_tokens_meta, "padded", True))
