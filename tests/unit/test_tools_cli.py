@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_moonep.tools import ab, balance, memory_projection
+from vllm_moonep.tools import ab, balance, memory_projection, profile_step
 
 
 def _error(capsys, fn, argv) -> str:
@@ -145,3 +145,18 @@ def test_balance_reports_requested_and_achieved_skew(capsys):
     assert "--ranks 3 does not divide --experts 64" in _error(capsys, balance.main, ["--ranks", "3"])
     assert "--intermediate 100 is not a multiple of 128" in _error(capsys, balance.main, ["--intermediate", "100"])
     assert "must be >= 0" in _error(capsys, balance.main, ["--maxvio", "-1"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--ranks", "3"], "--ranks 3 must be positive and divide the tiny preset's 32 experts"),
+    (["--tokens", "0"], "--tokens, --steps and --iters must be positive"),
+    (["--layout", "shared"], "invalid choice: 'shared'"),
+])
+def test_profile_step_refuses_bad_flags_before_spawning(capsys, monkeypatch, argv, needle):
+    """A profile whose ranks fail after spawning (E not divisible, zero tokens) instead of a sentence."""
+    def no_spawn(*a, **k):
+        raise AssertionError("ranks were spawned for a command line that cannot run")
+
+    monkeypatch.setattr(profile_step, "run_on_ranks", no_spawn)
+    msg = _error(capsys, profile_step.main, argv)
+    assert needle in msg, msg
