@@ -10,8 +10,10 @@ row, whichever rank it goes to). Anchors, on that payload split evenly over the 
 symmetric buffer followed by a device barrier. Every time is the slowest rank's median over
 ``--iters`` calls, host-timed (barrier, synchronize, call, synchronize) and device-timed (CUDA
 events around the call); ``graph`` is one replay of a CUDA graph holding dispatch + combine
-(symmetric transport). Ratios are engine / anchor (host-timed). ``--profile`` prints the top
-kernels of one dispatch on rank 0.
+(symmetric transport). Ratios are engine / anchor (host-timed); the "paired" ratios take an
+``all_to_all_single`` timed in every iteration right after that iteration's dispatch and combine
+(median of the per-iteration ratios), which cancels the machine's drift over a run.
+``--profile`` prints the top kernels of one dispatch on rank 0.
 """
 
 from __future__ import annotations
@@ -159,17 +161,29 @@ def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, pro
         dispatch()
         combine()
 
-    # dispatch then combine, each timed on its own (combine needs the plan of the dispatch before)
-    d_host, d_dev, c_host, c_dev = [], [], [], []
+    # dispatch then combine, each timed on its own (combine needs the plan of the dispatch before),
+    # then one plain all_to_all_single of the same payload: the paired anchor, measured in the same
+    # iteration, so that drift of the machine over the run (the separate anchor below read 47-113 us
+    # at 1 token between runs) cancels in the per-iteration ratios
+    send, splits = _payload(S, K, H, dev)
+    recv = torch.empty_like(send)
+
+    def a2a():
+        dist.all_to_all_single(recv, send, splits, splits)
+
+    d_host, d_dev, c_host, c_dev, a_host, d_ratio, c_ratio = [], [], [], [], [], [], []
     for i in range(warmup + iters):
         hd = _time(dispatch, dev, 1, 0)
         hc = _time(combine, dev, 1, 0)
+        ha = _time(a2a, dev, 1, 0)
         if i >= warmup:
-            d_host.append(hd[0]), c_host.append(hc[0])
+            d_host.append(hd[0]), c_host.append(hc[0]), a_host.append(ha[0])
+            d_ratio.append(hd[0] / ha[0]), c_ratio.append(hc[0] / ha[0])
             if hd[1] is not None:
                 d_dev.append(hd[1]), c_dev.append(hc[1])
     res = {"dispatch": (statistics.median(d_host), statistics.median(d_dev) if d_dev else None),
            "combine": (statistics.median(c_host), statistics.median(c_dev) if c_dev else None),
+           "paired": (statistics.median(a_host), statistics.median(d_ratio), statistics.median(c_ratio)),
            "transport": buf.transport_name}
     res["graph"] = None
     if dev.type == "cuda" and buf.transport_name == "symmetric":
@@ -263,6 +277,11 @@ def main(argv=None) -> int:
                 for key in ("dispatch", "combine", "graph", "a2a", "copies"):
                     row[f"{key}_us"] = None if _worst(res, key, 0) is None else _worst(res, key, 0) * 1e6
                     row[f"{key}_dev_us"] = None if _worst(res, key, 1) is None else _worst(res, key, 1) * 1e6
+                # paired anchor: the slowest rank's median a2a of the same iterations, and the largest
+                # over ranks of each rank's median per-iteration ratio
+                row["a2a_paired_us"] = _worst(res, "paired", 0) * 1e6
+                row["dispatch_over_a2a_paired"] = _worst(res, "paired", 1)
+                row["combine_over_a2a_paired"] = _worst(res, "paired", 2)
                 rows.append(row)
                 if a.profile and is_driver():
                     if res[0]["profile"]:
@@ -286,9 +305,12 @@ def main(argv=None) -> int:
            else "eager calls launch each kernel") + (", fast launch" if FAST_LAUNCH else ", Triton's ordinary launch")
     print(f"built-in engine ({transport} transport; on GPUs {how}), {a.preset} (H={H}, E={E}, K={K}), {a.ranks} "
           f"ranks on {a.device} over {launch.backend}; us = slowest rank's median, host-timed (device-timed)")
+    print("paired = an all_to_all_single timed in each iteration right after dispatch and combine: median of "
+          "the per-iteration ratios (largest over ranks) and of the paired a2a times")
     print("| tokens/rank | maxvio | payload MB | dispatch us | combine us | graph d+c us | all_to_all us | "
-          "one-sided copies us | dispatch/a2a | combine/a2a | dispatch GB/s | slots used |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "one-sided copies us | dispatch/a2a | combine/a2a | paired a2a us | dispatch/a2a paired | "
+          "combine/a2a paired | dispatch GB/s | slots used |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def cell(r, k):
         h, d = r[f"{k}_us"], r[f"{k}_dev_us"]
@@ -300,7 +322,8 @@ def main(argv=None) -> int:
         a2a = r["a2a_us"]
         print(f"| {r['tokens']} | {r['maxvio']:.1f} | {r['payload_MB']:.1f} | {cell(r, 'dispatch')} | {cell(r, 'combine')} | "
               f"{cell(r, 'graph')} | {cell(r, 'a2a')} | {cell(r, 'copies')} | {r['dispatch_us'] / a2a:.2f} | "
-              f"{r['combine_us'] / a2a:.2f} | {r['payload_MB'] * 1e6 / (r['dispatch_us'] * 1e-6) / 1e9:.1f} | "
+              f"{r['combine_us'] / a2a:.2f} | {r['a2a_paired_us']:.0f} | {r['dispatch_over_a2a_paired']:.2f} | "
+              f"{r['combine_over_a2a_paired']:.2f} | {r['payload_MB'] * 1e6 / (r['dispatch_us'] * 1e-6) / 1e9:.1f} | "
               f"{r['slots_used']} |")
     if a.json:
         with open(a.json, "w") as f:
