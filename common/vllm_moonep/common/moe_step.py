@@ -57,6 +57,13 @@ class DispatchState:
     topk: int
     cu_seqlens: torch.Tensor
 
+    @property
+    def padded(self) -> bool:
+        """This rank's rows hold padding entries: its tokens do not fill the buffer (other ranks'
+        padding reaches it only where the plan moves part of their pad expert here: those rows are
+        then computed, with the same result)."""
+        return self.num_tokens < self.capacity
+
     def info(self) -> StepInfo:
         return StepInfo(self.capacity, self.num_tokens, self.cu_seqlens, self.plan.experts_to_copy,
                         self.capacity * self.topk)
@@ -187,11 +194,8 @@ class MoonEPMoE:
             self.pool, self.layout, hidden, topk_ids, topk_weights, n, timer=self.timer
         )
         with self.timer.phase("experts"):
-            # this rank's rows hold padding entries unless its own count fills the buffer (other
-            # ranks' padding reaches it only where the plan moves part of their pad expert here:
-            # then those rows are computed, with the same result)
-            padded = state.num_tokens < state.capacity
-            y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n, padded=padded)
+            y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n,
+                           padded=state.padded)
         with self.timer.phase("combine"):
             out = combine_rows(state, y)
         self.last = state.info()

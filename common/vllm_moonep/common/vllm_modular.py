@@ -233,7 +233,7 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.last = state.info()
         rows = torch.diff(cu, prepend=cu.new_zeros(1))
         meta = MoonEPTokensMetadata(expert_num_tokens=rows, expert_num_tokens_cpu=None, step_tokens=n,
-                                    padded=state.num_tokens < state.capacity)
+                                    padded=state.padded)
         # No per-row top-k ids after dispatch; route weights come back in row order.
         return x_nvsh, None, meta, None, w_nvs
 

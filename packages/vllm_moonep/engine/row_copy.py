@@ -103,8 +103,7 @@ def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | 
              rows_per_source, row_elems, cu, w, E, TABLE=table is not None, LIVE=live is not None, CHUNK=_CHUNK,
              BLOCK=4096, num_warps=8)
         return
-    used = [(b, e) for b, e in enumerate(live_slot_ids(slot_ids.tolist(), live))]
-    used = [(b, e) for b, e in used if e >= 0]
+    used = [(b, e) for b, e in enumerate(live_slot_ids(slot_ids.tolist(), live)) if e >= 0]
     if not used:
         return
     if src is None:

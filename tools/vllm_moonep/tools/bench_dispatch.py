@@ -30,41 +30,13 @@ from vllm_moonep.engine import TRANSPORTS, Buffer, current_cuda_device, default_
 from vllm_moonep.testing.launch import (add_launch_arguments, finish_launched_group, is_driver, resolve_launch,
                                         run_on_ranks, shutdown_pools)
 from vllm_moonep.testing.routing import route, sigma_for_maxvio
+from vllm_moonep.tools.timing import capture_graph, sync_device, timed_median
 
 SHAPES = {  # hidden size, experts, top-k
     "qwen3-30b-a3b": (2048, 128, 8),
     "deepseek-v3": (7168, 256, 8),
     "kimi-k2": (7168, 384, 8),
 }
-
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _time(fn, dev, iters, warmup, barrier=True):
-    """``(host median s, device median s or None)`` of ``fn()``; every rank calls it together."""
-    host, device = [], []
-    cuda = dev.type == "cuda"
-    for i in range(warmup + iters):
-        if barrier:
-            dist.barrier()
-        _sync(dev)
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            e1.record()
-        _sync(dev)
-        t1 = time.perf_counter()
-        if i >= warmup:
-            host.append(t1 - t0)
-            if cuda:
-                device.append(e0.elapsed_time(e1) / 1e3)
-    return statistics.median(host), (statistics.median(device) if device else None)
 
 
 def _payload(S, K, H, dev):
@@ -75,12 +47,17 @@ def _payload(S, K, H, dev):
     return send, [n // R + (1 if q < n % R else 0) for q in range(R)]
 
 
-def time_all_to_all(S, K, H, dev, iters, warmup):
-    """``(host median s, device median s or None)`` of one plain ``all_to_all_single`` of a
-    dispatch's payload: the anchor every engine figure is compared with (also moonep-ab's)."""
+def all_to_all_call(S, K, H, dev):
+    """One plain ``all_to_all_single`` of a dispatch's payload, as a call: the anchor every engine
+    figure is compared with."""
     send, splits = _payload(S, K, H, dev)
     recv = torch.empty_like(send)
-    return _time(lambda: dist.all_to_all_single(recv, send, splits, splits), dev, iters, warmup)
+    return lambda: dist.all_to_all_single(recv, send, splits, splits)
+
+
+def time_all_to_all(S, K, H, dev, iters, warmup):
+    """``(host median s, device median s or None)`` of ``all_to_all_call`` (also moonep-ab's anchor)."""
+    return timed_median(all_to_all_call(S, K, H, dev), dev, iters, warmup)
 
 
 def _anchors(S, K, H, dev, iters, warmup):
@@ -106,7 +83,7 @@ def _anchors(S, K, H, dev, iters, warmup):
                 dst.copy_(src, non_blocking=True)
             heap.device_barrier()
 
-        out["copies"] = _time(copies, dev, iters, warmup)
+        out["copies"] = timed_median(copies, dev, iters, warmup)
         heap.free(h)
         heap.close()
     return out
@@ -119,7 +96,7 @@ def _host_profile(buf, x, w, ids, tpe, dev, calls=50):
     from vllm_moonep.engine.launch import Launcher
 
     dist.barrier()
-    _sync(dev)
+    sync_device(dev)
     Launcher.timings = {}
     t_d = t_c = 0.0
     try:
@@ -130,7 +107,7 @@ def _host_profile(buf, x, w, ids, tpe, dev, calls=50):
             buf.combine(d[3], d[0])
             t_c += time.perf_counter() - t1
             t_d += t1 - t0
-        _sync(dev)
+        sync_device(dev)
     finally:
         timings, Launcher.timings = Launcher.timings, None
     return {"dispatch_us": t_d / calls * 1e6, "combine_us": t_c / calls * 1e6,
@@ -165,17 +142,12 @@ def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, pro
     # then one plain all_to_all_single of the same payload: the paired anchor, measured in the same
     # iteration, so that drift of the machine over the run (the separate anchor below read 47-113 us
     # at 1 token between runs) cancels in the per-iteration ratios
-    send, splits = _payload(S, K, H, dev)
-    recv = torch.empty_like(send)
-
-    def a2a():
-        dist.all_to_all_single(recv, send, splits, splits)
-
+    a2a = all_to_all_call(S, K, H, dev)
     d_host, d_dev, c_host, c_dev, a_host, d_ratio, c_ratio = [], [], [], [], [], [], []
     for i in range(warmup + iters):
-        hd = _time(dispatch, dev, 1, 0)
-        hc = _time(combine, dev, 1, 0)
-        ha = _time(a2a, dev, 1, 0)
+        hd = timed_median(dispatch, dev, 1, 0)
+        hc = timed_median(combine, dev, 1, 0)
+        ha = timed_median(a2a, dev, 1, 0)
         if i >= warmup:
             d_host.append(hd[0]), c_host.append(hc[0]), a_host.append(ha[0])
             d_ratio.append(hd[0] / ha[0]), c_ratio.append(hc[0] / ha[0])
@@ -187,15 +159,8 @@ def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, pro
            "transport": buf.transport_name}
     res["graph"] = None
     if dev.type == "cuda" and buf.transport_name == "symmetric":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            both()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            both()
-        res["graph"] = _time(g.replay, dev, iters, warmup)
+        g = capture_graph(both)
+        res["graph"] = timed_median(g.replay, dev, iters, warmup)
         del g
     buf.check_errors(sync=True)
     plan = state["d"][3]
@@ -207,7 +172,7 @@ def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, pro
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with tprofile(activities=acts) as p:
             both()
-            _sync(dev)
+            sync_device(dev)
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         prof = p.key_averages().table(sort_by=key, row_limit=15)
     elif profile:

@@ -50,6 +50,7 @@ import torch
 
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.reference import relative_error
+from vllm_moonep.tools.timing import capture_graph
 
 SHAPES = {
     "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
@@ -95,18 +96,7 @@ def _bench(fn, warmup=25, rep=100):
 
 def _graphed(fn):
     """Capture ``fn`` in a CUDA graph (after two warm-up calls on a side stream); returns replay."""
-    cur = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(cur)
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    cur.wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
+    g = capture_graph(fn, warm_calls=2)
     return g.replay, g
 
 

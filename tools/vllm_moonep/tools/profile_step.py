@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -31,24 +28,11 @@ from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.engine.defaults import current_cuda_device, default_num_slots
 from vllm_moonep.testing.launch import run_on_ranks
 from vllm_moonep.tools.ab import PRESETS
+from vllm_moonep.tools.timing import capture_graph, timed_median
 
 __all__ = ["main", "profile_rank"]
 
 LAYOUTS = ("symmetric", "replicated")
-
-
-def _median_us(fn, n: int, cuda: bool) -> float:
-    ts = []
-    for _ in range(n):
-        dist.barrier()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
 
 
 def _kernel_table(fn, steps: int, cuda: bool) -> dict:
@@ -116,17 +100,10 @@ def profile_rank(preset: str, tokens: list[int], layout_kind: str, device: str, 
 
             for _ in range(3):
                 step()
-            res = {"eager_us": _median_us(step, iters, cuda), "eager": _kernel_table(step, steps, cuda)}
+            res = {"eager_us": timed_median(step, dev, iters, 0)[0] * 1e6, "eager": _kernel_table(step, steps, cuda)}
             if cuda:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    step()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                res["graph_us"] = _median_us(graph.replay, iters, cuda)
+                graph = capture_graph(step)
+                res["graph_us"] = timed_median(graph.replay, dev, iters, 0)[0] * 1e6
                 res["graph"] = _kernel_table(graph.replay, steps, cuda)
                 del graph
             points[T] = res
