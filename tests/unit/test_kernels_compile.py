@@ -44,15 +44,15 @@ def _kernels():
          dict(comb_x=bf16, comb_w="*fp32", out=bf16, out_w="*fp32", S=i32, K=i32, H=i32, n_prog=i32),
          dict(HAS_W=True, K_PAD=8, BLOCK_H=2048)),
         ("copy_rows(table)", row_copy._kernel().fn,
-         dict(ids="*i32", dst=bf16, src=bf16, table="*i64", rows_per_source=i32, row_elems=i64, cu="*i32",
-              w="*fp32", E=i32), dict(TABLE=True, LIVE=True, CHUNK=65536, BLOCK=4096)),
+         dict(ids="*i32", dst=bf16, src=bf16, table="*i64", rows_per_source=i32, row_elems=i64, n_chunks=i32, B=i32,
+              cu="*i32", w="*fp32", E=i32, n_prog=i32), dict(TABLE=True, LIVE=True, B_PAD=256, CHUNK=65536, BLOCK=4096)),
         ("pad_and_count", pad_kernel._kernel().fn,
          dict(x=bf16, sx0=i32, sx1=i32, ids="*i64", si0=i32, si1=i32, w="*fp32", sw0=i32, sw1=i32, xo=bf16, io="*i32",
               wo="*fp32", tpe="*i32", s=i32, cap=i32, H=i32, K=i32, E=i32, pad_expert=i32),
          dict(ROWS=4, K_P=8, E_P=512, BLOCK_H=2048)),
         ("copy_rows(tensor)", row_copy._kernel().fn,
-         dict(ids="*i32", dst=bf16, src=bf16, table="*i32", rows_per_source=i32, row_elems=i64, cu="*i32",
-              w=bf16, E=i32), dict(TABLE=False, LIVE=False, CHUNK=65536, BLOCK=4096)),
+         dict(ids="*i32", dst=bf16, src=bf16, table="*i32", rows_per_source=i32, row_elems=i64, n_chunks=i32, B=i32,
+              cu="*i32", w=bf16, E=i32, n_prog=i32), dict(TABLE=False, LIVE=False, B_PAD=256, CHUNK=65536, BLOCK=4096)),
     ]
     # the device planner at Kimi-K2 shape (R=8, E=384, S*K = 65536 entries), with the constexprs
     # the planner itself chooses
