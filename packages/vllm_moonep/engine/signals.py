@@ -6,14 +6,17 @@ also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
     table [7, R] i64   address of buffer T_* on rank d (rows below), loaded and cast to a pointer
     sig [3, R] i64     sig[phase, src] on this rank: programs of src that finished writing here
 
-    writer program:  its stores -> barrier -> atomic +1 on sig[phase, me] of each peer (release, sys)
+    every program:   its stores -> barrier -> +1 on a launch-local ticket (acq_rel, sys: carries
+                     its stores, to any GPU, to whoever reads the ticket after it)
+    last program:    the one that finds the ticket at programs - 1: atomic +1 on sig[phase, me] of
+                     each peer (release, sys), once for the whole launch, then waits for the peers
     waiter:          acquire-reads sig[phase, :] until every source reached its target, bounded by
                      %globaltimer; a time-out writes the error board (first failure wins) and returns
-    last program:    a launch-local ticket picks the one program that finishes after all others
-                     (the one that then waits for the peers, so no separate waiting launch)
 
-Counters only grow (targets are ``epoch * programs``, with ``epoch`` on the device so replayed CUDA
-graphs keep counting), so a signal of the next step is never taken for this one's.
+One signal per launch and peer, not per program: 128 programs each adding to the same word of a
+peer's symmetric memory serialized there (a decode step's row launch spent most of its ~17 us on
+them). Counters only grow (targets are ``epoch``, on the device so replayed CUDA graphs keep
+counting), so a signal of the next step is never taken for this one's.
 """
 
 from __future__ import annotations
@@ -93,10 +96,12 @@ def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, R_PAD: tl.con
 
 @triton.jit
 def last_to_arrive(ticket, n_prog):
-    """True in exactly one program of the launch: the last to get here (after its own writes and
-    signals). It resets the ticket for the next launch that uses it."""
+    """True in exactly one program of the launch: the last to get here (after its own writes). The
+    ticket's release/acquire are system-scoped, so every program's writes (also those into peers'
+    memory) happen before whatever the last program does next, such as signalling the peers. It
+    resets the ticket for the next launch that uses it."""
     tl.debug_barrier()
-    t = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+    t = tl.atomic_add(ticket, 1, sem="acq_rel", scope="sys")
     last = t == n_prog - 1
     if last:
         tl.store(ticket, 0)

@@ -6,11 +6,11 @@ A step's launches (the counts exchange runs inside the device planner's plan ker
 
     dispatch:  plan (put counts, wait, rules 1-4) [-> hist -> place, large batches]
                -> dispatch_rows: place (small batches) -> rows, weights, source ids into each
-                  destination's recv_* -> signal; this rank's real-row list, cu_seqlens;
-                  the last program waits for every peer's rows
-    combine:   combine_rows: each real row's output into its source's comb_* -> signal; the row
-                  becomes padding again (hidden 0, weight 0, source -1); the last program waits
-                  for every peer's outputs
+                  destination's recv_*; this rank's real-row list, cu_seqlens; the last
+                  program signals every peer once and waits for every peer's rows
+    combine:   combine_rows: each real row's output into its source's comb_*; the row becomes
+                  padding again (hidden 0, weight 0, source -1); the last program signals
+                  every peer once and waits for every peer's outputs
                -> reduce: out[t] = bf16(sum_k fp32 comb_x[t*K + k])
     clear_rows only when a dispatch follows a dispatch with no combine between (rows still real)
 
@@ -40,7 +40,8 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
     board. Only entries below ``n_move`` move (the rest are the caller's padding tokens: their rows
     keep reading 0, source -1). Also this rank's list of real rows (``real_rows[j]``: shard row of the ``j``-th real row,
     in segment order; -1 past the last) for combine, and the int32 ``cu_seqlens``. The last program
-    to finish waits (bounded) until every peer signalled that its rows landed."""
+    to finish signals every peer (once for the launch) and waits (bounded) until every peer
+    signalled that its rows landed."""
     pid = tl.program_id(0)
     count_epoch(epoch, PH_COUNTS)  # the plan launch waited on the old value: the next step waits on this one
     # this rank's real rows, segment by segment (rows arrive from the peers meanwhile)
@@ -54,11 +55,17 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
     if pid == 0:
         tl.store(cu32 + g, end.to(tl.int32), mask=gm)
     c = tl.arange(0, CHUNK)
-    for q in range(pid, G, n_prog):
-        sel = g == q
+    # the non-empty segments this program lists (segment q belongs to program q % n_prog): a
+    # decode step has a few among E+B, and a loop over all of them cost each program 3
+    # reductions per segment (~15 us at E+B=768)
+    mine = (ln > 0) & (g % n_prog == pid)
+    rank_in = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    for jq in range(0, tl.sum(mine.to(tl.int32), axis=0)):
+        sel = mine & (rank_in == jq)
         n = tl.sum(tl.where(sel, ln, 0), axis=0)
-        rs = tl.sum(tl.where(sel, real_start, 0), axis=0)
-        ps = tl.sum(tl.where(sel, pad_start, 0), axis=0)
+        both = tl.sum(tl.where(sel, real_start.to(tl.int64) * 4294967296 + pad_start, 0), axis=0)  # one reduction, two values
+        rs = both // 4294967296
+        ps = both % 4294967296
         for t0 in range(0, n, CHUNK):
             tm = t0 + c < n
             tl.store(real_rows + rs + t0 + c, (ps + t0 + c).to(tl.int32), mask=tm)
@@ -89,10 +96,10 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
             tl.store(xb[:, None] + r[:, None] * H + h0 + h[None, :], v, mask=m2)
         tl.store(wb + r, tl.load(w + i, mask=ok), mask=ok)
         tl.store(sb + r, (me * n_entries + i).to(tl.int32), mask=ok)
-    signal(table, R, me, PH_DISPATCH, tl.arange(0, R_PAD) >= 0, R_PAD)
-    if last_to_arrive(ticket, n_prog):
+    if last_to_arrive(ticket, n_prog):  # every program's rows are written: one signal per peer
+        signal(table, R, me, PH_DISPATCH, tl.arange(0, R_PAD) >= 0, R_PAD)
         ep = tl.load(epoch + PH_DISPATCH) + 1
-        wait(sig, PH_DISPATCH, R, ep * n_prog, ep, board, C_WAIT_ROWS, timeout_ns, R_PAD)
+        wait(sig, PH_DISPATCH, R, ep, ep, board, C_WAIT_ROWS, timeout_ns, R_PAD)
         tl.store(epoch + PH_DISPATCH, ep)
 
 
@@ -104,7 +111,10 @@ def combine_rows_kernel(y, yw, recv_x, recv_w, recv_src, real_rows, table, board
     entry index (and its route weight, when asked); the row then reads as padding again (hidden 0,
     weight 0, source -1: what the next dispatch expects of every row it does not write; ``y`` may
     be ``recv_x`` itself, each element is read before the same thread zeroes it). The last program
-    to finish waits (bounded) until every peer's outputs for this rank landed."""
+    to finish signals every peer (once for the launch) and waits (bounded) until every peer's
+    outputs for this rank landed. A tile none of whose rows was moved (a decode step's padding
+    tokens: their rows stay padding, source -1) runs no row loop (a fifth of the instructions of a
+    padded 128-token step with 1 real token)."""
     pid = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, ROWS)
@@ -118,7 +128,8 @@ def combine_rows_kernel(y, yw, recv_x, recv_w, recv_src, real_rows, table, board
         src = tl.where(ok, s // SK, 0)
         i = (s % SK).to(tl.int64)
         cb = tl.load(table + T_CX * R + src, mask=ok, other=0).to(y.dtype)
-        for h0 in range(0, H, BLOCK_H):
+        h_end = tl.where(tl.max(ok.to(tl.int32), axis=0) > 0, H, 0)  # a loop bound, not a branch around the loop
+        for h0 in range(0, h_end, BLOCK_H):
             m2 = ok[:, None] & (h0 + h < H)[None, :]
             v = tl.load(y + r[:, None] * H + h0 + h[None, :], mask=m2)
             tl.store(cb[:, None] + i[:, None] * H + h0 + h[None, :], v, mask=m2)
@@ -129,10 +140,10 @@ def combine_rows_kernel(y, yw, recv_x, recv_w, recv_src, real_rows, table, board
             tl.store(wb + i, tl.load(yw + r, mask=ok), mask=ok)
         tl.store(recv_w + r, tl.zeros([ROWS], tl.float32), mask=ok)
         tl.store(recv_src + r, tl.full([ROWS], -1, tl.int32), mask=ok)
-    signal(table, R, me, PH_COMBINE, tl.arange(0, R_PAD) >= 0, R_PAD)
-    if last_to_arrive(ticket, n_prog):
+    if last_to_arrive(ticket, n_prog):  # every program's rows are written: one signal per peer
+        signal(table, R, me, PH_COMBINE, tl.arange(0, R_PAD) >= 0, R_PAD)
         ep = tl.load(epoch + PH_COMBINE) + 1
-        wait(sig, PH_COMBINE, R, ep * n_prog, ep, board, C_WAIT_OUTPUTS, timeout_ns, R_PAD)
+        wait(sig, PH_COMBINE, R, ep, ep, board, C_WAIT_OUTPUTS, timeout_ns, R_PAD)
         tl.store(epoch + PH_COMBINE, ep)
 
 

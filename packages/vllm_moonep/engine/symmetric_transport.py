@@ -146,8 +146,8 @@ class SymmetricTransport:
         self._host_epoch = [0, 0, 0]
         self.board = ErrorBoard(self.device, rank=rank, world_size=R, timeout_s=self.timeout_s,
                                 what=f"MoonEP buffer S={S} (symmetric transport)")
-        # the same on every rank (each program signals once per step: the waits count programs);
         # the contract's num_sms (SMs for communication) becomes PROGRAMS_PER_SM light programs each
+        # (a launch signals each peer once, from its last program: ranks may differ here)
         self.programs = max(1, int(num_sms) * PROGRAMS_PER_SM) if num_sms else DEFAULT_PROGRAMS
         if self.on_gpu:
             table = [[self.peer[name][d].data_ptr() for d in range(R)] for name, _, _ in specs]
