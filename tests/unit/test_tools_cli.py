@@ -160,3 +160,13 @@ def test_profile_step_refuses_bad_flags_before_spawning(capsys, monkeypatch, arg
     monkeypatch.setattr(profile_step, "run_on_ranks", no_spawn)
     msg = _error(capsys, profile_step.main, argv)
     assert needle in msg, msg
+
+
+@pytest.mark.parametrize("spec", ["kimi-k2", "kimi:1024", "kimi-k2:0", "kimi-k2:x"])
+def test_bench_experts_profile_case_is_checked_before_cuda(capsys, spec):
+    """`bench_experts --profile-case kimi:1024` (the program ncu wraps) said "needs a CUDA GPU" on a
+    typo, or ran a whole sweep on the profiler when the case did not parse."""
+    from vllm_moonep.tools import bench_experts
+
+    msg = _error(capsys, bench_experts.main, ["--profile-case", spec])
+    assert "--profile-case must be SHAPE:TOKENS" in msg and "kimi-k2" in msg, msg

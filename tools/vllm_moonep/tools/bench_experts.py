@@ -273,6 +273,33 @@ def _quack_version() -> str | None:
         return None
 
 
+def _profile_case(shape: str, tokens: int) -> int:
+    """One point of the sweep (rank 0 of EP=8, balanced), its Triton kernels run four times with the
+    tiles the sweep uses, nothing timed: what ``--profile-case`` hands a profiler."""
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.common.grouped_gemm import triton_kernels as tk
+
+    dev = torch.device("cuda")
+    shp = SHAPES[shape]
+    H, I, E = shp["H"], shp["I"], shp["E"]
+    G = E + default_num_slots(E, R)
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    weights = GroupedWeights.contiguous(
+        torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5,
+        torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5,
+        torch.randn(G, H, I, device=dev, generator=gen, dtype=torch.bfloat16) * I**-0.5)
+    cu_h, real, nvs, _ = rank0_case(shp, tokens, 0.0)
+    x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7)
+    conf = tk.select_config(H, I, nvs, G)
+    print(f"# {shape}, {tokens} tokens/rank: NvS {nvs}, real rows {int(real.sum())}, busy groups "
+          f"{int((real > 0).sum())}; tiles {conf}", flush=True)
+    out, act, cu = torch.empty_like(x), torch.empty(nvs, I, device=dev, dtype=torch.bfloat16), cu_h.to(dev)
+    for _ in range(4):
+        tk.expert_ffn_triton(x, rw, cu, weights, out=out, config=conf, act=act, padded=False)
+    torch.cuda.synchronize()
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -281,10 +308,21 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
     ap.add_argument("--quack-tuned", action="store_true",
                     help="quack column: quack's autotuner (compiles and times its config space per new shape: minutes)")
+    ap.add_argument("--profile-case", metavar="SHAPE:TOKENS", default=None,
+                    help="only run that point's Triton kernels (balanced routing) four times, untimed, and exit: "
+                         "the program a profiler wraps (ncu -k regex:_gate_up_kernel|_down_kernel --launch-skip 3 ...)")
     args = ap.parse_args(argv)
+    case = None
+    if args.profile_case is not None:
+        shape, _, tok = args.profile_case.partition(":")
+        if shape not in SHAPES or not tok.isdigit() or int(tok) < 1:
+            ap.error(f"--profile-case must be SHAPE:TOKENS with SHAPE in {sorted(SHAPES)}, got {args.profile_case!r}")
+        case = (shape, int(tok))
     if not torch.cuda.is_available():
         print("bench_experts: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if case is not None:
+        return _profile_case(*case)
     import triton
 
     from vllm_moonep.common.grouped_gemm import GroupedWeights
