@@ -17,6 +17,10 @@ import pytest
 from vllm_moonep.engine.multicast import disable_multicast_by_default
 
 disable_multicast_by_default()
+# GPU tests run several gloo ranks on one GPU (test_engine, test_moe_step, ...): PyTorch's symmetric
+# memory refuses their rendezvous unless told the overlap is meant. Spawned ranks inherit it, so
+# `pytest tests/distributed/test_engine.py -k cuda` no longer needs tools/gpu_suite.sh's export.
+os.environ.setdefault("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES", "1")
 
 
 def _cuda_count() -> int:
