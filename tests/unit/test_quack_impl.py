@@ -128,6 +128,23 @@ def test_auto_takes_quack_only_from_the_measured_tokens_on(fresh, caplog):
     assert len(said) == 1 and "QUACK_FROM_TOKENS" in said[0] and "from 64 tokens" in said[0], said
 
 
+def test_startup_line_names_each_auto_regime(fresh):
+    """The plugin's start-up line said kernel=triton for Kimi-K2 layers that take quack from 4096 tokens
+    per rank: it probed auto with 128x128 dummy weights and no step size."""
+    from vllm_moonep.vllm_plugin.checks import resolve_kernel
+
+    cpu = torch.device("cpu")
+    fresh.setattr(api, "QUACK_FROM_TOKENS", {(7168, 2048): 4096})
+    fresh.setattr(api, "_triton_unusable", lambda x: None)  # as on a GPU
+    fresh.setattr(api, "quack_unusable", lambda x, w: None)
+    assert resolve_kernel("auto", cpu, True, (7168, 2048)) == "triton below 4096 tokens per rank, quack from 4096"
+    assert resolve_kernel("auto", cpu, True, (2048, 768)) == "triton"  # a shape nobody measured
+    assert resolve_kernel("auto", cpu) == "triton"
+    assert resolve_kernel("triton", cpu, True, (7168, 2048)) == "triton"  # asked for: what was asked
+    fresh.setattr(api, "quack_unusable", lambda x, w: "quack-kernels does not import")
+    assert resolve_kernel("auto", cpu, True, (7168, 2048)) == "triton"
+
+
 def test_bench_names_where_quack_won_from_on():
     """The bench's summary naming a start where quack lost at a larger point, or a shape it never beat."""
     from vllm_moonep.tools.bench_experts import SHAPES, quack_from_tokens

@@ -241,21 +241,33 @@ def check_worker(opts: MoonEPOptions, device: torch.device) -> dict:
     return {"engine": engine, "heap": heap}
 
 
-def _dummy_weights(device: torch.device, dense: bool):
+def _dummy_weights(device: torch.device, dense: bool, H: int = 128, I: int = 128):
+    """One expert of zeros as the kernels' probes see it: ``[1, I, H]`` views of one element (the
+    probes read shapes, dtypes and devices, never the values), so a layer's real H and I cost no
+    memory."""
     from vllm_moonep.common.grouped_gemm import GroupedWeights
 
-    H = I = 128
     x = torch.zeros(1, H, dtype=torch.bfloat16, device=device)
-    gate = torch.zeros(1, I, H, dtype=torch.bfloat16, device=device)
-    down = torch.zeros(1, H, I, dtype=torch.bfloat16, device=device)
+    one = torch.zeros(1, 1, 1, dtype=torch.bfloat16, device=device)
+    gate, down = one.expand(1, I, H), one.expand(1, H, I)
     gw = GroupedWeights.contiguous(gate, gate, down)
     if not dense:  # a row source of several pools (peers' rows, a shared slot pool): no dense tensor
         gw = GroupedWeights(gw.gate, gw.up, gw.down, gw.group_pool, gw.group_row, None)
     return x, gw
 
 
-def resolve_kernel(impl: str, device: torch.device, dense: bool = True) -> str:
-    """The grouped GEMM ``impl`` runs as on ``device`` (``dense``: the layer's weights are one tensor)."""
-    from vllm_moonep.common.grouped_gemm import resolve_impl
+def resolve_kernel(impl: str, device: torch.device, dense: bool = True, shape: tuple[int, int] | None = None) -> str:
+    """The grouped GEMM ``impl`` runs as on ``device`` (``dense``: the layer's weights are one
+    tensor; ``shape``: its ``(H, I)``). For ``impl="auto"``, where the choice depends on the step's
+    tokens per rank (``api.QUACK_FROM_TOKENS``), each regime: ``"triton below 4096 tokens per
+    rank, quack from 4096"``."""
+    from vllm_moonep.common.grouped_gemm import auto_regimes, resolve_impl
 
-    return resolve_impl(impl, *_dummy_weights(device, dense))
+    probe = _dummy_weights(device, dense, *(shape or (128, 128)))
+    if impl != "auto":
+        return resolve_impl(impl, *probe)
+    regimes = auto_regimes(*probe)
+    if len(regimes) == 1:
+        return regimes[0][1]
+    (_, first), *rest = regimes
+    return f"{first} below {rest[0][0]} tokens per rank, " + ", ".join(f"{k} from {n}" for n, k in rest)

@@ -163,7 +163,8 @@ def _transport_text(opts: MoonEPOptions, engine: str, device: torch.device, buff
 
 
 def _kernel_text(opts: MoonEPOptions, device: torch.device) -> str:
-    kernels = Counter(resolve_kernel(opts.impl, device, getattr(lay, "dense_weights", True))
+    kernels = Counter(resolve_kernel(opts.impl, device, getattr(lay, "dense_weights", True),
+                                     (lay.hidden_size, lay.intermediate_size) if hasattr(lay, "hidden_size") else None)
                       for lay in STATE.built_layouts())
     if not kernels:
         kernels[resolve_kernel(opts.impl, device)] = 0

@@ -31,6 +31,7 @@ reference), and nothing downstream reads them.
 from vllm_moonep.common.grouped_gemm.api import (
     IMPLS,
     GroupedWeights,
+    auto_regimes,
     available_impls,
     expert_ffn,
     impl_unusable,
@@ -41,6 +42,7 @@ from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
 __all__ = [
     "IMPLS",
     "GroupedWeights",
+    "auto_regimes",
     "available_impls",
     "expert_ffn",
     "expert_ffn_reference",

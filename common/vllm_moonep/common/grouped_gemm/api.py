@@ -224,6 +224,18 @@ def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None) -> tup
     return "reference", why_not_triton + "; torch._grouped_mm cannot take these rows or weights" + note
 
 
+def auto_regimes(x: torch.Tensor, w: GroupedWeights) -> list[tuple[int, str]]:
+    """What ``impl="auto"`` runs for these rows and weights by the step's tokens per rank:
+    ``[(from_tokens, impl), ...]`` ascending from 0 (a step whose tokens are unknown runs the
+    first). Says nothing (``resolve_impl`` says what a real call took)."""
+    base, _ = _resolve_auto(x, w, None)
+    start = QUACK_FROM_TOKENS.get((w.hidden, w.intermediate))
+    if start is None:
+        return [(0, base)]
+    top, _ = _resolve_auto(x, w, start)
+    return [(0, base)] if top == base else [(0, base), (start, top)]
+
+
 def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights, tokens: int | None = None) -> str:
     """The implementation ``impl`` runs as (``tokens``: the step's tokens per rank, where known).
     ``auto`` says once per process (per distinct outcome) which one it took and why; an explicit
