@@ -4,7 +4,7 @@ Used by ``symmetric_kernels`` (rows and outputs) and by the device planner's pla
 also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
 
     table [7, R] i64   address of buffer T_* on rank d (rows below), loaded and cast to a pointer
-    sig [3, R] i64     sig[phase, src] on this rank: programs of src that finished writing here
+    sig [3, R] i64     sig[phase, src] on this rank: launches of src that finished writing here
 
     every program:   its stores -> barrier -> +1 on a launch-local ticket (acq_rel, sys: carries
                      its stores, to any GPU, to whoever reads the ticket after it)
@@ -13,10 +13,11 @@ also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
     waiter:          acquire-reads sig[phase, :] until every source reached its target, bounded by
                      %globaltimer; a time-out writes the error board (first failure wins) and returns
 
-One signal per launch and peer, not per program: 128 programs each adding to the same word of a
-peer's symmetric memory serialized there (a decode step's row launch spent most of its ~17 us on
-them). Counters only grow (targets are ``epoch``, on the device so replayed CUDA graphs keep
-counting), so a signal of the next step is never taken for this one's.
+One signal per launch and peer, not per program: R atomics on peers' counters per launch instead
+of R per program, and ranks need not agree on how many programs a launch has. (Measured on an
+H200, the signalling of a 128-program launch costs ~2-3 us either way; see docs/PERFORMANCE.md,
+sixth session.) Counters only grow (targets are ``epoch``, on the device so replayed CUDA graphs
+keep counting), so a signal of the next step is never taken for this one's.
 """
 
 from __future__ import annotations
