@@ -172,6 +172,12 @@ def aliasing_and_prefetch(E, B):
         layout.prefetch(None, SimpleNamespace(experts_to_copy=torch.full((R, B), E, dtype=torch.int32)))
     with pytest.raises(MoonEPInputError, match=r"\[R="):
         layout.prefetch(None, SimpleNamespace(experts_to_copy=torch.zeros(R + 1, B, dtype=torch.int32)))
+    # bad dispatched rows (an index error, or segments read past the table, without these checks)
+    good = SimpleNamespace(experts_to_copy=table)
+    for bad in ((cu[:-1], w), (cu.float(), w), (cu, w.double()), (cu, w[:, None]), cu, (cu, None)):
+        with pytest.raises(MoonEPInputError, match=r"rows must be \(cu_seqlens: int \[E\+B="):
+            layout.prefetch(None, good, rows=bad)
+    layout.prefetch(None, good, rows=(cu, w))  # still usable
     gw = layout.grouped_weights()
     assert gw.dense_groups is not None and gw.dense_groups.tolist() == list(range(r * epn, (r + 1) * epn)) + list(range(E, E + B))
     layout.destroy()

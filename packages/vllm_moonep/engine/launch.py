@@ -34,10 +34,24 @@ import torch
 
 from vllm_moonep.engine.defaults import say_once
 
-__all__ = ["FAST_LAUNCH", "Launcher"]
+__all__ = ["FAST_LAUNCH", "Launcher", "sm_count"]
 
 #: the runner path on by default; ``VLLM_MOONEP_FAST_LAUNCH=0`` keeps every launch ordinary
 FAST_LAUNCH = os.environ.get("VLLM_MOONEP_FAST_LAUNCH", "1") != "0"
+
+
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (read once per GPU), what persistent grids are sized by; 2 off
+    CUDA (the interpreter runs any grid)."""
+    if device.type != "cuda":
+        return 2
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def _arg_key(v) -> object:

@@ -31,21 +31,12 @@ __all__ = ["copy_rows", "address_table", "live_slot_ids"]
 _CHUNK = 1 << 16  # elements per work item (one chunk of one slot's row)
 _PROGRAMS_PER_SM = 4  # persistent programs per SM
 _BLOCK = 4096  # elements per load/store of a chunk, and weights per load of the live check
-_SMS: dict[int, int] = {}
 
 
 def address_table(tensors) -> torch.Tensor:
     """Device int64 table of the tensors' addresses (build once, outside graph capture)."""
     tensors = list(tensors)
     return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
-
-
-def _programs(device: torch.device, items: int) -> int:
-    """Persistent programs for ``items`` work items: ``_PROGRAMS_PER_SM`` per SM at most."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(items, _SMS[idx] * _PROGRAMS_PER_SM))
 
 
 def _kernel():
@@ -127,7 +118,9 @@ def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | 
             raise ValueError(f"copy_rows: a row of {row_elems} elements is beyond the kernel's int32 offsets")
         kern = _kernel()
         n_chunks = triton.cdiv(row_elems, _CHUNK)
-        n_prog = _programs(dst.device, B * n_chunks)
+        from vllm_moonep.engine.launch import sm_count
+
+        n_prog = max(1, min(B * n_chunks, sm_count(dst.device) * _PROGRAMS_PER_SM))  # persistent
         cu, w, E = live if live is not None else (slot_ids, dst, 0)
         kern((n_prog, 1, 1), slot_ids, dst, src if src is not None else dst, table if table is not None else slot_ids,
              rows_per_source, row_elems, n_chunks, B, cu, w, E, n_prog, TABLE=table is not None,

@@ -166,8 +166,7 @@ class SymmetricTransport:
             self._launch = {name: Launcher(getattr(k, f"{name}_kernel")) for name in _KERNELS}
             self.cu32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
             self._block_h = min(triton.next_power_of_2(H), 4096)
-            self._SK, self._RP, self._E_PAD, self._tmo = SK, triton.next_power_of_2(R), triton.next_power_of_2(E), \
-                self._timeout_ns()
+            self._SK, self._RP, self._tmo = SK, triton.next_power_of_2(R), self._timeout_ns()
             self._G = E + B
             self._G_PAD = triton.next_power_of_2(self._G)
             # the reduce: local work, enough programs to fill the GPU

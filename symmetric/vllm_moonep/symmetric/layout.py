@@ -393,7 +393,7 @@ class SymmetricWeightLayout:
         if not isinstance(etc, torch.Tensor) or etc.dim() != 2 or tuple(etc.shape) != (R, B):
             shape = list(etc.shape) if isinstance(etc, torch.Tensor) else type(etc).__name__
             raise MoonEPInputError(f"prefetch: plan.experts_to_copy must be [R={R}, B={B}], got {shape}")
-        live = None if rows is None else (rows[0], rows[1], self.num_experts)
+        live = None if rows is None else (*self._check_rows(rows), self.num_experts)
         if self._peer_tables is not None:  # GPU, every owner addressable: no host read
             mine = etc[self.rank]
             copy_rows(mine, self.slots_w13, table=self._peer_tables[0], rows_per_source=epn, live=live)
@@ -402,6 +402,23 @@ class SymmetricWeightLayout:
             self._prefetch_host(live_slot_ids(etc[self.rank].tolist(), live))
         if self.slot_pool is not None:
             self.slot_pool.holder = self
+
+    def _check_rows(self, rows: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prefetch``'s ``rows`` as the slot skip reads them, or a ``MoonEPInputError`` naming what is
+        wrong (shapes, dtypes and devices only: a value check would read the device)."""
+        G = self.num_experts + self.num_slots
+        pair = rows if isinstance(rows, tuple) and len(rows) == 2 else None
+        if pair is not None:
+            cu, w = pair
+            if (isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() == G and not cu.is_floating_point()
+                    and isinstance(w, torch.Tensor) and w.dim() == 1 and w.dtype == torch.float32
+                    and cu.device == w.device == self.device):
+                return cu, w
+        got = type(rows).__name__ if pair is None else "(" + ", ".join(
+            f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            for t in pair) + ")"
+        raise MoonEPInputError(f"prefetch: rows must be (cu_seqlens: int [E+B={G}], route_weights_nvs: float32 "
+                               f"[NvS]) on {self.device}, got {got}")
 
     def _prefetch_host(self, slots: list[int]) -> None:
         """Prefetch with the slot ids on the host: CPU ranks, and heaps that reach some owners

@@ -158,6 +158,15 @@ def rank0_case(shape: dict, tokens: int, sigma: float, seed: int = 0):
     return cu, real, nvs_rows(tokens, K, E, R, PAD), maxvio(tpe)
 
 
+def make_weights(H, I, G, dev):
+    """``(gate [G,I,H], up [G,I,H], down [G,H,I])`` bf16, seeded: every point and the profiled case
+    run the same weights."""
+    gen = torch.Generator(device=dev).manual_seed(1234)
+    return (torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5,
+            torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5,
+            torch.randn(G, H, I, device=dev, generator=gen, dtype=torch.bfloat16) * I**-0.5)
+
+
 def make_inputs(H, cu, real, nvs, dev, seed):
     g = torch.Generator(device=dev).manual_seed(seed)
     x = torch.zeros(nvs, H, device=dev, dtype=torch.bfloat16)
@@ -283,11 +292,7 @@ def _profile_case(shape: str, tokens: int) -> int:
     shp = SHAPES[shape]
     H, I, E = shp["H"], shp["I"], shp["E"]
     G = E + default_num_slots(E, R)
-    gen = torch.Generator(device=dev).manual_seed(1234)
-    weights = GroupedWeights.contiguous(
-        torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5,
-        torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5,
-        torch.randn(G, H, I, device=dev, generator=gen, dtype=torch.bfloat16) * I**-0.5)
+    weights = GroupedWeights.contiguous(*make_weights(H, I, G, dev))
     cu_h, real, nvs, _ = rank0_case(shp, tokens, 0.0)
     x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7)
     conf = tk.select_config(H, I, nvs, G)
@@ -344,13 +349,10 @@ def main(argv=None) -> int:
     tokens_list = [int(t) for t in args.tokens.split(",")]
     for sname in args.shapes.split(","):
         shp = SHAPES[sname]
-        H, I, E, K = shp["H"], shp["I"], shp["E"], shp["K"]
+        H, I, E = shp["H"], shp["I"], shp["E"]
         B = default_num_slots(E, R)
         G = E + B
-        gen = torch.Generator(device=dev).manual_seed(1234)
-        w_gate = (torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5)
-        w_up = (torch.randn(G, I, H, device=dev, generator=gen, dtype=torch.bfloat16) * H**-0.5)
-        w_down = (torch.randn(G, H, I, device=dev, generator=gen, dtype=torch.bfloat16) * I**-0.5)
+        w_gate, w_up, w_down = make_weights(H, I, G, dev)
         weights = GroupedWeights.contiguous(w_gate, w_up, w_down)
         prep = tk.prepare_weights(weights, dev)
         q_weights = w13 = None

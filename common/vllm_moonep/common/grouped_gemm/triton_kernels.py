@@ -61,6 +61,7 @@ import triton.language as tl
 
 from vllm_moonep.common.grouped_gemm.api import GroupedWeights
 from vllm_moonep.engine.errors import MoonEPInputError
+from vllm_moonep.engine.launch import sm_count
 
 log = logging.getLogger(__name__)
 
@@ -460,16 +461,6 @@ def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None 
     return DEFAULT_CONFIGS["compute"]
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,7 +476,7 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     I, H = act.shape[1], x.shape[1]
     G = int(cu.numel())
     (s_gn, s_gk), (s_un, s_uk), _ = prep.strides
-    grid = (max(1, _num_sms(x.device) * int(c.get("progs_per_sm", 1))),)
+    grid = (max(1, sm_count(x.device) * int(c.get("progs_per_sm", 1))),)
     return _gate_up_kernel[grid](
         x, route_w, cu, eff, prep.table, act,
         G, I, H, x.stride(0), act.stride(0),
@@ -500,7 +491,7 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
     I, H = act.shape[1], dst.shape[1]
     G = int(cu.numel())
     s_dn, s_dk = prep.strides[2]
-    grid = (max(1, _num_sms(act.device) * int(c.get("progs_per_sm", 1))),)
+    grid = (max(1, sm_count(act.device) * int(c.get("progs_per_sm", 1))),)
     return _down_kernel[grid](
         act, route_w, cu, eff, prep.table, dst,
         G, H, I, act.stride(0), dst.stride(0),
