@@ -176,3 +176,58 @@ def test_cuda_graph_capture_replay():
         assert not torch.isnan(got).any()
         ref = expert_ffn_float64(x, rw, cu, w)[:total2]
         assert _rel(got, ref) < TOL
+
+
+_TMA_TILES = {"gate_up": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 1},
+              "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1}}
+
+
+@pytest.mark.parametrize("ws", [False, True])
+@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
+def test_tensor_descriptor_loads(H, I, ws):
+    """Tensor-descriptor (TMA) loads reading other operands than the pointer loads: a wrong row or column
+    start, a descriptor of the wrong group or pool (a fused w13 viewed as gate/up, a second pool, -1 groups),
+    rows of the next group leaking into a tile's stored rows, or a captured launch losing its device-built
+    descriptors. Same tiles with and without TMA must give the same bits; both within TOL of float64."""
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.testing.reference import expert_ffn_float64
+
+    tk = _triton()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+
+    def r(*s, scale):
+        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    w13 = r(5, 2 * I, H, scale=H**-0.5)
+    d0 = r(5, H, I, scale=I**-0.5)
+    g1, u1, d1 = r(3, I, H, scale=H**-0.5), r(3, I, H, scale=H**-0.5), r(3, H, I, scale=I**-0.5)
+    pools = torch.tensor([0, 1, -1, 0, 0, 1, 0, 1], dtype=torch.int64)
+    rows = torch.tensor([4, 2, -1, 0, 3, 0, 1, 1], dtype=torch.int64)
+    lens = [33, 250, 0, 1, 700, 16, 129, 64]
+    w = GroupedWeights([w13[:, :I, :], g1], [w13[:, I:, :], u1], [d0, d1], pools, rows)
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128)
+    tma = {k: {**v, "tma": True, "ws": ws} for k, v in _TMA_TILES.items()}
+    out_ptr = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=out_ptr, config=_TMA_TILES)
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=tma)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:total], out_ptr[:total]), "TMA loads changed the output of the same tiles"
+    ref = expert_ffn_float64(x, rw, cu, w)[:total]
+    assert _rel(out[:total], ref) < TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=tma)
+    x.mul_(-1)  # new values behind the same addresses
+    out.fill_(float("nan"))
+    graph.replay()
+    tk.expert_ffn_triton(x, rw, cu, w, out=out_ptr, config=_TMA_TILES)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:total], out_ptr[:total]), "a replayed TMA launch differs from the pointer loads"

@@ -108,6 +108,8 @@ def _case_data(name: str):
     return x, rw, cu, w, n
 
 
+TMA_CONFIG: dict = {}  # the interpreter's tiles with "tma" (and "ws") on, set in the child
+
 CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "padded_segments", "weight0_block_inside",
          "float32"]
 
@@ -115,7 +117,10 @@ CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "
 def _child_main() -> None:
     import torch
 
-    from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton, interpreting
+    from vllm_moonep.common.grouped_gemm.triton_kernels import _INTERP_CONFIG, expert_ffn_triton, interpreting
+
+    global TMA_CONFIG
+    TMA_CONFIG = {k: {**v, "tma": True, "ws": True} for k, v in _INTERP_CONFIG.items()}
     from vllm_moonep.testing.reference import expert_ffn_float64
 
     assert interpreting()
@@ -136,7 +141,13 @@ def _child_main() -> None:
             zero_rows = (ref[:n].abs().sum(dim=1) == 0) if n else torch.zeros(0, dtype=torch.bool)
             zero_ok = bool((got[zero_rows] == 0).all()) if n else True
             same = bool(torch.equal(out[:n], out_dense[:n]))
-            report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same}
+            # the tensor-descriptor loads (and the warp-specialized loop, a no-op here) read the
+            # same operands as the pointer loads: a wrong row or column offset changes the output
+            out_tma = torch.full_like(x, float("nan"))
+            expert_ffn_triton(x, rw, cu, w, out=out_tma, config=TMA_CONFIG)
+            tma_same = bool(torch.equal(out_tma[:n], out[:n]))
+            report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
+                            "tma_same": tma_same}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
     print("REPORT " + json.dumps(report))
@@ -157,6 +168,7 @@ def test_interpreter_case(report, case):
     assert r["zero_ok"], f"{case}: rows with a zero reference are not exactly zero"
     assert r["err"] < TOL, f"{case}: relative error {r['err']:.3e} >= {TOL}"
     assert r["skip_same"], f"{case}: skipping the tiles of weight-0 rows (padded=True) changed the output"
+    assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
 
 
 if __name__ == "__main__":

@@ -34,6 +34,15 @@ storage, the group map, or its version counter changes), so the pools may be any
 with arbitrary stride along dim 0 (``w13[:, :I, :]``), or several tensors. The inner strides of a
 projection must agree across pools (non-conforming pools are copied once, with a warning).
 
+Operand loads, per tile config: pointer loads (the default), or with ``"tma": true`` tensor
+descriptors (the Hopper bulk-copy engine): the rows ``x`` (``act``) are one descriptor per
+program, and each tile describes its group's weight slice on the device from the pointer table,
+so every pool layout above still works; ``"ws": true`` adds Triton's warp-specialized main loop
+(loads in producer warps). A descriptor's rows past a group's end load the next group's rows
+(their outputs are masked off), past ``NvS`` zeros. Where TMA cannot run (not Hopper-class, rows
+not 16-byte aligned) the pointer loads do (said once). Device-built descriptors need Triton's
+launch-time scratch allocator: one backed by torch is set where none is (``_ensure_scratch_allocator``).
+
 Tile configurations come from ``tuning.json`` (keyed by ``H``, ``I`` and the row count ``NvS``,
 which the buffer derives from the token capacity); unknown shapes use a generic rule, and so does
 every shape when the file cannot be read or parsed (reported once, WARNING, by ``load_tuning``).
@@ -47,6 +56,7 @@ tile list, trimming, masks, epilogues) is the code the GPU runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -60,6 +70,7 @@ import triton
 import triton.language as tl
 
 from vllm_moonep.common.grouped_gemm.api import GroupedWeights
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError
 from vllm_moonep.engine.launch import sm_count
 
@@ -130,7 +141,8 @@ def _pick(sel, v):
 @triton.jit
 def _tile(t, cum, tiles, gidx, mb, start, eend, N, BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr):
     """Decode persistent tile ``t``: its group, the group mask, the end of the group's rows that
-    need computing, and the tile's rows and columns (plus clamped copies always safe to load)."""
+    need computing, the tile's rows and columns (plus clamped copies always safe to load), and
+    its first row and column (where the tensor-descriptor loads start)."""
     g = tl.sum((cum <= t).to(tl.int32), 0)
     sel = gidx == g
     local = t - _pick(sel, cum - tiles)
@@ -138,23 +150,26 @@ def _tile(t, cum, tiles, gidx, mb, start, eend, N, BM: tl.constexpr, BN: tl.cons
     ntile = local // mbg
     mtile = local - ntile * mbg
     ee = _pick(sel, eend)
-    rows = _pick(sel, start) + mtile * BM + tl.arange(0, BM)
+    row0 = _pick(sel, start) + mtile * BM
+    col0 = ntile * BN
+    rows = row0 + tl.arange(0, BM)
     rows_ld = tl.minimum(rows, ee - 1).to(tl.int64)
-    cols = ntile * BN + tl.arange(0, BN)
+    cols = col0 + tl.arange(0, BN)
     if EVEN_N:
         cols_ld = cols
     else:
         cols_ld = tl.minimum(cols, N - 1)
-    return g, sel, ee, rows, rows_ld, cols, cols_ld
+    return g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, act_ptr,
-    G, N, K, stride_xm, stride_am,
+    M, G, N, K, stride_xm, stride_am,
     s_gn, s_gk, s_un, s_uk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -165,10 +180,16 @@ def _gate_up_kernel(
     total = tl.sum(tiles, 0)
     wty = tl.pointer_type(x_ptr.dtype.element_ty)
     offs_k = tl.arange(0, BK)
+    if TMA:  # rows past the group's end load the next group's (never stored), past M zeros
+        xd = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BM, BK])
     for t in range(pid, total, nprog):
-        g, sel, ee, rows, rows_ld, cols, cols_ld = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN, EVEN_N)
+        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN,
+                                                                     EVEN_N)
         wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
+        if TMA:  # this group's gate and up, described on the device (columns past N load zeros)
+            gd = tl.make_tensor_descriptor(wg, shape=[N, K], strides=[s_gn, 1], block_shape=[BN, BK])
+            ud = tl.make_tensor_descriptor(wu, shape=[N, K], strides=[s_un, 1], block_shape=[BN, BK])
         a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + offs_k[None, :]
         g_ptrs = wg + cols_ld[:, None] * s_gn + offs_k[None, :] * s_gk
         u_ptrs = wu + cols_ld[:, None] * s_un + offs_k[None, :] * s_uk
@@ -177,8 +198,12 @@ def _gate_up_kernel(
         k_end = K
         if SKIP:  # every row of the tile has weight 0: no main loop, act = 0 (see _live)
             k_end = tl.where(_live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
-        for k in range(0, k_end, BK):
-            if EVEN_K:
+        for k in tl.range(0, k_end, BK, warp_specialize=WS):
+            if TMA:
+                a = xd.load([row0, k])
+                bg = gd.load([col0, k])
+                bu = ud.load([col0, k])
+            elif EVEN_K:
                 a = tl.load(a_ptrs)
                 bg = tl.load(g_ptrs)
                 bu = tl.load(u_ptrs)
@@ -194,9 +219,10 @@ def _gate_up_kernel(
             else:
                 acc_g = tl.dot(a, tl.trans(bg), acc_g)
                 acc_u = tl.dot(a, tl.trans(bu), acc_u)
-            a_ptrs += BK
-            g_ptrs += BK * s_gk
-            u_ptrs += BK * s_uk
+            if not TMA:
+                a_ptrs += BK
+                g_ptrs += BK * s_gk
+                u_ptrs += BK * s_uk
         rw = tl.load(rw_ptr + rows_ld)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
         a_out = act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :]
@@ -206,10 +232,11 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, out_ptr,
-    G, N, K, stride_am, stride_om,
+    M, G, N, K, stride_am, stride_om,
     s_dn, s_dk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -226,19 +253,27 @@ def _down_kernel(
     ztotal = tl.sum(ztiles, 0)
     wty = tl.pointer_type(act_ptr.dtype.element_ty)
     offs_k = tl.arange(0, BK)
+    if TMA:
+        ad = tl.make_tensor_descriptor(act_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
     for t in range(pid, total + ztotal, nprog):
         if t < total:
-            g, sel, ee, rows, rows_ld, cols, cols_ld = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN, EVEN_N)
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM,
+                                                                         BN, EVEN_N)
             en = _pick(sel, end)
             wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
+            if TMA:
+                dd = tl.make_tensor_descriptor(wd, shape=[N, K], strides=[s_dn, 1], block_shape=[BN, BK])
             a_ptrs = act_ptr + rows_ld[:, None] * stride_am + offs_k[None, :]
             d_ptrs = wd + cols_ld[:, None] * s_dn + offs_k[None, :] * s_dk
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             k_end = K
             if SKIP:  # act is 0 on every row of the tile: no main loop, out = 0
                 k_end = tl.where(_live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
-            for k in range(0, k_end, BK):
-                if EVEN_K:
+            for k in tl.range(0, k_end, BK, warp_specialize=WS):
+                if TMA:
+                    a = ad.load([row0, k])
+                    b = dd.load([col0, k])
+                elif EVEN_K:
                     a = tl.load(a_ptrs)
                     b = tl.load(d_ptrs)
                 else:
@@ -249,8 +284,9 @@ def _down_kernel(
                     acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, tl.trans(b), acc)
-                a_ptrs += BK
-                d_ptrs += BK * s_dk
+                if not TMA:
+                    a_ptrs += BK
+                    d_ptrs += BK * s_dk
             acc = tl.where((rows < ee)[:, None], acc, 0.0)
             o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < en)[:, None] & (cols < N)[None, :])
@@ -468,6 +504,48 @@ def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None 
 # ----------------------------------------------------------------------------------------------
 
 
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory Triton asks for at launch (the tensor descriptors a kernel builds on the device)."""
+    return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+
+
+def _ensure_scratch_allocator() -> None:
+    """Kernels that build tensor descriptors on the device need Triton's launch-time allocator;
+    none is set by default (a ContextVar: each thread's context starts without one). Ours is set
+    only where none is, so a caller's own allocator (vLLM's, for one) stays."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _descriptors(c: dict, a: torch.Tensor, w_row_strides: tuple) -> tuple[bool, bool]:
+    """``(TMA, WS)`` for one launch: a tile config's ``tma`` (operands loaded through tensor
+    descriptors: the rows ``a`` as one, each group's weights as one built on the device) and ``ws``
+    (warp-specialized main loop, with ``tma`` only), where the hardware and the layout allow it:
+    TMA needs a Hopper-class GPU (or the interpreter), 16-byte aligned bases and row strides. A
+    config that asks for it elsewhere runs the pointer loads (said once)."""
+    if not c.get("tma", False):
+        return False, False
+    esize = a.element_size()
+    ok = a.data_ptr() % 16 == 0 and all((s * esize) % 16 == 0 for s in (a.stride(0), *w_row_strides))
+    if ok and not interpreting():
+        ok = a.is_cuda and _capability(a.device.index)[0] >= 9
+        if ok:
+            _ensure_scratch_allocator()
+    if not ok:
+        say_once("MoonEP expert kernels: tiles with tensor-descriptor (TMA) loads need a Hopper-class GPU and "
+                 f"16-byte aligned rows (here: {a.device}, row stride {a.stride(0)} x {esize} B, weight row strides "
+                 f"{tuple(w_row_strides)}); using pointer loads", __name__)
+        return False, False
+    return True, bool(c.get("ws", False))
+
+
 def _launch_trim(cu, route_w, eff):
     return _trim_kernel[(int(cu.numel()),)](cu, route_w, eff, BLK=256, num_warps=4)
 
@@ -476,13 +554,14 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     I, H = act.shape[1], x.shape[1]
     G = int(cu.numel())
     (s_gn, s_gk), (s_un, s_uk), _ = prep.strides
+    tma, ws = _descriptors(c, x, (s_gn, s_un))
     grid = (max(1, sm_count(x.device) * int(c.get("progs_per_sm", 1))),)
     return _gate_up_kernel[grid](
         x, route_w, cu, eff, prep.table, act,
-        G, I, H, x.stride(0), act.stride(0),
+        x.shape[0], G, I, H, x.stride(0), act.stride(0),
         s_gn, s_gk, s_un, s_uk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
-        EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip,
+        EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
@@ -491,13 +570,14 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
     I, H = act.shape[1], dst.shape[1]
     G = int(cu.numel())
     s_dn, s_dk = prep.strides[2]
+    tma, ws = _descriptors(c, act, (s_dn,))
     grid = (max(1, sm_count(act.device) * int(c.get("progs_per_sm", 1))),)
     return _down_kernel[grid](
         act, route_w, cu, eff, prep.table, dst,
-        G, H, I, act.stride(0), dst.stride(0),
+        act.shape[0], G, H, I, act.stride(0), dst.stride(0),
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
-        EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip,
+        EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
