@@ -170,3 +170,18 @@ def test_bench_experts_profile_case_is_checked_before_cuda(capsys, spec):
 
     msg = _error(capsys, bench_experts.main, ["--profile-case", spec])
     assert "--profile-case must be SHAPE:TOKENS" in msg and "kimi-k2" in msg, msg
+
+
+def test_bench_experts_tune_keeps_the_points_it_did_not_measure():
+    """--tune over a few token counts wrote a tile table of those points only: every other regime
+    of the shipped table fell back to the generic tiles."""
+    from vllm_moonep.tools.bench_experts import merged_tuning
+
+    def e(H, t, bm):
+        return {"H": H, "I": 7, "max_rows": 100 * t, "tokens_per_rank": t, "gate_up": {"BM": bm}, "down": {"BM": bm}}
+
+    shipped = [e(2048, 1, 16), e(2048, 1024, 128), e(7168, 1, 16), e(7168, 1024, 64)]
+    tuned = [e(7168, 1024, 128), e(7168, 256, 32)]
+    got = merged_tuning(shipped, tuned)["entries"]
+    assert [(x["H"], x["tokens_per_rank"], x["gate_up"]["BM"]) for x in got] == [
+        (2048, 1, 16), (2048, 1024, 128), (7168, 1, 16), (7168, 256, 32), (7168, 1024, 128)]

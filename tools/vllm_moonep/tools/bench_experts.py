@@ -72,6 +72,15 @@ GU_CANDIDATES = [
     {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1},
     {"BM": 128, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 1},
+    # tensor-descriptor (TMA) loads, and the warp-specialized loop ("ws"): the regimes from 256
+    # tokens per rank gained 4-20% on an H200 in a probe (docs/PERFORMANCE.md, seventh session)
+    {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True},
+    {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "ws": True},
+    {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True},
+    {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "ws": True},
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 1, "tma": True},
+    {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
+    {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
 ]
 DOWN_CANDIDATES = [
     {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
@@ -85,6 +94,12 @@ DOWN_CANDIDATES = [
     {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1},
     {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 2},
     {"BM": 64, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
+    {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True},
+    {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "ws": True},
+    {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True},
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
+    {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "ws": True},
+    {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
 ]
 
 
@@ -257,6 +272,18 @@ def quack_from_tokens(rows: list) -> dict:
     return out
 
 
+def merged_tuning(shipped: list, tuned: list) -> dict:
+    """The tile table ``--tune`` writes: the shipped entries with every point it measured
+    replaced (same ``H``, ``I`` and tokens per rank) or added, ordered by shape and tokens; points
+    it did not measure keep their tiles."""
+    key = lambda e: (e["H"], e["I"], e.get("tokens_per_rank", e["max_rows"]))  # noqa: E731
+    table = {key(e): e for e in shipped}
+    table.update({key(e): e for e in tuned})
+    return {"comment": "tile configs per (H, I, tokens per rank); written by python -m vllm_moonep.tools.bench_experts "
+                       "--tune (points it measured replaced, others kept)",
+            "entries": [table[k] for k in sorted(table)]}
+
+
 def _us(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -400,7 +427,11 @@ def main(argv=None) -> int:
                         scores.append(tot)
                     i = min(range(len(cands)), key=lambda j: scores[j])
                     best[kind] = cands[i]
-                    print(f"#   tune {sname} t={tokens} {kind}: best {cands[i]} ({scores[i]*1e3:.1f} us over both routings)", flush=True)
+                    # the tiles the shipped table gives this point, timed in the same sweep: the anchor
+                    was = tk.select_config(H, I, nvs, G, tokens=tokens)[kind]
+                    was_s = next((f"{scores[j]*1e3:.1f} us" for j, c in enumerate(cands) if c == was), "not a candidate")
+                    print(f"#   tune {sname} t={tokens} {kind}: best {cands[i]} ({scores[i]*1e3:.1f} us over both routings; "
+                          f"shipped tiles {was_s})", flush=True)
                 cfg = best
                 tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **best})
             for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
@@ -519,7 +550,7 @@ def main(argv=None) -> int:
     if args.tune:
         path = os.path.join(out_dir or ".", "tuning.json")
         with open(path, "w") as f:
-            json.dump({"comment": "tile configs per (H, I, NvS); written by python -m vllm_moonep.tools.bench_experts --tune", "entries": tuned_entries}, f, indent=1)
+            json.dump(merged_tuning(tk.load_tuning(), tuned_entries), f, indent=1)
         print(f"# wrote {path}")
     return 0
 
