@@ -519,6 +519,11 @@ def _ensure_scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
+#: warps the warp-specialized loop (``"ws"``) needs: Triton 3.6 on an H200 failed to compile it with 4
+#: (``PassManager::run failed`` in its warp-specialization pass) and compiled it with 8
+WS_MIN_WARPS = 8
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -543,7 +548,13 @@ def _descriptors(c: dict, a: torch.Tensor, w_row_strides: tuple) -> tuple[bool, 
                  f"16-byte aligned rows (here: {a.device}, row stride {a.stride(0)} x {esize} B, weight row strides "
                  f"{tuple(w_row_strides)}); using pointer loads", __name__)
         return False, False
-    return True, bool(c.get("ws", False))
+    ws = bool(c.get("ws", False))
+    if ws and c["num_warps"] < WS_MIN_WARPS and not interpreting():
+        say_once(f"MoonEP expert kernels: a tile config asks for the warp-specialized loop with {c['num_warps']} warps; "
+                 f"Triton's Hopper warp specialization needs {WS_MIN_WARPS} (it fails to compile with fewer): "
+                 "running that loop without it", __name__)
+        ws = False
+    return True, ws
 
 
 def _launch_trim(cu, route_w, eff):
