@@ -44,33 +44,40 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
     signalled that its rows landed."""
     pid = tl.program_id(0)
     count_epoch(epoch, PH_COUNTS)  # the plan launch waited on the old value: the next step waits on this one
-    # this rank's real rows, segment by segment (rows arrive from the peers meanwhile)
-    g = tl.arange(0, G_PAD)
-    gm = g < G
-    ln = tl.load(seg_len + g, mask=gm, other=0)
-    real_start = tl.cumsum(ln, axis=0) - ln  # unpadded start of each segment
-    end = tl.load(cu + g, mask=gm, other=0)
-    pad_start = end - tl.where(ln > 0, (ln + TP - 1) // TP * TP, 0)
-    total = tl.sum(ln, axis=0).to(tl.int32)
-    if pid == 0:
-        tl.store(cu32 + g, end.to(tl.int32), mask=gm)
-    c = tl.arange(0, CHUNK)
-    # the non-empty segments this program lists (segment q belongs to program q % n_prog): a
-    # decode step has a few among E+B, and a loop over all of them cost each program 3
-    # reductions per segment (a quarter of the launch's instructions at E+B=768)
-    mine = (ln > 0) & (g % n_prog == pid)
-    rank_in = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    for jq in range(0, tl.sum(mine.to(tl.int32), axis=0)):
-        sel = mine & (rank_in == jq)
-        n = tl.sum(tl.where(sel, ln, 0), axis=0)
-        both = tl.sum(tl.where(sel, real_start.to(tl.int64) * 4294967296 + pad_start, 0), axis=0)  # one reduction, two values
-        rs = both // 4294967296
-        ps = both % 4294967296
-        for t0 in range(0, n, CHUNK):
-            tm = t0 + c < n
-            tl.store(real_rows + rs + t0 + c, (ps + t0 + c).to(tl.int32), mask=tm)
-    for t0 in range(total + pid * CHUNK, n_entries, n_prog * CHUNK):  # none when every rank sent S*K rows
-        tl.store(real_rows + t0 + c, tl.full([CHUNK], -1, tl.int32), mask=t0 + c < n_entries)
+    # this rank's real rows, segment by segment (rows arrive from the peers meanwhile), listed by
+    # the programs that move no rows when there are such (a decode step: 2 of 128 move rows), so
+    # the row movers, whose stores the peers wait for, do not load and scan the E+B segments first
+    n_row_prog = tl.minimum(n_prog, tl.cdiv(n_move, ROWS))
+    first = tl.where(n_row_prog < n_prog, n_row_prog, 0)
+    n_list = n_prog - first
+    lp = pid - first
+    if lp >= 0:
+        g = tl.arange(0, G_PAD)
+        gm = g < G
+        ln = tl.load(seg_len + g, mask=gm, other=0)
+        real_start = tl.cumsum(ln, axis=0) - ln  # unpadded start of each segment
+        end = tl.load(cu + g, mask=gm, other=0)
+        pad_start = end - tl.where(ln > 0, (ln + TP - 1) // TP * TP, 0)
+        total = tl.sum(ln, axis=0).to(tl.int32)
+        if lp == 0:
+            tl.store(cu32 + g, end.to(tl.int32), mask=gm)
+        c = tl.arange(0, CHUNK)
+        # the non-empty segments this program lists (segment q belongs to lister q % n_list): a
+        # decode step has a few among E+B, and a loop over all of them cost each program 3
+        # reductions per segment (a quarter of the launch's instructions at E+B=768)
+        mine = (ln > 0) & (g % n_list == lp)
+        rank_in = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+        for jq in range(0, tl.sum(mine.to(tl.int32), axis=0)):
+            sel = mine & (rank_in == jq)
+            n = tl.sum(tl.where(sel, ln, 0), axis=0)
+            both = tl.sum(tl.where(sel, real_start.to(tl.int64) * 4294967296 + pad_start, 0), axis=0)  # one reduction, two values
+            rs = both // 4294967296
+            ps = both % 4294967296
+            for t0 in range(0, n, CHUNK):
+                tm = t0 + c < n
+                tl.store(real_rows + rs + t0 + c, (ps + t0 + c).to(tl.int32), mask=tm)
+        for t0 in range(total + lp * CHUNK, n_entries, n_list * CHUNK):  # none when every rank sent S*K rows
+            tl.store(real_rows + t0 + c, tl.full([CHUNK], -1, tl.int32), mask=t0 + c < n_entries)
     # the rows
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, ROWS)
