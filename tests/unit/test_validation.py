@@ -141,8 +141,10 @@ def test_combine_rejects_and_calling_order():
         "combine_dtype": ((xn.float(),), "must be torch.bfloat16"),
         "combine_device": ((xn.to("meta"),), "on meta"),
         "combine_contiguity": ((torch.empty(H, xn.shape[0], dtype=torch.bfloat16).t(),), "must be contiguous"),
-        "combine_route_weights_dtype": ((xn, wn.double()), "route_weights_nvs must be float32"),
-        "combine_route_weights_shape": ((xn, wn[:3]), "route_weights_nvs must be float32"),
+        "combine_route_weights_dtype": ((xn, wn.double()), "route_weights_nvs must be contiguous float32"),
+        "combine_route_weights_shape": ((xn, wn[:3]), "route_weights_nvs must be contiguous float32"),
+        # a strided view: the GPU kernel indexes the weights as a dense vector (read the wrong ones)
+        "combine_route_weights_strided": ((xn, torch.stack([wn, wn], dim=1)[:, 0]), "must be contiguous float32"),
     }
     for name, (args, needle) in cases.items():
         with pytest.raises(MoonEPInputError, match=needle):

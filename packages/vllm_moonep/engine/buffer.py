@@ -460,11 +460,13 @@ class Buffer:
         if route_weights_nvs is not None and (
             not isinstance(route_weights_nvs, torch.Tensor) or route_weights_nvs.dim() != 1
             or route_weights_nvs.dtype != torch.float32 or route_weights_nvs.shape[0] < self.NvS
-            or route_weights_nvs.device != self.device
+            or route_weights_nvs.device != self.device or not route_weights_nvs.is_contiguous()
         ):
-            desc = (f"{route_weights_nvs.dtype} {list(route_weights_nvs.shape)} on {route_weights_nvs.device}"
+            desc = (f"{route_weights_nvs.dtype} {list(route_weights_nvs.shape)} (strides {route_weights_nvs.stride()}) "
+                    f"on {route_weights_nvs.device}"
                     if isinstance(route_weights_nvs, torch.Tensor) else type(route_weights_nvs).__name__)
-            raise MoonEPInputError(f"combine: route_weights_nvs must be float32 [NvS={self.NvS}] on {self.device}, got {desc}")
+            raise MoonEPInputError(
+                f"combine: route_weights_nvs must be contiguous float32 [NvS={self.NvS}] on {self.device}, got {desc}")
         if self._sym is not None:
             out, rw = self._sym.combine(hidden_nvsh, route_weights_nvs)
             return out, rw, None
