@@ -214,6 +214,10 @@ def test_tensor_descriptor_loads(H, I, ws):
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128)
     tiles = _TMA_TILES[ws]
     tma = {k: {**v, "tma": True, "ws": ws} for k, v in tiles.items()}
+    # the launches take the descriptor path (a silent fallback would make the comparisons vacuous)
+    (s_gn, _), (s_un, _), (s_dn, _) = tk.prepare_weights(w).strides
+    assert tk._descriptors(tma["gate_up"], x, (s_gn, s_un)) == (True, ws)
+    assert tk._descriptors(tma["down"], torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda"), (s_dn,)) == (True, ws)
     out_ptr = torch.full_like(x, float("nan"))
     tk.expert_ffn_triton(x, rw, cu, w, out=out_ptr, config=tiles)
     out = torch.full_like(x, float("nan"))

@@ -117,7 +117,8 @@ CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "
 def _child_main() -> None:
     import torch
 
-    from vllm_moonep.common.grouped_gemm.triton_kernels import _INTERP_CONFIG, expert_ffn_triton, interpreting
+    from vllm_moonep.common.grouped_gemm.triton_kernels import (_INTERP_CONFIG, _descriptors, expert_ffn_triton,
+                                                                interpreting, prepare_weights)
 
     global TMA_CONFIG
     TMA_CONFIG = {k: {**v, "tma": True, "ws": True} for k, v in _INTERP_CONFIG.items()}
@@ -146,8 +147,13 @@ def _child_main() -> None:
             out_tma = torch.full_like(x, float("nan"))
             expert_ffn_triton(x, rw, cu, w, out=out_tma, config=TMA_CONFIG)
             tma_same = bool(torch.equal(out_tma[:n], out[:n]))
+            # and they ran: a launch that fell back to the pointer loads would pass tma_same unseen
+            (s_gn, _), (s_un, _), (s_dn, _) = prepare_weights(w, x.device).strides
+            act = torch.empty(x.shape[0], w.intermediate, dtype=x.dtype)
+            tma_used = (_descriptors(TMA_CONFIG["gate_up"], x, (s_gn, s_un)) == (True, True)
+                        and _descriptors(TMA_CONFIG["down"], act, (s_dn,)) == (True, True))
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
-                            "tma_same": tma_same}
+                            "tma_same": tma_same, "tma_used": tma_used}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
     print("REPORT " + json.dumps(report))
@@ -168,6 +174,7 @@ def test_interpreter_case(report, case):
     assert r["zero_ok"], f"{case}: rows with a zero reference are not exactly zero"
     assert r["err"] < TOL, f"{case}: relative error {r['err']:.3e} >= {TOL}"
     assert r["skip_same"], f"{case}: skipping the tiles of weight-0 rows (padded=True) changed the output"
+    assert r["tma_used"], f"{case}: the TMA tiles fell back to pointer loads (the check below would be vacuous)"
     assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
 
 

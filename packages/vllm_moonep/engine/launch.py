@@ -34,24 +34,33 @@ import torch
 
 from vllm_moonep.engine.defaults import say_once
 
-__all__ = ["FAST_LAUNCH", "Launcher", "sm_count"]
+__all__ = ["FAST_LAUNCH", "Launcher", "capability", "sm_count"]
 
 #: the runner path on by default; ``VLLM_MOONEP_FAST_LAUNCH=0`` keeps every launch ordinary
 FAST_LAUNCH = os.environ.get("VLLM_MOONEP_FAST_LAUNCH", "1") != "0"
 
 
-_SMS: dict[int, int] = {}
+_PROPS: dict[int, object] = {}
+
+
+def _props(device: torch.device):
+    """``torch.cuda.get_device_properties`` of ``device``, read once per GPU (launch paths ask per call)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PROPS:
+        _PROPS[idx] = torch.cuda.get_device_properties(idx)
+    return _PROPS[idx]
 
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (read once per GPU), what persistent grids are sized by; 2 off
-    CUDA (the interpreter runs any grid)."""
-    if device.type != "cuda":
-        return 2
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+    """Multiprocessors of ``device``, what persistent grids are sized by; 2 off CUDA (the
+    interpreter runs any grid)."""
+    return _props(device).multi_processor_count if device.type == "cuda" else 2
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of a CUDA ``device``."""
+    p = _props(device)
+    return p.major, p.minor
 
 
 def _arg_key(v) -> object:

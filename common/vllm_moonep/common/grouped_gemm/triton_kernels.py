@@ -56,7 +56,6 @@ tile list, trimming, masks, epilogues) is the code the GPU runs.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -72,7 +71,7 @@ import triton.language as tl
 from vllm_moonep.common.grouped_gemm.api import GroupedWeights
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError
-from vllm_moonep.engine.launch import sm_count
+from vllm_moonep.engine.launch import capability, sm_count
 
 log = logging.getLogger(__name__)
 
@@ -497,8 +496,6 @@ def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None 
     return DEFAULT_CONFIGS["compute"]
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # entry point
 # ----------------------------------------------------------------------------------------------
@@ -524,11 +521,6 @@ def _ensure_scratch_allocator() -> None:
 WS_MIN_WARPS = 8
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _descriptors(c: dict, a: torch.Tensor, w_row_strides: tuple) -> tuple[bool, bool]:
     """``(TMA, WS)`` for one launch: a tile config's ``tma`` (operands loaded through tensor
     descriptors: the rows ``a`` as one, each group's weights as one built on the device) and ``ws``
@@ -540,7 +532,7 @@ def _descriptors(c: dict, a: torch.Tensor, w_row_strides: tuple) -> tuple[bool, 
     esize = a.element_size()
     ok = a.data_ptr() % 16 == 0 and all((s * esize) % 16 == 0 for s in (a.stride(0), *w_row_strides))
     if ok and not interpreting():
-        ok = a.is_cuda and _capability(a.device.index)[0] >= 9
+        ok = a.is_cuda and capability(a.device)[0] >= 9
         if ok:
             _ensure_scratch_allocator()
     if not ok:
