@@ -11,7 +11,8 @@ also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
     last program:    the one that finds the ticket at programs - 1: atomic +1 on sig[phase, me] of
                      each peer (release, sys), once for the whole launch, then waits for the peers
     waiter:          acquire-reads sig[phase, :] until every source reached its target, bounded by
-                     %globaltimer; a time-out writes the error board (first failure wins) and returns
+                     %globaltimer; a time-out writes the error board (first failure wins) and returns;
+                     the board (host memory) is read only every BOARD_EVERY polls
 
 One signal per launch and peer, not per program: R atomics on peers' counters per launch instead
 of R per program, and ranks need not agree on how many programs a launch has. (Measured on an
@@ -33,6 +34,11 @@ __all__ = ["T_COUNTS", "T_X", "T_W", "T_SRC", "T_CX", "T_CW", "T_SIG", "PH_COUNT
 T_COUNTS, T_X, T_W, T_SRC, T_CX, T_CW, T_SIG = (tl.constexpr(i) for i in range(7))
 # phases (rows of sig)
 PH_COUNTS, PH_DISPATCH, PH_COMBINE = (tl.constexpr(i) for i in range(3))
+#: a spinning wait reads the error board once per this many polls. The board is pinned host
+#: memory, and one read from an H200 program costs ~7 us (a device-memory poll 0.2 us): read on
+#: every poll, it was most of each wait, three waits a step (docs/PERFORMANCE.md, eighth session).
+#: 1024 polls are ~0.3 ms: a wait still gives up that soon after another one failed.
+BOARD_EVERY = tl.constexpr(1024)
 # what the kernels record on the error board (codes defined in error_board)
 C_WAIT_COUNTS, C_WAIT_ROWS, C_WAIT_OUTPUTS, C_BAD_ID = (
     tl.constexpr(c) for c in (eb.CODE_WAIT_COUNTS, eb.CODE_WAIT_ROWS, eb.CODE_WAIT_OUTPUTS, eb.CODE_BAD_ID))
@@ -71,21 +77,25 @@ def report(board, code, peer, epoch, elapsed, seen, target):
 
 @triton.jit
 def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, R_PAD: tl.constexpr):
-    """Spin until every ``sig[phase, src] >= target``, bounded; gives up at once once the board is
-    set. Ends with a barrier, so every thread of the program may read what the peers wrote."""
+    """Spin until every ``sig[phase, src] >= target``, bounded; once the board is set (another wait
+    failed) it gives up within ``BOARD_EVERY`` polls. Ends with a barrier, so every thread of the
+    program may read what the peers wrote."""
     d = tl.arange(0, R_PAD)
     m = d < R
     bp = board.to(tl.pointer_type(tl.int64))
     ptr = sig + phase * R + d
     seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
     pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
-    failed = tl.load(bp, volatile=True)
+    failed = tl.zeros([], tl.int64)  # the board is pinned host memory: not read on the way through
     t0 = now_ns()
     elapsed = t0 - t0
+    n = 0
     while (pending > 0) & (elapsed < timeout_ns) & (failed == 0):
         seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
         pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
-        failed = tl.load(bp, volatile=True)
+        n += 1
+        if n % BOARD_EVERY == 0:
+            failed = tl.load(bp, volatile=True)
         elapsed = now_ns() - t0
     if (pending > 0) & (failed == 0):
         late = (seen < target) & m
