@@ -58,13 +58,17 @@ except ImportError:  # CPU-only installs: the host executor needs no Triton
 from vllm_moonep.engine.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS, GraphCache
 from vllm_moonep.engine.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
 from vllm_moonep.engine.errors import MoonEPUnavailableError
-from vllm_moonep.engine.launch import Launcher
+from vllm_moonep.engine.launch import Launcher, sm_count
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 
-__all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS"]
+__all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS_PER_SM"]
 
-#: programs of the row-moving kernels (persistent), and per SM when a Buffer gives ``num_sms``
-DEFAULT_PROGRAMS = 128
+#: programs of the row-moving kernels (persistent) per SM of the GPU; where a Buffer gives
+#: ``num_sms`` (SMs for communication), PROGRAMS_PER_SM on each of those. H200, Kimi-K2 rows,
+#: eager-graph replays: 2 per SM (264) moved 4096 tokens' rows at world size 1 in 309 us against
+#: 415 with 128 programs (combine 553 against 637), and cost nothing at 1 token on 2 GPUs; 4 per
+#: SM (528) did no better (docs/PERFORMANCE.md, eighth session)
+DEFAULT_PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM = 4
 #: rows per tile in the row-moving kernels
 _ROWS = 4
@@ -85,7 +89,7 @@ class SymmetricTransport:
     Args: ``heap`` (a ``SymmetricHeap`` spanning the EP group; the transport allocates on it and
     frees in ``close()``), the buffer's shape (``R, rank, S, K, H, E, B, NvS, token_padding``),
     ``dtype`` of the rows, ``timeout_s`` (bound on every wait), ``num_sms`` (SMs for the row-moving
-    kernels, ``PROGRAMS_PER_SM`` programs each; ``None``: ``DEFAULT_PROGRAMS`` programs).
+    kernels, ``PROGRAMS_PER_SM`` programs each; ``None``: every SM, ``DEFAULT_PROGRAMS_PER_SM`` each).
     """
 
     def __init__(self, heap, *, R: int, rank: int, S: int, K: int, H: int, E: int, B: int, NvS: int,
@@ -143,7 +147,10 @@ class SymmetricTransport:
                                 what=f"MoonEP buffer S={S} (symmetric transport)")
         # the contract's num_sms (SMs for communication) becomes PROGRAMS_PER_SM light programs each
         # (a launch signals each peer once, from its last program: ranks may differ here)
-        self.programs = max(1, int(num_sms) * PROGRAMS_PER_SM) if num_sms else DEFAULT_PROGRAMS
+        if num_sms:
+            self.programs = max(1, int(num_sms) * PROGRAMS_PER_SM)
+        else:
+            self.programs = sm_count(self.device) * DEFAULT_PROGRAMS_PER_SM
         if self.on_gpu:
             table = [[self.peer[name][d].data_ptr() for d in range(R)] for name, _, _ in specs]
             self.table = torch.tensor(table, dtype=torch.int64, device=self.device)
