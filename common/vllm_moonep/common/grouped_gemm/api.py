@@ -195,14 +195,16 @@ def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:
 #: Where quack-kernels' varlen GEMM (``impl="quack"``) was measured faster than the Triton kernels,
 #: so ``impl="auto"`` takes it there (when it can run and the caller passes the step's tokens)
 #: instead of keeping our own kernels: ``(H, I) -> tokens per rank from which on``. From
-#: ``python -m vllm_moonep.tools.bench_experts --shapes kimi-k2,qwen3-30b-a3b --tokens 1,16,256,1024,4096
+#: ``python -m vllm_moonep.tools.bench_experts --shapes kimi-k2,qwen3-30b-a3b --tokens 256,1024,4096
 #: --rep 20`` on an H200 (its quack column, CUDA-graph times; the tool prints, per shape, the smallest
 #: measured token count from which quack beat Triton at every measured point, both routings).
-#: 2026-11-30, quack-kernels 0.6.5: Qwen3 at 1024 and 4096 tokens (154-165 us against 198-200;
-#: 474-503 against 571-624), Kimi-K2 at 4096 (4705-5204 against 5423-5579); decode and mid sizes
-#: stay on Triton (quack 1.2-1.6x slower there). Keyed by tokens, not by the buffer's rows: NvS
-#: carries slack that depends on E/R and B, the tokens do not.
-QUACK_FROM_TOKENS: dict[tuple[int, int], int] = {(2048, 768): 1024, (7168, 2048): 4096}
+#: 2026-12-01, quack-kernels 0.6.5 against the TMA-tiled Triton kernels: Qwen3 at 1024 and 4096
+#: tokens (161-177 us against 189-195; 498-517 against 566-590). Kimi-K2 no longer: at 4096 quack
+#: won balanced routing (4815 against 5080) and lost skewed (5295 against 5125), at 1024 it lost
+#: both (it had won 4096 against the pointer-load tiles on 2026-11-30). Decode and mid sizes stay
+#: on Triton. Keyed by tokens, not by the buffer's rows: NvS carries slack that depends on E/R and
+#: B, the tokens do not.
+QUACK_FROM_TOKENS: dict[tuple[int, int], int] = {(2048, 768): 1024}
 
 
 def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None) -> tuple[str, str]:
