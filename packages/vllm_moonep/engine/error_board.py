@@ -14,7 +14,9 @@ of bounds.
 On CUDA the board lives in page-locked host memory, which kernels address directly (unified
 addressing), so the host reads it with no CUDA call and no synchronization: ``check()`` is free
 and runs at the start of every ``dispatch``/``combine``; ``check(sync=True)`` first waits for
-the stream, for a caller that wants to know about the step just issued. On CPU ranks the
+the stream, for a caller that wants to know about the step just issued. Device-side waits also
+read the flag, to stop spinning once another wait failed, but only every ``signals.BOARD_EVERY``
+polls: one read of host memory from a GPU program costs ~7 us. On CPU ranks the
 transport waits on the host and records failures here itself, so both report the same way.
 
 The first record wins (later ones are kept in ``records`` only by count); a raised error leaves
