@@ -73,6 +73,12 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed, uncombined_first=False, num_t
     ref = reference_plan(tpe_all, S, K, B, tp)
     dests, rows = reference_placement(tpe_all, [i.reshape(-1).tolist() for i in all_ids], ref)
     assert cu.dtype == torch.int32 and cu.tolist() == ref["cu"][r]
+    # rows per segment, padding included (vLLM's expert_num_tokens): a wrong or stale count from the
+    # GPU row kernel, which writes them so that prepare launches nothing for them
+    if _device().type == "cuda" and buf.transport_name == "symmetric":
+        assert plan.rows is not None, "the GPU dispatch kernel did not hand over its rows per segment"
+    rows_pg = plan.rows_per_group
+    assert rows_pg.dtype == torch.int32 and rows_pg.tolist() == torch.diff(cu, prepend=cu.new_zeros(1)).tolist()
     assert plan_cpu_etc.tolist() == ref["etc"]
     real = torch.zeros(buf.NvS, dtype=torch.bool)
     for q in range(R):

@@ -19,6 +19,7 @@ reference stays on the CPU and ``close`` compares on the CPU. Anything else: all
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -147,9 +148,21 @@ def run_bare(o, x, ids, w, *, apply_on_input: bool = False, wr=None):
     st = pf.last
     assert meta.step_tokens is not None and meta.step_tokens >= x.shape[0], meta
     assert meta.padded == (st.num_tokens < st.capacity), (meta, st)
+    # dispatch's cu_seqlens travel beside the counts (apply runs no cumsum): a stale or mismatched pair
+    # would group the rows wrongly
+    cu = meta.cu_seqlens
+    assert cu is not None and cu.dtype == torch.int32 and cu.shape == meta.expert_num_tokens.shape
+    assert torch.equal(torch.cumsum(meta.expert_num_tokens, 0, dtype=torch.int32), cu), "counts and cu_seqlens disagree"
     y = torch.empty_like(a1q)
     ex.apply(y, a1q, o["w13_l"], o["w2_l"], w_nvs, ids, MoEActivation.SILU, o["E"], None, None, None,
              torch.empty(0, device=x.device), torch.empty(0, device=x.device), meta, apply_on_input)
+    # the same metadata without cu_seqlens (as another prepare's would be): apply counts them itself, same output
+    plain = dataclasses.replace(meta, cu_seqlens=None)
+    y2 = torch.empty_like(a1q)
+    ex.apply(y2, a1q, o["w13_l"], o["w2_l"], w_nvs, ids, MoEActivation.SILU, o["E"], None, None, None,
+             torch.empty(0, device=x.device), torch.empty(0, device=x.device), plain, apply_on_input)
+    end = int(cu[-1])  # rows past it are undefined
+    assert torch.equal(y2[:end], y[:end]), "apply on counts-only metadata differs from apply on our prepare's"
     out = torch.empty_like(x)
     pf.finalize(out, y, w, ids, apply_on_input, wr if wr is not None else ex.finalize_weight_and_reduce_impl())
     return out

@@ -9,7 +9,8 @@ step functions as ``common/vllm_moonep/common/moe_step.py`` split at vLLM's seam
   top-1 ``apply_router_weight_on_input`` folded into the input, buffer choice from vLLM's DP
   metadata (max token count across DP ranks; the local count outside a forward context), padding,
   ``dispatch``, ``layout.prefetch``. Returns the expert-grouped ``[NvS, H]`` rows, the per-group
-  row counts as ``ExpertTokensMetadata`` and the route weights in row order.
+  row counts as ``ExpertTokensMetadata`` (on GPUs written by the dispatch kernel; with dispatch's
+  ``cu_seqlens`` beside them, so ``apply`` launches no cumsum) and the route weights in row order.
 - ``MoonEPExperts.apply``: ``expert_ffn`` over the ``cu_seqlens`` groups with the route weights
   applied inside (the activation is plain torch or our Triton kernel, never vLLM's compiled ops).
 - ``MoonEPPrepareAndFinalize.finalize``: ``combine`` (which does the K-sum), so it requires
@@ -63,6 +64,17 @@ class MoonEPTokensMetadata(mk.ExpertTokensMetadata):
 
     step_tokens: int | None = None  # the step's tokens per rank (the max over DP ranks)
     padded: bool = True  # this rank's tokens do not fill the buffer (weight-0 rows inside segments)
+    cu_seqlens: torch.Tensor | None = None  # dispatch's [E+B] int32 (our experts need no cumsum)
+
+
+def _rows_per_group(plan: object, cu: torch.Tensor) -> torch.Tensor:
+    """Rows per segment of a dispatch (``expert_num_tokens``): the built-in engine's plan has them
+    (on GPUs written by the dispatch kernel: no launch here); any other engine's are counted from
+    ``cu_seqlens``."""
+    rows = getattr(plan, "rows_per_group", None)
+    if isinstance(rows, torch.Tensor):
+        return rows
+    return torch.diff(cu, prepend=cu.new_zeros(1))
 
 
 def dp_max_num_tokens() -> int | None:
@@ -231,9 +243,8 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         )
         self._state = state
         self.last = state.info()
-        rows = torch.diff(cu, prepend=cu.new_zeros(1))
-        meta = MoonEPTokensMetadata(expert_num_tokens=rows, expert_num_tokens_cpu=None, step_tokens=n,
-                                    padded=state.padded)
+        meta = MoonEPTokensMetadata(expert_num_tokens=_rows_per_group(state.plan, cu), expert_num_tokens_cpu=None,
+                                    step_tokens=n, padded=state.padded, cu_seqlens=cu)
         # No per-row top-k ids after dispatch; route weights come back in row order.
         return x_nvsh, None, meta, None, w_nvs
 
@@ -388,7 +399,11 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
                 "MoonEPExperts.apply needs MoonEP's prepare output (per-group row counts and [NvS] route "
                 "weights); it cannot run behind a token-major prepare/finalize"
             )
-        cu = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
+        # our prepare passes dispatch's cu_seqlens along (a cumsum launch saved per layer); another's
+        # metadata has only the counts
+        cu = getattr(expert_tokens_meta, "cu_seqlens", None)
+        if cu is None:
+            cu = torch.cumsum(expert_tokens_meta.expert_num_tokens, dim=0, dtype=torch.int32)
         route_w = topk_weights.float()
         if apply_router_weight_on_input:
             # The weight was folded into the input rows before dispatch: real rows get 1 (vLLM's

@@ -87,10 +87,25 @@ class Plan:
     recv_splits: list[int] = field(default_factory=list, repr=False)
     recv_rows: torch.Tensor | None = field(default=None, repr=False)  # shard row of each received entry
     cu_seqlens: torch.Tensor | None = field(default=None, repr=False)  # this rank's [E+B] int32
+    # this rank's rows per segment [E+B] int32, padding included, where the transport wrote them
+    # (the GPU symmetric transport's row kernel); else made from cu_seqlens when first asked
+    rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def slots_used(self) -> int:
         return int((self.experts_to_copy >= 0).sum())
+
+    @property
+    def rows_per_group(self) -> torch.Tensor:
+        """``cu_seqlens`` as rows per segment (``[E+B]`` int32, padding included; what vLLM's
+        ``expert_num_tokens`` holds): on GPUs the dispatch kernel wrote them, so asking costs no
+        launch; elsewhere they are computed once from ``cu_seqlens``."""
+        if self.rows is None:
+            if self.cu_seqlens is None:
+                raise MoonEPStateError("this plan has no cu_seqlens to count rows from")
+            cu = self.cu_seqlens
+            self.rows = torch.diff(cu, prepend=cu.new_zeros(1)).to(torch.int32)
+        return self.rows
 
 
 class Buffer:
@@ -348,7 +363,7 @@ class Buffer:
             hidden_nvsh, route_nvs, cu, gp = self._sym.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
                                                                 tokens_per_expert, num_tokens)
             plan = Plan(experts_to_copy=gp.experts_to_copy, global_plan=gp, owner=id(self), step=self._step,
-                        cu_seqlens=cu)
+                        cu_seqlens=cu, rows=self._sym.rows32 if self._sym.on_gpu else None)
             self._step += 1
             return hidden_nvsh, route_nvs, cu, plan
         tr = self.transport

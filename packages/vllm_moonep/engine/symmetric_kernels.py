@@ -6,8 +6,9 @@ A step's launches (the counts exchange runs inside the device planner's plan ker
 
     dispatch:  plan (put counts, wait, rules 1-4) [-> hist -> place, large batches]
                -> dispatch_rows: place (small batches) -> rows, weights, source ids into each
-                  destination's recv_*; this rank's real-row list, cu_seqlens; the last
-                  program signals every peer once and waits for every peer's rows
+                  destination's recv_*; this rank's real-row list, cu_seqlens and rows per
+                  segment; the last program signals every peer once and waits for every
+                  peer's rows
     combine:   combine_rows: each real row's output into its source's comb_*; the row becomes
                   padding again (hidden 0, weight 0, source -1); the last program signals
                   every peer once and waits for every peer's outputs
@@ -31,7 +32,7 @@ from vllm_moonep.engine.signals import (C_BAD_ID, C_WAIT_OUTPUTS, C_WAIT_ROWS, P
 
 @triton.jit
 def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch, ticket, sig, cu, seg_len, cu32,
-                         real_rows, n_entries, n_move, K, H, R, E, me, G, TP, timeout_ns, n_prog, PLACE: tl.constexpr,
+                         rows32, real_rows, n_entries, n_move, K, H, R, E, me, G, TP, timeout_ns, n_prog, PLACE: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr, G_PAD: tl.constexpr,
                          CHUNK: tl.constexpr, PCH: tl.constexpr):
     """Entry ``i`` (token ``i // K``): its hidden row, route weight and source id to row ``row[i]`` of
@@ -39,7 +40,8 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
     tables, else read from ``dest``/``row``); ids that placement rejected (``dest < 0``) go to the
     board. Only entries below ``n_move`` move (the rest are the caller's padding tokens: their rows
     keep reading 0, source -1). Also this rank's list of real rows (``real_rows[j]``: shard row of the ``j``-th real row,
-    in segment order; -1 past the last) for combine, and the int32 ``cu_seqlens``. The last program
+    in segment order; -1 past the last) for combine, the int32 ``cu_seqlens`` and the rows of each
+    segment (``rows32``, padding included: what vLLM's prepare hands the experts). The last program
     to finish signals every peer (once for the launch) and waits (bounded) until every peer
     signalled that its rows landed."""
     pid = tl.program_id(0)
@@ -61,6 +63,8 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
         total = tl.sum(ln, axis=0).to(tl.int32)
         if lp == 0:
             tl.store(cu32 + g, end.to(tl.int32), mask=gm)
+            prev = tl.load(cu + g - 1, mask=gm & (g > 0), other=0)
+            tl.store(rows32 + g, (end - prev).to(tl.int32), mask=gm)
         c = tl.arange(0, CHUNK)
         # the non-empty segments this program lists (segment q belongs to lister q % n_list): a
         # decode step has a few among E+B, and a loop over all of them cost each program 3
