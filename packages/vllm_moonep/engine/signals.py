@@ -94,7 +94,8 @@ def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, R_PAD: tl.con
         seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
         pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
         n += 1
-        if n % BOARD_EVERY == 0:
+        if n == BOARD_EVERY:  # restarts, so no bound on timeout_s can overflow it
+            n = 0
             failed = tl.load(bp, volatile=True)
         elapsed = now_ns() - t0
     if (pending > 0) & (failed == 0):

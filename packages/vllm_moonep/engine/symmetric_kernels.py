@@ -32,8 +32,8 @@ from vllm_moonep.engine.signals import (C_BAD_ID, C_WAIT_OUTPUTS, C_WAIT_ROWS, P
 
 @triton.jit
 def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch, ticket, sig, cu, seg_len, cu32,
-                         rows32, real_rows, n_entries, n_move, K, H, R, E, me, G, TP, timeout_ns, n_prog, PLACE: tl.constexpr,
-                         ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                         rows32, real_rows, n_entries, n_move, K, H, R, E, me, G, TP, timeout_ns, n_prog,
+                         PLACE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr, G_PAD: tl.constexpr,
                          CHUNK: tl.constexpr, PCH: tl.constexpr):
     """Entry ``i`` (token ``i // K``): its hidden row, route weight and source id to row ``row[i]`` of
     rank ``dest[i]``'s receive buffers (``PLACE``: rule 5 computed here from ``ids`` and the plan's

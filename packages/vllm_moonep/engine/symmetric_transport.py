@@ -258,8 +258,8 @@ class SymmetricTransport:
         self._launch["dispatch_rows"](
             (P, 1, 1), hidden, route_w, flat, dest, row, ob, cum, rb, self.table, board, self.epoch, self._ticket_d,
             b["sig"], self._cu_mine, self._seg_mine, self.cu32, self.rows32, self.real_rows, SK, n_tok * self.K, self.K,
-            H, R, E, rank, self._G, self.tp, tmo, P, PLACE=self.planner.direct, ROWS=_ROWS, BLOCK_H=self._block_h, R_PAD=RP,
-            G_PAD=self._G_PAD, CHUNK=1024, PCH=_PLACE_CHUNK, num_warps=8)
+            H, R, E, rank, self._G, self.tp, tmo, P, PLACE=self.planner.direct, ROWS=_ROWS, BLOCK_H=self._block_h,
+            R_PAD=RP, G_PAD=self._G_PAD, CHUNK=1024, PCH=_PLACE_CHUNK, num_warps=8)
         return b["recv_x"], b["recv_w"], self.cu32, gp
 
     def _combine_gpu(self, y, y_w, n_tok):
