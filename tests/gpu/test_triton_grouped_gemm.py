@@ -240,3 +240,79 @@ def test_tensor_descriptor_loads(H, I, ws):
     tk.expert_ffn_triton(x, rw, cu, w, out=out_ptr, config=tiles)
     torch.cuda.synchronize()
     assert torch.equal(out[:total], out_ptr[:total]), "a replayed TMA launch differs from the pointer loads"
+
+
+# decode tiles of the shipped table (Kimi-K2 at 1 token), run as one launch at 1 and 3 programs per SM
+_DECODE_TILES = {"gate_up": {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+                 "down": {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}}
+
+
+@pytest.mark.parametrize("progs_per_sm", [1, 3])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
+def test_one_launch_kernel(H, I, tma, progs_per_sm):
+    """The one-launch kernel (triton_fused) against the three launches with the same tiles, bit for bit:
+    a down item that reads act before its group's gate/up items stored it (a missing wait or release),
+    an item taken twice or never (the work counter), groups of more rows than one tile (the row loop),
+    padding-only segments and empty groups, the trimmed tail's zeros, counters not restored after a
+    launch (the next launch or a graph replay would skip or hang), and a replay on new rows."""
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.testing.reference import expert_ffn_float64
+
+    tk = _triton()
+    if tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+
+    def r(*s, scale):
+        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    # two pools (a fused w13 viewed as gate/up, and a separate one) and -1 groups, as the symmetric layout has
+    G0, G1 = 9, 3
+    w13 = r(G0, 2 * I, H, scale=H**-0.5)
+    d0 = r(G0, H, I, scale=I**-0.5)
+    g1, u1, d1 = r(G1, I, H, scale=H**-0.5), r(G1, I, H, scale=H**-0.5), r(G1, H, I, scale=I**-0.5)
+    pools = torch.tensor([0, 0, -1, 1, 0, 0, 1, 0, 0, -1, 1, 0, 0, 0], dtype=torch.int64)
+    rows = torch.tensor([0, 1, -1, 0, 2, 3, 1, 4, 5, -1, 2, 6, 7, 8], dtype=torch.int64)
+    lens = [1, 2, 0, 1, 40, 0, 8, 1, 17, 0, 1, 3, 0, 5]  # 40 and 17 rows: more than one BM=16 tile
+    w = GroupedWeights([w13[:, :I, :], g1], [w13[:, I:, :], u1], [d0, d1], pools, rows)
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
+    start = int(cu[10 - 1])  # group 10's only row: weight 0, a padding-only segment
+    rw[start] = 0.0
+    x[start] = 0
+    tiles = {k: {**v, "tma": tma} for k, v in _DECODE_TILES.items()}
+    fused = {**tiles, "fused": {"num_warps": 4, "num_stages": 4, "progs_per_sm": progs_per_sm}}
+    out3 = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=out3, config=tiles)
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # a counter left set by one launch shows in the next
+            out.fill_(float("nan"))
+            tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=fused)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    sync = tk.prepare_weights(w).sync
+    assert int(sync.abs().sum()) == 0, f"counters not restored: {sync.tolist()}"
+    assert torch.equal(out[:total], out3[:total]), "one launch differs from three launches with the same tiles"
+    ref = expert_ffn_float64(x, rw, cu, w)[:total]
+    assert _rel(out[:total], ref) < TOL
+    assert bool((out[start:start + 128] == 0).all()), "a padding-only segment's rows must be 0"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=fused)
+    for lens2 in ([0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [3, 129, 0, 7, 0, 0, 1, 0, 0, 0, 2, 0, 16, 0]):
+        x2, rw2, cu2, total2 = _inputs(lens2, H, gen, pad_to=128)
+        x.zero_()
+        rw.zero_()
+        x[: x2.shape[0]] = x2
+        rw[: x2.shape[0]] = rw2
+        cu.copy_(cu2)
+        out.fill_(float("nan"))
+        graph.replay()
+        tk.expert_ffn_triton(x, rw, cu, w, out=out3, config=tiles)
+        torch.cuda.synchronize()
+        assert torch.equal(out[:total2], out3[:total2]), "a replayed one-launch kernel differs from three launches"
+        assert int(sync.abs().sum()) == 0

@@ -54,6 +54,31 @@ def _kernels():
          dict(ids="*i32", dst=bf16, src=bf16, table="*i32", rows_per_source=i32, row_elems=i64, n_chunks=i32, B=i32,
               cu="*i32", w=bf16, E=i32, n_prog=i32), dict(TABLE=False, LIVE=False, B_PAD=256, CHUNK=65536, BLOCK=4096)),
     ]
+    # the expert kernels at Kimi-K2 shape, decode and prefill tiles (tuning.json's), and the one-launch kernel
+    from vllm_moonep.common.grouped_gemm import triton_fused, triton_kernels as gk
+
+    gemm_ptrs = dict(x_ptr=bf16, rw_ptr="*fp32", cu_ptr="*i32")
+    gemm_dims = dict(M=i32, G=i32, N=i32, K=i32)
+    gu_sig = dict(gemm_ptrs, eff_ptr="*i32", tab_ptr="*i64", act_ptr=bf16, **gemm_dims, stride_xm=i32, stride_am=i32,
+                  s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32)
+    dn_sig = dict(act_ptr=bf16, rw_ptr="*fp32", cu_ptr="*i32", eff_ptr="*i32", tab_ptr="*i64", out_ptr=bf16, **gemm_dims,
+                  stride_am=i32, stride_om=i32, s_dn=i32, s_dk=i32)
+    fused_sig = dict(gemm_ptrs, tab_ptr="*i64", act_ptr=bf16, out_ptr=bf16, sync_ptr="*i32", M=i32, G=i32, I=i32, H=i32,
+                     stride_xm=i32, stride_am=i32, stride_om=i32, s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32, s_dn=i32,
+                     s_dk=i32)
+    flags = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True)
+    fused_cx = dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128,
+                    BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True)
+    cases += [
+        ("gate_up(decode tiles)", gk._gate_up_kernel, gu_sig,
+         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False)),
+        ("gate_up(TMA, warp-specialized, 8 warps)", gk._gate_up_kernel, gu_sig,
+         dict(flags, GP2=512, BM=64, BN=256, BK=64, TMA=True, WS=True), 8),
+        ("down(TMA)", gk._down_kernel, dn_sig, dict(flags, GP2=512, BM=128, BN=256, BK=64, ZM=64, TMA=True, WS=False), 8),
+        ("trim", gk._trim_kernel, dict(cu_ptr="*i32", rw_ptr="*fp32", eff_ptr="*i32"), dict(BLK=256)),
+        ("fused(one launch)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False)),
+        ("fused(one launch, TMA gate/up)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=True)),
+    ]
     # the device planner at Kimi-K2 shape (R=8, E=384, S*K = 65536 entries), with the constexprs
     # the planner itself chooses
     import torch
@@ -99,9 +124,11 @@ def _ids():
 def test_kernel_compiles_for_sm90(name):
     """A kernel that passes the interpreter but cannot be compiled (would fail at its first GPU launch)."""
     case = {c[0]: c for c in _kernels()}[name]
-    _, fn, sig, constexprs = case
+    fn, sig, constexprs = case[1:4]
+    warps = case[4] if len(case) > 4 else 4
     signature = dict(sig)
     for key in constexprs:
         signature[key] = "constexpr"
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER)
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
+                              options=dict(num_warps=warps))
     assert ".entry" in compiled.asm["ptx"]

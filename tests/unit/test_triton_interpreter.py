@@ -152,8 +152,19 @@ def _child_main() -> None:
             act = torch.empty(x.shape[0], w.intermediate, dtype=x.dtype)
             tma_used = (_descriptors(TMA_CONFIG["gate_up"], x, (s_gn, s_un)) == (True, True)
                         and _descriptors(TMA_CONFIG["down"], act, (s_dn,)) == (True, True))
+            # the same tiles in one launch (triton_fused), pointer and TMA gate/up loads: the same bits,
+            # and its counters back at zero (a launch that left them set would skip work in the next)
+            one = {"num_warps": 4, "num_stages": 1, "progs_per_sm": 1}
+            fused_same = True
+            for cfg, want in (({**_INTERP_CONFIG, "fused": one}, out), ({**TMA_CONFIG, "fused": one}, out)):
+                for _ in range(2):
+                    out_f = torch.full_like(x, float("nan"))
+                    expert_ffn_triton(x, rw, cu, w, out=out_f, config=cfg)
+                    fused_same &= bool(torch.equal(out_f[:n], want[:n]))
+            fused_reset = int(prepare_weights(w, x.device).sync.abs().sum()) == 0
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
-                            "tma_same": tma_same, "tma_used": tma_used}
+                            "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same,
+                            "fused_reset": fused_reset}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
     print("REPORT " + json.dumps(report))
@@ -176,6 +187,8 @@ def test_interpreter_case(report, case):
     assert r["skip_same"], f"{case}: skipping the tiles of weight-0 rows (padded=True) changed the output"
     assert r["tma_used"], f"{case}: the TMA tiles fell back to pointer loads (the check below would be vacuous)"
     assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
+    assert r["fused_same"], f"{case}: the one-launch kernel gave other outputs than the three launches' same tiles"
+    assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
 
 
 if __name__ == "__main__":

@@ -25,8 +25,11 @@ before each run by ``triton.testing.do_bench``:
   group.
 
 ``--tune`` times candidate tile configs for each kernel at each point, keeps per ``(shape, NvS)``
-the one with the least total time over both routings, writes ``tuning.json`` (to ``$OUT`` if set,
-else the current directory) and uses it for the table. Prints a markdown table; writes
+the one with the least total time over both routings, then times the whole compute with those
+tiles as three launches and as one (``triton_fused``, ``FUSED_CANDIDATES``, ``FUSED_TILES``) and
+keeps one launch where it is faster at both routings; writes ``tuning.json`` (to ``$OUT`` if set, else the current directory) and uses
+it for the table. A point the table runs as one launch is also timed as three launches of the same
+tiles (the ``three launches`` column). Prints a markdown table; writes
 ``bench_experts.json`` to ``$OUT`` if set.
 
 After the table it names, per shape ``(H, I)``, the smallest measured tokens per rank from which
@@ -100,6 +103,17 @@ DOWN_CANDIDATES = [
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "ws": True},
     {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
+]
+
+#: launch settings tried for the one-launch kernel (``triton_fused``) with a point's best gate_up and
+#: down tiles, and with ``FUSED_TILES``; its warps are the gate_up tiles' (both compile into one kernel)
+FUSED_CANDIDATES = [{"num_stages": s, "progs_per_sm": p} for p in (1, 2, 3, 4) for s in (3, 4)]
+#: decode tiles (16 rows) that suit one launch: narrower than the three launches' best, so that a few
+#: busy groups still give every SM a work item (a probe on an H200, docs/PERFORMANCE.md, ninth session)
+FUSED_TILES = [
+    {"gate_up": {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+     "down": {"BM": 16, "BN": n, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}}
+    for n in (64, 128)
 ]
 
 
@@ -284,6 +298,10 @@ def merged_tuning(shipped: list, tuned: list) -> dict:
             "entries": [table[k] for k in sorted(table)]}
 
 
+def _three_note(t_three) -> str:
+    return "" if t_three is None else f" (one launch; three: {t_three:.1f} us)"
+
+
 def _us(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -432,6 +450,33 @@ def main(argv=None) -> int:
                     was_s = next((f"{scores[j]*1e3:.1f} us" for j, c in enumerate(cands) if c == was), "not a candidate")
                     print(f"#   tune {sname} t={tokens} {kind}: best {cands[i]} ({scores[i]*1e3:.1f} us over both routings; "
                           f"shipped tiles {was_s})", flush=True)
+                # the whole compute: three launches with these tiles, against one launch of the same tiles
+                def _whole(conf):  # per routing
+                    tot = []
+                    for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
+                        o = torch.empty_like(x)
+                        act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
+                        replay, _g = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf,
+                                                                           act=act, padded=False))
+                        tot.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
+                    return tot
+                three = _whole(best)
+                fused_best, fused_t = None, math.inf
+                tile_sets = [best] + (FUSED_TILES if best["gate_up"]["BM"] <= 16 else [])
+                for tiles, fc in ((ts, fc) for ts in tile_sets for fc in FUSED_CANDIDATES):
+                    f = {"num_warps": tiles["gate_up"]["num_warps"], **fc}
+                    try:
+                        tf = _whole({**tiles, "fused": f})
+                    except Exception as e:  # out of resources etc.
+                        print(f"#   {sname} t={tokens} fused {f}: skipped ({type(e).__name__}: {str(e)[:80]})")
+                        continue
+                    # kept only where faster at every routing: the table must never make a point slower
+                    if sum(tf) < fused_t and all(a < b for a, b in zip(tf, three)):
+                        fused_best, fused_t = {**tiles, "fused": f}, sum(tf)
+                print(f"#   tune {sname} t={tokens} one launch: {fused_best or 'slower at some routing'} "
+                      f"({fused_t*1e3:.1f} us over both routings; three launches {sum(three)*1e3:.1f} us)", flush=True)
+                if fused_best is not None:
+                    best = fused_best
                 cfg = best
                 tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **best})
             for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
@@ -459,6 +504,14 @@ def main(argv=None) -> int:
                 t_tri = _bench(r_tri, rep=args.rep) * 1e3
                 t_poc = _bench(r_poc, rep=args.rep) * 1e3
                 del g_tri, g_poc
+                t_three = None  # a one-launch point: its tiles as three launches, the anchor of the choice
+                if conf.get("fused"):
+                    conf3 = {k: v for k, v in conf.items() if k != "fused"}
+                    out_3 = torch.empty_like(x)
+                    r_3, g_3 = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_3, config=conf3,
+                                                                     act=act, padded=False))
+                    t_three = _bench(r_3, rep=args.rep) * 1e3
+                    del g_3
                 qrow = {"quack_us": None}
                 if q_weights is not None and quack_error is None:
                     qrow, quack_error = _quack_point(expert_ffn_quack, x, rw, cu, q_weights, out_p, n, args)
@@ -469,7 +522,7 @@ def main(argv=None) -> int:
                     "shape": sname, "tokens": tokens, "routing": routing, "maxvio": mv, "NvS": nvs_,
                     "rows": n, "real_rows": real_rows, "busy_groups": busy,
                     "flop": flop, "weight_bytes": wbytes,
-                    "triton_us": t_tri, "poc_us": t_poc,
+                    "triton_us": t_tri, "poc_us": t_poc, "triton_three_launches_us": t_three,
                     "triton_eager_us": t_tri_eager, "poc_eager_us": t_poc_eager,
                     "triton_tflops_useful": flop / (t_tri * 1e-6) / 1e12,
                     "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
@@ -483,7 +536,7 @@ def main(argv=None) -> int:
                 print(
                     f"# {sname:14s} t={tokens:5d} {routing:8s} rows={n:6d} real={real_rows:6d} busy={busy:3d} "
                     f"triton {t_tri:9.1f} us  poc {t_poc:9.1f} us  floor {floor_us:9.1f} us ({row['floor_kind']}) "
-                    f"x{row['triton_over_floor']:.2f}  {row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
+                    f"x{row['triton_over_floor']:.2f}{_three_note(t_three)}  {row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
                     f"quack {_us(row['quack_us'])} us{_quack_note(row)}",
                     flush=True,
                 )
@@ -519,12 +572,14 @@ def main(argv=None) -> int:
     print()
     print("Times: CUDA-graph replay, median (eager launches in the JSON).")
     print()
-    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | PoC us | quack us | floor us | Triton/floor | PoC/floor | quack/floor | useful TFLOP/s | weight GB/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("Triton us: one launch where the tiles say so (then its tiles as three launches beside it, same run).")
+    print()
+    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | floor us | Triton/floor | PoC/floor | quack/floor | useful TFLOP/s | weight GB/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['rows']} ({r['real_rows']}) | {r['busy_groups']} | "
-            f"{r['triton_us']:.1f} | {r['poc_us']:.1f} | {_us(r['quack_us'])} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
+            f"{r['triton_us']:.1f} | {_us(r.get('triton_three_launches_us'))} | {r['poc_us']:.1f} | {_us(r['quack_us'])} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
             f"{r['triton_over_floor']:.2f} | {r['poc_over_floor']:.2f} | {_ratio(r.get('quack_over_floor'))} | "
             f"{r['triton_tflops_useful']:.0f} | {r['triton_weight_gbs']:.0f} |"
         )

@@ -5,7 +5,8 @@ For each ``cu_seqlens`` group ``g`` (rows ``[cu[g-1], cu[g])`` of ``x``)::
     y[rows] = (silu(x[rows] @ gate_g^T) * (x[rows] @ up_g^T) * route_w[rows, None]) @ down_g^T
 
 Three launches, no host synchronisation, CUDA-graph capturable (after one warm-up call that
-builds the cached pointer table):
+builds the cached pointer table; the tile bodies are ``triton_tiles``'; a tile config with a
+``"fused"`` entry runs the same tiles as one launch instead, ``triton_fused``, for decode):
 
 1. ``_trim_kernel`` (grid ``[G]``): per group, the end of its last row with a non-zero routing
    weight. MoonEP pads every segment to a multiple of ``token_padding`` (128) with rows whose
@@ -24,7 +25,7 @@ builds the cached pointer table):
 3. ``_down_kernel``: the same tile machinery over ``H`` output columns, ``K = I``; rows of the
    trimmed tail are written as zeros by extra "zero tiles" at the end of the schedule.
 
-Both GEMM kernels also skip the main loop of a tile whose rows all have weight 0 (``_live``,
+Both GEMM kernels also skip the main loop of a tile whose rows all have weight 0 (``triton_tiles.live``,
 ``padded=True``) and write its zeros: a padded step's padding entries land inside segments, not
 only at their tails.
 
@@ -46,6 +47,8 @@ launch-time scratch allocator: one backed by torch is set where none is (``_ensu
 Tile configurations come from ``tuning.json`` (keyed by ``H``, ``I`` and the row count ``NvS``,
 which the buffer derives from the token capacity); unknown shapes use a generic rule, and so does
 every shape when the file cannot be read or parsed (reported once, WARNING, by ``load_tuning``).
+An entry with ``"fused": {"num_warps", "num_stages", "progs_per_sm"}`` runs its gate_up and down
+tiles in one launch (where ``bench_experts --tune`` measured that faster than three).
 
 Interpreter (CPU): the same kernels run under ``TRITON_INTERPRET=1`` on CPU tensors. Triton's
 interpreter computes a bf16 ``tl.dot`` wrongly (seen with triton 3.8), so when interpreting the
@@ -69,6 +72,8 @@ import triton
 import triton.language as tl
 
 from vllm_moonep.common.grouped_gemm.api import GroupedWeights
+from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
+from vllm_moonep.common.grouped_gemm.triton_tiles import down_tile, gate_up_tile, pick, tile_index, trim_end, zero_rows
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError
 from vllm_moonep.engine.launch import capability, sm_count
@@ -100,12 +105,7 @@ def _trim_kernel(cu_ptr, rw_ptr, eff_ptr, BLK: tl.constexpr):
     g = tl.program_id(0)
     end = tl.load(cu_ptr + g).to(tl.int32)
     start = tl.load(cu_ptr + g - 1, mask=g > 0, other=0).to(tl.int32)
-    last = start
-    for r0 in range(start, end, BLK):
-        rows = r0 + tl.arange(0, BLK)
-        v = tl.load(rw_ptr + rows, mask=rows < end, other=0.0)
-        last = tl.maximum(last, tl.max(tl.where(v != 0.0, rows + 1, 0), 0))
-    tl.store(eff_ptr + g, last)
+    tl.store(eff_ptr + g, trim_end(rw_ptr, start, end, BLK))
 
 
 @triton.jit
@@ -122,42 +122,20 @@ def _group_table(cu_ptr, eff_ptr, G, GP2: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _live(rw, rows, ee):
-    """Whether any row of a tile (below the group's trimmed end) has a non-zero routing weight.
-    A tile of weight-0 rows has output exactly 0: with ``SKIP`` both kernels give it no main loop
-    (a loop bound, not a branch around the loop: a branch cost the software pipeline 4-17% on an
-    H200). Such tiles sit inside segments, not only in the trimmed tail, once a step was padded:
-    a rank's padding entries all go to one expert of its own, and other ranks' real rows of that
-    expert come after them. ``SKIP`` off compiles the loop as it was (steps with no padding)."""
-    return tl.max(tl.where(rows < ee, tl.abs(rw), 0.0), 0) > 0.0
-
-
-@triton.jit
-def _pick(sel, v):
-    return tl.sum(tl.where(sel, v, 0), 0)
-
-
-@triton.jit
 def _tile(t, cum, tiles, gidx, mb, start, eend, N, BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr):
     """Decode persistent tile ``t``: its group, the group mask, the end of the group's rows that
     need computing, the tile's rows and columns (plus clamped copies always safe to load), and
     its first row and column (where the tensor-descriptor loads start)."""
     g = tl.sum((cum <= t).to(tl.int32), 0)
     sel = gidx == g
-    local = t - _pick(sel, cum - tiles)
-    mbg = _pick(sel, mb)
+    local = t - pick(sel, cum - tiles)
+    mbg = pick(sel, mb)
     ntile = local // mbg
     mtile = local - ntile * mbg
-    ee = _pick(sel, eend)
-    row0 = _pick(sel, start) + mtile * BM
+    ee = pick(sel, eend)
+    row0 = pick(sel, start) + mtile * BM
     col0 = ntile * BN
-    rows = row0 + tl.arange(0, BM)
-    rows_ld = tl.minimum(rows, ee - 1).to(tl.int64)
-    cols = col0 + tl.arange(0, BN)
-    if EVEN_N:
-        cols_ld = cols
-    else:
-        cols_ld = tl.minimum(cols, N - 1)
+    rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, N, BM, BN, EVEN_N)
     return g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0
 
 
@@ -178,7 +156,7 @@ def _gate_up_kernel(
     cum = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
     wty = tl.pointer_type(x_ptr.dtype.element_ty)
-    offs_k = tl.arange(0, BK)
+    xd = x_ptr
     if TMA:  # rows past the group's end load the next group's (never stored), past M zeros
         xd = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BM, BK])
     for t in range(pid, total, nprog):
@@ -186,46 +164,9 @@ def _gate_up_kernel(
                                                                      EVEN_N)
         wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
-        if TMA:  # this group's gate and up, described on the device (columns past N load zeros)
-            gd = tl.make_tensor_descriptor(wg, shape=[N, K], strides=[s_gn, 1], block_shape=[BN, BK])
-            ud = tl.make_tensor_descriptor(wu, shape=[N, K], strides=[s_un, 1], block_shape=[BN, BK])
-        a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + offs_k[None, :]
-        g_ptrs = wg + cols_ld[:, None] * s_gn + offs_k[None, :] * s_gk
-        u_ptrs = wu + cols_ld[:, None] * s_un + offs_k[None, :] * s_uk
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        k_end = K
-        if SKIP:  # every row of the tile has weight 0: no main loop, act = 0 (see _live)
-            k_end = tl.where(_live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
-        for k in tl.range(0, k_end, BK, warp_specialize=WS):
-            if TMA:
-                a = xd.load([row0, k])
-                bg = gd.load([col0, k])
-                bu = ud.load([col0, k])
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-                bg = tl.load(g_ptrs)
-                bu = tl.load(u_ptrs)
-            else:
-                km = (k + offs_k) < K
-                a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, tl.trans(bg), acc_g)
-                acc_u = tl.dot(a, tl.trans(bu), acc_u)
-            if not TMA:
-                a_ptrs += BK
-                g_ptrs += BK * s_gk
-                u_ptrs += BK * s_uk
-        rw = tl.load(rw_ptr + rows_ld)
-        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
-        a_out = act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :]
-        tl.store(a_out, act.to(act_ptr.dtype.element_ty), mask=(rows < ee)[:, None] & (cols < N)[None, :])
+        gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
+                     N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
+                     BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
 
 
 @triton.jit
@@ -251,58 +192,27 @@ def _down_kernel(
     zcum = tl.cumsum(ztiles, 0)
     ztotal = tl.sum(ztiles, 0)
     wty = tl.pointer_type(act_ptr.dtype.element_ty)
-    offs_k = tl.arange(0, BK)
+    ad = act_ptr
     if TMA:
         ad = tl.make_tensor_descriptor(act_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
     for t in range(pid, total + ztotal, nprog):
         if t < total:
             g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM,
                                                                          BN, EVEN_N)
-            en = _pick(sel, end)
             wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
-            if TMA:
-                dd = tl.make_tensor_descriptor(wd, shape=[N, K], strides=[s_dn, 1], block_shape=[BN, BK])
-            a_ptrs = act_ptr + rows_ld[:, None] * stride_am + offs_k[None, :]
-            d_ptrs = wd + cols_ld[:, None] * s_dn + offs_k[None, :] * s_dk
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            k_end = K
-            if SKIP:  # act is 0 on every row of the tile: no main loop, out = 0
-                k_end = tl.where(_live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
-            for k in tl.range(0, k_end, BK, warp_specialize=WS):
-                if TMA:
-                    a = ad.load([row0, k])
-                    b = dd.load([col0, k])
-                elif EVEN_K:
-                    a = tl.load(a_ptrs)
-                    b = tl.load(d_ptrs)
-                else:
-                    km = (k + offs_k) < K
-                    a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-                    b = tl.load(d_ptrs, mask=km[None, :], other=0.0)
-                if DOT_F32:
-                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, tl.trans(b), acc)
-                if not TMA:
-                    a_ptrs += BK
-                    d_ptrs += BK * s_dk
-            acc = tl.where((rows < ee)[:, None], acc, 0.0)
-            o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < en)[:, None] & (cols < N)[None, :])
+            down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
+                      N, K, stride_am, stride_om, s_dn, s_dk,
+                      BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
         else:
             tz = t - total
             zg = tl.sum((zcum <= tz).to(tl.int32), 0)
             zsel = gidx == zg
-            zlocal = tz - _pick(zsel, zcum - ztiles)
-            zs = _pick(zsel, zstart)
-            zen = _pick(zsel, end)
-            nzm = (_pick(zsel, zrows) + ZM - 1) // ZM
+            zlocal = tz - pick(zsel, zcum - ztiles)
+            nzm = (pick(zsel, zrows) + ZM - 1) // ZM
             zn = zlocal // nzm
             zm = zlocal - zn * nzm
-            zr = zs + zm * ZM + tl.arange(0, ZM)
-            zc = zn * BN + tl.arange(0, BN)
-            z_ptrs = out_ptr + zr.to(tl.int64)[:, None] * stride_om + zc[None, :]
-            tl.store(z_ptrs, tl.zeros((ZM, BN), dtype=out_ptr.dtype.element_ty), mask=(zr < zen)[:, None] & (zc < N)[None, :])
+            zr = pick(zsel, zstart) + zm * ZM + tl.arange(0, ZM)
+            zero_rows(out_ptr, zr, pick(zsel, end), zn * BN + tl.arange(0, BN), N, stride_om, ZM, BN)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,10 +221,12 @@ def _down_kernel(
 
 
 class _Prepared:
-    __slots__ = ("key", "table", "strides", "keep", "device")
+    __slots__ = ("key", "table", "strides", "keep", "device", "sync")
 
-    def __init__(self, key, table, strides, keep, device):
+    def __init__(self, key, table, strides, keep, device, sync):
         self.key, self.table, self.strides, self.keep, self.device = key, table, strides, keep, device
+        #: the one-launch kernel's counters (``triton_fused``): zero here, restored by each launch
+        self.sync = sync
 
 
 _CACHE: dict[int, _Prepared] = {}
@@ -387,7 +299,8 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
         if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:2]):
             # the kernels hint 16-byte alignment of each row base; fall back to a copy
             raise MoonEPInputError("expert_ffn_triton: weight pools must be 16-byte aligned with row strides divisible by 8")
-    prep = _Prepared(key, table, (gs, us, ds), k1 + k2 + k3, device)
+    sync = torch.zeros(SYNC_WORDS + len(gp), dtype=torch.int32, device=device)
+    prep = _Prepared(key, table, (gs, us, ds), k1 + k2 + k3, device, sync)
     _CACHE[wid] = prep
     try:
         weakref.finalize(weights, _CACHE.pop, wid, None)
@@ -487,7 +400,10 @@ def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None 
         if cands:
             best = max(cands, key=lambda e: e.get("max_rows", 0))
     if best is not None:
-        return {"gate_up": best["gate_up"], "down": best["down"]}
+        cfg = {"gate_up": best["gate_up"], "down": best["down"]}
+        if best.get("fused"):
+            cfg["fused"] = best["fused"]
+        return cfg
     per_group = nvs / max(1, min(n_groups, 64))
     if per_group < 48:
         return DEFAULT_CONFIGS["stream"]
@@ -585,6 +501,29 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
     )
 
 
+def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False):
+    """The whole compute in one launch (``triton_fused``): ``cfg``'s gate_up and down tiles, its
+    ``fused`` entry's warps, stages and programs per SM."""
+    I, H = act.shape[1], x.shape[1]
+    G = int(cu.numel())
+    if prep.sync.numel() < SYNC_WORDS + G:
+        raise MoonEPInputError(f"expert_ffn_triton: cu_seqlens has {G} groups, the weights {prep.table.shape[0]}")
+    gu, dn, f = cfg["gate_up"], cfg["down"], cfg["fused"]
+    (s_gn, s_gk), (s_un, s_uk), (s_dn, s_dk) = prep.strides
+    tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
+    grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)
+    return fused_kernel[grid](
+        x, route_w, cu, prep.table, act, dst, prep.sync,
+        x.shape[0], G, I, H, x.stride(0), act.stride(0), dst.stride(0),
+        s_gn, s_gk, s_un, s_uk, s_dn, s_dk,
+        GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
+        BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
+        BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
+        DOT_F32=dot_f32, SKIP=skip, TMA1=tma1,
+        num_warps=f["num_warps"], num_stages=f["num_stages"],
+    )
+
+
 def expert_ffn_triton(
     x: torch.Tensor,
     route_w: torch.Tensor,
@@ -601,7 +540,7 @@ def expert_ffn_triton(
     (``{"gate_up": {...}, "down": {...}}``); ``act`` is an optional ``[NvS, I]`` scratch;
     ``tokens``: the step's tokens per rank, which picks the tiles (``select_config``);
     ``padded``: the step may hold padding entries (weight-0 rows inside segments), whose tiles
-    are then skipped (``_live``); ``False`` for rows that have none."""
+    are then skipped (``triton_tiles.live``); ``False`` for rows that have none."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -623,6 +562,11 @@ def expert_ffn_triton(
         act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
     cfg = config or select_config(H, I, NvS, G, tokens=tokens)
     dot_f32 = interpreting() or x.dtype == torch.float32
+    if cfg.get("fused"):
+        _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, padded)
+        if dst is not out:
+            out.copy_(dst)
+        return out
     eff = torch.empty(G, dtype=torch.int32, device=dev)
     _launch_trim(cu, route_w, eff)
     _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32, padded)

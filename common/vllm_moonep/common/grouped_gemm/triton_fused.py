@@ -1,0 +1,116 @@
+"""The expert compute in one launch (tile configs with a ``"fused"`` entry): the decode regime.
+
+At decode a step's expert compute is a few microseconds of work per SM, and three launches
+(trim, gate/up, down) each pay a ramp and a tail (Qwen3-30B-A3B at 1 token: 2.8 + 20.9 + 12.7 us
+for 66 MB of weights, 2.5x the copy-rate floor). This kernel runs the same tiles
+(``triton_tiles``) as one persistent launch::
+
+    work list (same in every program, from cu_seqlens; groups with no rows have no items):
+      [ A(g, j): gate/up of group g, act columns j  for every busy g, j < cdiv(I, BN1) ]
+      [ B(g, j): down of group g, out columns j     for every busy g, j < cdiv(H, BN2) ]
+
+    program:  t = next++ (atomic)  while t < items:
+        A: trim g's rows (its own scan), gate/up tiles over them -> act; barrier; ready[g] += 1 (release)
+        B: trim g's rows; wait ready[g] == cdiv(I, BN1) (acquire); down tiles -> out; zeros to the tail
+    last program to leave: ready[:] = 0, next = 0 (the launch leaves its counters as it found them)
+
+Items are taken from one counter in list order, so every A item is taken before any B item,
+and only by a program that is running: a B item waits for A items that running programs
+finish without waiting themselves. No wait can deadlock, however many programs fit on the GPU
+at once (a grid barrier, or a fixed split of items between programs, could). The down
+operands are loaded with pointer loads (act is written by other programs of this launch; the
+tensor-descriptor path is for gate/up, whose rows come from the launch before).
+
+The counters are ``int32 [2 + G]`` (``next``, ``left``, ``ready[G]``), zeroed once per weights
+(``prepare_weights``) and restored by each launch, so launches of one weights object must run
+in order (one stream, as the layers of a step do); replayed CUDA graphs keep that.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from vllm_moonep.common.grouped_gemm.triton_tiles import down_tile, gate_up_tile, pick, tile_index, trim_end, zero_rows
+
+__all__ = ["fused_kernel", "SYNC_WORDS"]
+
+#: counter words before ``ready[G]``: the next work item, the programs that have left
+SYNC_WORDS = 2
+
+
+@triton.jit
+def fused_kernel(
+    x_ptr, rw_ptr, cu_ptr, tab_ptr, act_ptr, out_ptr, sync_ptr,
+    M, G, I, H, stride_xm, stride_am, stride_om,
+    s_gn, s_gk, s_un, s_uk, s_dn, s_dk,
+    GP2: tl.constexpr, TB: tl.constexpr, ZM: tl.constexpr,
+    BM1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N1: tl.constexpr,
+    BM2: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, EVEN_K2: tl.constexpr, EVEN_N2: tl.constexpr,
+    DOT_F32: tl.constexpr, SKIP: tl.constexpr, TMA1: tl.constexpr,
+):
+    nprog = tl.num_programs(0)
+    gidx = tl.arange(0, GP2)
+    gmask = gidx < G
+    end = tl.load(cu_ptr + gidx, mask=gmask, other=0).to(tl.int32)
+    start = tl.load(cu_ptr + gidx - 1, mask=gmask & (gidx > 0), other=0).to(tl.int32)
+    busy = (end > start).to(tl.int32)
+    n1 = tl.cdiv(I, BN1)
+    n2 = tl.cdiv(H, BN2)
+    items1 = busy * n1
+    items2 = busy * n2
+    cum1 = tl.cumsum(items1, 0)
+    cum2 = tl.cumsum(items2, 0)
+    total1 = tl.sum(items1, 0)
+    total = total1 + tl.sum(items2, 0)
+    ready = sync_ptr + 2
+    wty = tl.pointer_type(x_ptr.dtype.element_ty)
+    xd = x_ptr
+    if TMA1:  # rows past the group's end load the next group's (never stored), past M zeros
+        xd = tl.make_tensor_descriptor(x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BM1, BK1])
+    t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    while t < total:
+        if t < total1:
+            g = tl.sum((cum1 <= t).to(tl.int32), 0)
+            sel = gidx == g
+            col0 = (t - pick(sel, cum1 - items1)) * BN1
+            s = pick(sel, start)
+            ee = trim_end(rw_ptr, s, pick(sel, end), TB)
+            wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
+            wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
+            for row0 in range(s, ee, BM1):
+                rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, I, BM1, BN1, EVEN_N1)
+                gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
+                             I, H, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
+                             BM1, BN1, BK1, EVEN_K1, DOT_F32, SKIP, TMA1, False)
+            tl.debug_barrier()  # every thread's act stores, then one release carries them
+            tl.atomic_add(ready + g, 1, sem="release", scope="gpu")
+        else:
+            u = t - total1
+            g = tl.sum((cum2 <= u).to(tl.int32), 0)
+            sel = gidx == g
+            col0 = (u - pick(sel, cum2 - items2)) * BN2
+            s = pick(sel, start)
+            en = pick(sel, end)
+            ee = trim_end(rw_ptr, s, en, TB)
+            wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
+            if ee > s:  # the group's act columns, all of them, written by A items
+                seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
+                while seen < n1:
+                    seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
+                tl.debug_barrier()
+            for row0 in range(s, ee, BM2):
+                rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, H, BM2, BN2, EVEN_N2)
+                down_tile(act_ptr, rw_ptr, out_ptr, wd, act_ptr, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
+                          H, I, stride_am, stride_om, s_dn, s_dk,
+                          BM2, BN2, BK2, EVEN_K2, DOT_F32, SKIP, False, False)
+            zc = col0 + tl.arange(0, BN2)
+            for z0 in range(tl.minimum(s + tl.cdiv(ee - s, BM2) * BM2, en), en, ZM):
+                zero_rows(out_ptr, z0 + tl.arange(0, ZM), en, zc, H, stride_om, ZM, BN2)
+        t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+    left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == nprog - 1:  # every item is done: restore the counters for the next launch
+        tl.store(ready + gidx, tl.zeros([GP2], tl.int32), mask=gmask)
+        tl.store(sync_ptr, 0)
+        tl.store(sync_ptr + 1, 0)

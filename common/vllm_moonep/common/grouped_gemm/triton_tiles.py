@@ -1,0 +1,163 @@
+"""The tile bodies both Triton launch schedules run (``@triton.jit`` helpers, no kernels).
+
+One tile is ``BM`` rows of one group times ``BN`` output columns::
+
+    _gate_up_tile:  x[rows, :H] @ gate_g^T, @ up_g^T  ->  silu(g) * u * route_w  ->  act[rows, cols]
+    _down_tile:     act[rows, :I] @ down_g^T                                    ->  out[rows, cols]
+
+``triton_kernels`` runs them as three launches (trim, every gate/up tile, every down tile);
+``triton_fused`` runs the same tiles in one launch. Both reach a group's weights through the
+pointer table (``wg``, ``wu``, ``wd``: the group's base addresses), so the tiles do not know where
+the pools live. The row masks are the tile's: ``ee`` is the group's trimmed end (rows at or past it
+are never loaded past it, and their activations or outputs are written as 0 or not at all).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["trim_end", "pick", "live", "tile_index", "gate_up_tile", "down_tile", "zero_rows"]
+
+
+@triton.jit
+def trim_end(rw_ptr, start, end, BLK: tl.constexpr):
+    """1 + the last row of ``[start, end)`` with a non-zero routing weight (``start`` if none):
+    MoonEP pads segments with weight-0 rows, whose output is exactly 0, so no tile computes them."""
+    last = start
+    for r0 in range(start, end, BLK):
+        rows = r0 + tl.arange(0, BLK)
+        v = tl.load(rw_ptr + rows, mask=rows < end, other=0.0)
+        last = tl.maximum(last, tl.max(tl.where(v != 0.0, rows + 1, 0), 0))
+    return last
+
+
+@triton.jit
+def pick(sel, v):
+    """``v[g]`` for the one ``g`` where ``sel`` holds (a register vector read without a branch)."""
+    return tl.sum(tl.where(sel, v, 0), 0)
+
+
+@triton.jit
+def live(rw, rows, ee):
+    """Whether any row of a tile (below the group's trimmed end) has a non-zero routing weight.
+    A tile of weight-0 rows has output exactly 0: with ``SKIP`` both kernels give it no main loop
+    (a loop bound, not a branch around the loop: a branch cost the software pipeline 4-17% on an
+    H200). Such tiles sit inside segments, not only in the trimmed tail, once a step was padded:
+    a rank's padding entries all go to one expert of its own, and other ranks' real rows of that
+    expert come after them. ``SKIP`` off compiles the loop as it was (steps with no padding)."""
+    return tl.max(tl.where(rows < ee, tl.abs(rw), 0.0), 0) > 0.0
+
+
+@triton.jit
+def tile_index(row0, col0, ee, N, BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr):
+    """A tile's rows and columns from its first row and column, plus clamped copies that are
+    always safe to load (rows below the trimmed end ``ee``, columns below ``N``)."""
+    rows = row0 + tl.arange(0, BM)
+    rows_ld = tl.minimum(rows, ee - 1).to(tl.int64)
+    cols = col0 + tl.arange(0, BN)
+    if EVEN_N:
+        cols_ld = cols
+    else:
+        cols_ld = tl.minimum(cols, N - 1)
+    return rows, rows_ld, cols, cols_ld
+
+
+@triton.jit
+def gate_up_tile(
+    x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
+    N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+):
+    """``act[rows, cols] = silu(x @ gate^T) * (x @ up^T) * route_w`` over ``K = H``; ``xd``: the
+    rows' tensor descriptor when ``TMA`` (then the group's gate and up are described here)."""
+    offs_k = tl.arange(0, BK)
+    if TMA:  # this group's gate and up, described on the device (columns past N load zeros)
+        gd = tl.make_tensor_descriptor(wg, shape=[N, K], strides=[s_gn, 1], block_shape=[BN, BK])
+        ud = tl.make_tensor_descriptor(wu, shape=[N, K], strides=[s_un, 1], block_shape=[BN, BK])
+    a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = wg + cols_ld[:, None] * s_gn + offs_k[None, :] * s_gk
+    u_ptrs = wu + cols_ld[:, None] * s_un + offs_k[None, :] * s_uk
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    k_end = K
+    if SKIP:  # every row of the tile has weight 0: no main loop, act = 0 (see live)
+        k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
+    for k in tl.range(0, k_end, BK, warp_specialize=WS):
+        if TMA:
+            a = xd.load([row0, k])
+            bg = gd.load([col0, k])
+            bu = ud.load([col0, k])
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(u_ptrs)
+        else:
+            km = (k + offs_k) < K
+            a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, tl.trans(bg), acc_g)
+            acc_u = tl.dot(a, tl.trans(bu), acc_u)
+        if not TMA:
+            a_ptrs += BK
+            g_ptrs += BK * s_gk
+            u_ptrs += BK * s_uk
+    rw = tl.load(rw_ptr + rows_ld)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
+    a_out = act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :]
+    tl.store(a_out, act.to(act_ptr.dtype.element_ty), mask=(rows < ee)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def down_tile(
+    act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
+    N, K, stride_am, stride_om, s_dn, s_dk,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+):
+    """``out[rows, cols] = act @ down^T`` over ``K = I``; rows at or past the trimmed end ``ee``
+    (and below the segment's end ``en``) are written as 0. ``ad``: the activations' descriptor when ``TMA``."""
+    offs_k = tl.arange(0, BK)
+    if TMA:
+        dd = tl.make_tensor_descriptor(wd, shape=[N, K], strides=[s_dn, 1], block_shape=[BN, BK])
+    a_ptrs = act_ptr + rows_ld[:, None] * stride_am + offs_k[None, :]
+    d_ptrs = wd + cols_ld[:, None] * s_dn + offs_k[None, :] * s_dk
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    k_end = K
+    if SKIP:  # act is 0 on every row of the tile: no main loop, out = 0
+        k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
+    for k in tl.range(0, k_end, BK, warp_specialize=WS):
+        if TMA:
+            a = ad.load([row0, k])
+            b = dd.load([col0, k])
+        elif EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(d_ptrs)
+        else:
+            km = (k + offs_k) < K
+            a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+            b = tl.load(d_ptrs, mask=km[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        if not TMA:
+            a_ptrs += BK
+            d_ptrs += BK * s_dk
+    acc = tl.where((rows < ee)[:, None], acc, 0.0)
+    o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < en)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def zero_rows(out_ptr, zr, zen, zc, N, stride_om, ZM: tl.constexpr, BN: tl.constexpr):
+    """Write 0 to ``out[zr, zc]`` (rows below ``zen``, columns below ``N``): a segment's trimmed tail."""
+    z_ptrs = out_ptr + zr.to(tl.int64)[:, None] * stride_om + zc[None, :]
+    tl.store(z_ptrs, tl.zeros((ZM, BN), dtype=out_ptr.dtype.element_ty), mask=(zr < zen)[:, None] & (zc < N)[None, :])
