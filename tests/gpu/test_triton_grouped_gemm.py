@@ -316,3 +316,40 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
         torch.cuda.synchronize()
         assert torch.equal(out[:total2], out3[:total2]), "a replayed one-launch kernel differs from three launches"
         assert int(sync.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
+def test_flattened_tile_loop(H, I):
+    """The persistent loop flattened into the main loop ("flat": next tile's loads during this tile's epilogue)
+    must compute the same tiles: a tile skipped or run twice at the seam, the zero tiles (now a loop of their
+    own) missing a segment's tail, or a replay that differs. Same bits as the loop not flattened."""
+    tk = _triton()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the shipped flattened tiles load through tensor descriptors (Hopper-class GPU)")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    lens = [3, 0, 130, 1, 0, 77, 512, 0, 35, 200, 0, 0, 9, 1000, 64, 5]
+    w = _weights(len(lens), H, I, gen)
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128)
+    tiles = {"gate_up": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 1, "tma": True},
+             "down": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True}}
+    flat = {k: {**v, "flat": True} for k, v in tiles.items()}
+    ref = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=ref, config=tiles)
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=flat)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:total], ref[:total]), "the flattened loop changed the output of the same tiles"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=flat)
+    x.mul_(-1)
+    out.fill_(float("nan"))
+    graph.replay()
+    tk.expert_ffn_triton(x, rw, cu, w, out=ref, config=tiles)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:total], ref[:total]), "a replayed flattened launch differs"

@@ -71,10 +71,10 @@ def _kernels():
                     BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True)
     cases += [
         ("gate_up(decode tiles)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False)),
+         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False)),
         ("gate_up(TMA, warp-specialized, 8 warps)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=64, BN=256, BK=64, TMA=True, WS=True), 8),
-        ("down(TMA)", gk._down_kernel, dn_sig, dict(flags, GP2=512, BM=128, BN=256, BK=64, ZM=64, TMA=True, WS=False), 8),
+         dict(flags, GP2=512, BM=64, BN=256, BK=64, TMA=True, WS=True, FLAT=False), 8),
+        ("down(TMA)", gk._down_kernel, dn_sig, dict(flags, GP2=512, BM=128, BN=256, BK=64, ZM=64, TMA=True, WS=False, FLAT=True), 8),
         ("trim", gk._trim_kernel, dict(cu_ptr="*i32", rw_ptr="*fp32", eff_ptr="*i32"), dict(BLK=256)),
         ("fused(one launch)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False)),
         ("fused(one launch, TMA gate/up)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=True)),

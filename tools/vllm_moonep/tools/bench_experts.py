@@ -103,6 +103,12 @@ DOWN_CANDIDATES = [
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "ws": True},
     {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
+    # the persistent tile loop flattened ("flat": the next tile's loads overlap this one's epilogue): 1-3%
+    # less at 256-4096 tokens on an H200 for these down tiles, slower for every gate_up tile tried
+    # (docs/PERFORMANCE.md, ninth session)
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True, "flat": True},
+    {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "flat": True},
+    {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "flat": True},
 ]
 
 #: launch settings tried for the one-launch kernel (``triton_fused``) with a point's best gate_up and

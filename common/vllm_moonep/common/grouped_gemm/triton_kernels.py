@@ -43,6 +43,9 @@ so every pool layout above still works; ``"ws": true`` adds Triton's warp-specia
 (their outputs are masked off), past ``NvS`` zeros. Where TMA cannot run (not Hopper-class, rows
 not 16-byte aligned) the pointer loads do (said once). Device-built descriptors need Triton's
 launch-time scratch allocator: one backed by torch is set where none is (``_ensure_scratch_allocator``).
+``"flat": true`` flattens a kernel's persistent tile loop into its main loop (Triton's
+``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue); not with
+``ws``, where it is ignored. Same bits either way.
 
 Tile configurations come from ``tuning.json`` (keyed by ``H``, ``I`` and the row count ``NvS``,
 which the buffer derives from the token capacity); unknown shapes use a generic rule, and so does
@@ -146,7 +149,7 @@ def _gate_up_kernel(
     s_gn, s_gk, s_un, s_uk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -159,7 +162,7 @@ def _gate_up_kernel(
     xd = x_ptr
     if TMA:  # rows past the group's end load the next group's (never stored), past M zeros
         xd = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BM, BK])
-    for t in range(pid, total, nprog):
+    for t in tl.range(pid, total, nprog, flatten=FLAT):
         g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN,
                                                                      EVEN_N)
         wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
@@ -176,7 +179,7 @@ def _down_kernel(
     s_dn, s_dk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -195,24 +198,24 @@ def _down_kernel(
     ad = act_ptr
     if TMA:
         ad = tl.make_tensor_descriptor(act_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
-    for t in range(pid, total + ztotal, nprog):
-        if t < total:
-            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM,
-                                                                         BN, EVEN_N)
-            wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
-            down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
-                      N, K, stride_am, stride_om, s_dn, s_dk,
-                      BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
-        else:
-            tz = t - total
-            zg = tl.sum((zcum <= tz).to(tl.int32), 0)
-            zsel = gidx == zg
-            zlocal = tz - pick(zsel, zcum - ztiles)
-            nzm = (pick(zsel, zrows) + ZM - 1) // ZM
-            zn = zlocal // nzm
-            zm = zlocal - zn * nzm
-            zr = pick(zsel, zstart) + zm * ZM + tl.arange(0, ZM)
-            zero_rows(out_ptr, zr, pick(zsel, end), zn * BN + tl.arange(0, BN), N, stride_om, ZM, BN)
+    for t in tl.range(pid, total, nprog, flatten=FLAT):
+        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN,
+                                                                     EVEN_N)
+        wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
+        down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
+                  N, K, stride_am, stride_om, s_dn, s_dk,
+                  BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+    # then the zero tiles, continuing the same round robin over programs
+    for t in range(total + (pid - total % nprog + nprog) % nprog, total + ztotal, nprog):
+        tz = t - total
+        zg = tl.sum((zcum <= tz).to(tl.int32), 0)
+        zsel = gidx == zg
+        zlocal = tz - pick(zsel, zcum - ztiles)
+        nzm = (pick(zsel, zrows) + ZM - 1) // ZM
+        zn = zlocal // nzm
+        zm = zlocal - zn * nzm
+        zr = pick(zsel, zstart) + zm * ZM + tl.arange(0, ZM)
+        zero_rows(out_ptr, zr, pick(zsel, end), zn * BN + tl.arange(0, BN), N, stride_om, ZM, BN)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -474,13 +477,14 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     G = int(cu.numel())
     (s_gn, s_gk), (s_un, s_uk), _ = prep.strides
     tma, ws = _descriptors(c, x, (s_gn, s_un))
+    flat = bool(c.get("flat", False)) and not ws
     grid = (max(1, sm_count(x.device) * int(c.get("progs_per_sm", 1))),)
     return _gate_up_kernel[grid](
         x, route_w, cu, eff, prep.table, act,
         x.shape[0], G, I, H, x.stride(0), act.stride(0),
         s_gn, s_gk, s_un, s_uk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
-        EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
+        EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
@@ -490,13 +494,14 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
     G = int(cu.numel())
     s_dn, s_dk = prep.strides[2]
     tma, ws = _descriptors(c, act, (s_dn,))
+    flat = bool(c.get("flat", False)) and not ws
     grid = (max(1, sm_count(act.device) * int(c.get("progs_per_sm", 1))),)
     return _down_kernel[grid](
         act, route_w, cu, eff, prep.table, dst,
         act.shape[0], G, H, I, act.stride(0), dst.stride(0),
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
-        EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
+        EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
