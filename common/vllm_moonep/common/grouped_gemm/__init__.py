@@ -15,7 +15,8 @@ are others, with no copies. Implementations (``impl=``):
 - ``grouped_mm``: three ``torch._grouped_mm`` calls plus elementwise ops, as vLLM 0.33's
   proof of concept does (bf16 on sm90+), over a source whose used groups are the rows of one
   dense tensor.
-- ``triton``: the fused Triton kernels in ``triton_kernels.py`` (any source, pointer table).
+- ``triton``: the fused Triton kernels in ``triton_kernels.py`` (any source, pointer table; tile
+  bodies in ``triton_tiles.py``; at decode the tiles may run as one launch, ``triton_fused.py``).
 - ``quack``: quack-kernels' varlen grouped GEMM (``quack_impl.py``; an optional extra,
   ``vllm-moonep[quack]``), bf16 on sm90+, over a dense source like ``grouped_mm``.
 - ``auto``: quack where ``api.QUACK_FROM_TOKENS`` says it was measured faster than triton (per
