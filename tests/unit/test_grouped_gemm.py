@@ -121,3 +121,19 @@ def test_tiles_follow_the_steps_tokens_not_the_buffers_slack():
     assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=3000) == tiles(by_tokens[4096])
     # more tokens than any entry: the NvS rule (the largest entry here)
     assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=10**6) == tiles(by_tokens[4096])
+
+
+def test_one_launch_counters_survive_a_table_rebuild():
+    """The one-launch kernel's counters (triton_fused) are written by every launch: a CUDA graph captured
+    before the pointer table is rebuilt (a pool changed in place) must not be left atomically adding into
+    freed memory, so a rebuild keeps the same counter tensor (at rest it is all zeros)."""
+    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
+    g = torch.Generator().manual_seed(3)
+    w = GroupedWeights.contiguous(*(torch.randn(4, 16, 32, generator=g).to(torch.bfloat16) for _ in range(2)),
+                                  torch.randn(4, 32, 16, generator=g).to(torch.bfloat16))
+    first = tk.prepare_weights(w, "cpu")
+    assert first.sync.numel() == 2 + 4 and int(first.sync.abs().sum()) == 0
+    w.gate[0].mul_(1)  # in place: the version counter moves, the table is rebuilt
+    second = tk.prepare_weights(w, "cpu")
+    assert second is not first, "the table was not rebuilt (the check below would be vacuous)"
+    assert second.sync is first.sync, "a rebuild replaced the counters a captured graph writes to"

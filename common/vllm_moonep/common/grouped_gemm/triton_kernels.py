@@ -44,8 +44,8 @@ so every pool layout above still works; ``"ws": true`` adds Triton's warp-specia
 not 16-byte aligned) the pointer loads do (said once). Device-built descriptors need Triton's
 launch-time scratch allocator: one backed by torch is set where none is (``_ensure_scratch_allocator``).
 ``"flat": true`` flattens a kernel's persistent tile loop into its main loop (Triton's
-``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue); not with
-``ws``, where it is ignored. Same bits either way.
+``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue), on steps
+without padding (``padded=False``) and without ``ws`` (``_flat``). Same bits either way.
 
 Tile configurations come from ``tuning.json`` (keyed by ``H``, ``I`` and the row count ``NvS``,
 which the buffer derives from the token capacity); unknown shapes use a generic rule, and so does
@@ -302,7 +302,12 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
         if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:2]):
             # the kernels hint 16-byte alignment of each row base; fall back to a copy
             raise MoonEPInputError("expert_ffn_triton: weight pools must be 16-byte aligned with row strides divisible by 8")
-    sync = torch.zeros(SYNC_WORDS + len(gp), dtype=torch.int32, device=device)
+    # the counters are at rest (zero) between launches: a rebuild keeps them, so a CUDA graph captured
+    # before it still points at live memory (the table it captured is replaced; the counters are not)
+    if hit is not None and hit.sync.numel() == SYNC_WORDS + len(gp) and hit.device == device:
+        sync = hit.sync
+    else:
+        sync = torch.zeros(SYNC_WORDS + len(gp), dtype=torch.int32, device=device)
     prep = _Prepared(key, table, (gs, us, ds), k1 + k2 + k3, device, sync)
     _CACHE[wid] = prep
     try:
@@ -468,6 +473,13 @@ def _descriptors(c: dict, a: torch.Tensor, w_row_strides: tuple) -> tuple[bool, 
     return True, ws
 
 
+def _flat(c: dict, ws: bool, skip: bool) -> bool:
+    """A tile config's ``flat`` where Triton can flatten the tile loop: not with ``ws``, and not when
+    tiles of weight-0 rows are skipped (``skip``: the main loop's bound then varies by tile, and
+    Triton fuses only loops whose inner bound does not; it would leave the loops nested anyway)."""
+    return bool(c.get("flat", False)) and not ws and not skip
+
+
 def _launch_trim(cu, route_w, eff):
     return _trim_kernel[(int(cu.numel()),)](cu, route_w, eff, BLK=256, num_warps=4)
 
@@ -477,7 +489,7 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     G = int(cu.numel())
     (s_gn, s_gk), (s_un, s_uk), _ = prep.strides
     tma, ws = _descriptors(c, x, (s_gn, s_un))
-    flat = bool(c.get("flat", False)) and not ws
+    flat = _flat(c, ws, skip)
     grid = (max(1, sm_count(x.device) * int(c.get("progs_per_sm", 1))),)
     return _gate_up_kernel[grid](
         x, route_w, cu, eff, prep.table, act,
@@ -494,7 +506,7 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
     G = int(cu.numel())
     s_dn, s_dk = prep.strides[2]
     tma, ws = _descriptors(c, act, (s_dn,))
-    flat = bool(c.get("flat", False)) and not ws
+    flat = _flat(c, ws, skip)
     grid = (max(1, sm_count(act.device) * int(c.get("progs_per_sm", 1))),)
     return _down_kernel[grid](
         act, route_w, cu, eff, prep.table, dst,
