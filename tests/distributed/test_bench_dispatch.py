@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from vllm_moonep.testing.launch import launched_world_size
 from vllm_moonep.tools import bench_dispatch
@@ -18,7 +19,12 @@ def test_bench_dispatch_reports_paired_and_separate_anchors(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert bench_dispatch.main(["--preset", "qwen3-30b-a3b", "--ranks", "2", "--tokens", "2", "--maxvio", "0", "2",
                                 "--iters", "3", "--warmup", "1", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    run = json.loads(out.read_text())
+    # a figure is only comparable with what it was measured on: command, date, machine, transport
+    assert run["argv"][1:3] == ["--preset", "qwen3-30b-a3b"] and run["date"] and run["torch"] == torch.__version__
+    assert (run["device"], run["ranks"], run["H"], run["E"], run["K"]) == ("cpu", 2, 2048, 128, 8)
+    assert run["transport"] and run["backend"] == "gloo"
+    rows = run["rows"]
     assert [(r["tokens"], r["maxvio"]) for r in rows] == [(2, 0.0), (2, 2.0)]
     for r in rows:
         for key in ("dispatch_us", "combine_us", "a2a_us", "a2a_paired_us", "dispatch_over_a2a_paired",

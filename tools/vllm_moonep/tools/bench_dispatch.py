@@ -210,7 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print the top kernels of one dispatch+combine on rank 0 (device time) and the host time "
                          "per call and per engine launch over 50 back-to-back calls")
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--json", default=None,
+                    help="write the run here: its rows, and what they were measured on (date, command, machine)")
     a = ap.parse_args(argv)
     if a.ranks < 1:
         ap.error("--ranks must be >= 1")
@@ -292,8 +293,27 @@ def main(argv=None) -> int:
               f"{r['slots_used']} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(_run_record(a, argv, launch.backend, transport, H, E, K, rows), f, indent=1)
     return 0
+
+
+def _run_record(a, argv, backend: str, transport, H: int, E: int, K: int, rows: list) -> dict:
+    """The JSON a run writes: its rows with the command, date and machine they were measured on (a
+    figure without them cannot be put beside another run's)."""
+    import datetime
+    import platform
+    import sys
+
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if a.device == "cuda" and torch.cuda.is_available() else [])
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "argv": list(sys.argv if argv is None else ["bench_dispatch", *argv]),
+        "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+        "device": a.device, "gpus": gpus, "backend": backend, "transport": transport,
+        "preset": a.preset, "H": H, "E": E, "K": K, "ranks": a.ranks,
+        "rows": rows,
+    }
 
 
 if __name__ == "__main__":
