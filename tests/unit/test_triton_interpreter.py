@@ -125,7 +125,15 @@ def _child_main() -> None:
     from vllm_moonep.testing.reference import expert_ffn_float64
 
     assert interpreting()
-    report = {}
+    import logging
+
+    said: list[str] = []  # what the kernels' module says (INFO and up), to check it says each choice once
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    kernels_log = logging.getLogger("vllm_moonep.common.grouped_gemm.triton_kernels")
+    kernels_log.addHandler(handler)
+    kernels_log.setLevel(logging.INFO)
+    report: dict = {}
     for name in CASES:
         try:
             x, rw, cu, w, n = _case_data(name)
@@ -167,12 +175,23 @@ def _child_main() -> None:
                             "fused_reset": fused_reset}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
+    report["_said"] = said
     print("REPORT " + json.dumps(report))
 
 
 @pytest.fixture(scope="module")
 def report():
     return interpreter_report(__file__)
+
+
+def test_one_launch_is_said_once_per_shape(report):
+    """The one-launch path (a choice the tile table makes, with a stream-order constraint for the user)
+    running unsaid, or said on every call."""
+    lines = [m for m in report["_said"] if "run as one launch" in m]
+    assert lines, "the one-launch path ran (every case, two launches each) but nothing was said"
+    assert len(lines) == len(set(lines)), f"said more than once: {lines}"
+    # one line per shape that ran it: random_ragged (64 x 48) and odd_dims (72 x 40) among them
+    assert any("H=64, I=48" in m for m in lines) and any("H=72, I=40" in m for m in lines), lines
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -526,6 +526,9 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False):
     if prep.sync.numel() < SYNC_WORDS + G:
         raise MoonEPInputError(f"expert_ffn_triton: cu_seqlens has {G} groups, the weights {prep.table.shape[0]}")
     gu, dn, f = cfg["gate_up"], cfg["down"], cfg["fused"]
+    say_once(f"MoonEP expert kernels: steps whose tile entry says so (H={H}, I={I}: decode, tuning.json) run as "
+             "one launch instead of three; its work counters belong to the layer's weights, so one layer's "
+             "expert compute must run in stream order (not on two CUDA streams at once)", __name__)
     (s_gn, s_gk), (s_un, s_uk), (s_dn, s_dk) = prep.strides
     tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
     grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)
