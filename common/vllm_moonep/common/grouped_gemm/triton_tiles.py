@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["trim_end", "pick", "live", "tile_index", "gate_up_tile", "down_tile", "zero_rows"]
+__all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "gate_up_tile", "down_tile", "zero_rows"]
 
 
 @triton.jit
@@ -64,6 +64,15 @@ def tile_index(row0, col0, ee, N, BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl
 
 
 @triton.jit
+def load_k(ptrs, k, offs_k, K, EVEN_K: tl.constexpr):
+    """A ``[rows, BK]`` operand block at ``k`` of the reduction dimension (pointer loads): columns
+    past ``K`` read 0 (no mask when ``BK`` divides ``K``)."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=((k + offs_k) < K)[None, :], other=0.0)
+
+
+@triton.jit
 def gate_up_tile(
     x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
     N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
@@ -89,15 +98,10 @@ def gate_up_tile(
             a = xd.load([row0, k])
             bg = gd.load([col0, k])
             bu = ud.load([col0, k])
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-            bg = tl.load(g_ptrs)
-            bu = tl.load(u_ptrs)
         else:
-            km = (k + offs_k) < K
-            a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=km[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=km[None, :], other=0.0)
+            a = load_k(a_ptrs, k, offs_k, K, EVEN_K)
+            bg = load_k(g_ptrs, k, offs_k, K, EVEN_K)
+            bu = load_k(u_ptrs, k, offs_k, K, EVEN_K)
         if DOT_F32:
             a = a.to(tl.float32)
             acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
@@ -137,13 +141,9 @@ def down_tile(
         if TMA:
             a = ad.load([row0, k])
             b = dd.load([col0, k])
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(d_ptrs)
         else:
-            km = (k + offs_k) < K
-            a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-            b = tl.load(d_ptrs, mask=km[None, :], other=0.0)
+            a = load_k(a_ptrs, k, offs_k, K, EVEN_K)
+            b = load_k(d_ptrs, k, offs_k, K, EVEN_K)
         if DOT_F32:
             acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
         else:
