@@ -25,12 +25,18 @@ def _rel(a, b):
     return float((a - b).norm()) / d if d > 0 else float((a - b).norm())
 
 
-def _weights(G, H, I, gen, dev="cuda"):
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
-
+def _randn(gen, dev):
+    """bf16 normal values times ``scale``, from ``gen`` (every test draws its weights in a fixed order)."""
     def r(*s, scale):
         return (torch.randn(*s, generator=gen, device=dev) * scale).to(torch.bfloat16)
 
+    return r
+
+
+def _weights(G, H, I, gen, dev="cuda"):
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+
+    r = _randn(gen, dev)
     return GroupedWeights.contiguous(r(G, I, H, scale=H**-0.5), r(G, I, H, scale=H**-0.5), r(G, H, I, scale=I**-0.5))
 
 
@@ -48,6 +54,31 @@ def _inputs(lens, H, gen, pad_to=None, extra=7, dev="cuda"):
         rw[start + n : start + s] = 0
         start += s
     return x, rw, cu.to(dev), total
+
+
+def _two_pools(gen, H, I, pools, rows, dev="cuda"):
+    """Weights as the symmetric layout has them: pool 0 a fused ``w13`` viewed as gate and up (stride
+    ``2*I*H`` along dim 0), pool 1 separate tensors, group ``g`` row ``rows[g]`` of pool ``pools[g]``
+    (-1: no weights). Each pool has as many rows as its largest row id + 1."""
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+
+    r = _randn(gen, dev)
+    n0, n1 = (1 + max(rw for p, rw in zip(pools, rows) if p == k) for k in (0, 1))
+    w13 = r(n0, 2 * I, H, scale=H**-0.5)
+    d0 = r(n0, H, I, scale=I**-0.5)
+    g1, u1, d1 = r(n1, I, H, scale=H**-0.5), r(n1, I, H, scale=H**-0.5), r(n1, H, I, scale=I**-0.5)
+    return GroupedWeights([w13[:, :I, :], g1], [w13[:, I:, :], u1], [d0, d1], torch.tensor(pools, dtype=torch.int64),
+                          torch.tensor(rows, dtype=torch.int64))
+
+
+def _on_side_stream(fn):
+    """Run ``fn`` on a fresh stream (as a capture warm-up does) and wait for it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
 
 
 def _check(x, rw, cu, w, total, impl_cmp=True):
@@ -119,21 +150,10 @@ def test_all_groups_empty():
 def test_multi_pool_pointer_table():
     """Groups read rows of several tensors: a fused w13 viewed as gate/up (stride 2*I*H along
     dim 0), a separate pool, and -1 groups (no weights, empty)."""
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
-
     gen = torch.Generator(device="cuda").manual_seed(5)
     H, I = 2048, 768
-
-    def r(*s, scale):
-        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(torch.bfloat16)
-
-    w13 = r(6, 2 * I, H, scale=H**-0.5)
-    d0 = r(6, H, I, scale=I**-0.5)
-    g1, u1, d1 = r(3, I, H, scale=H**-0.5), r(3, I, H, scale=H**-0.5), r(3, H, I, scale=I**-0.5)
-    pools = torch.tensor([0, 1, -1, 0, 0, 1, -1, 0, 1], dtype=torch.int64)
-    rows = torch.tensor([5, 2, -1, 0, 3, 0, -1, 1, 1], dtype=torch.int64)
+    w = _two_pools(gen, H, I, [0, 1, -1, 0, 0, 1, -1, 0, 1], [5, 2, -1, 0, 3, 0, -1, 1, 1])
     lens = [33, 250, 0, 1, 700, 16, 0, 129, 64]
-    w = GroupedWeights([w13[:, :I, :], g1], [w13[:, I:, :], u1], [d0, d1], pools, rows)
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128)
     _check(x, rw, cu, w, total, impl_cmp=False)
 
@@ -151,12 +171,7 @@ def test_cuda_graph_capture_replay():
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=1024)  # capacity for the replays
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act)  # warm-up: compile, pointer table
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    _on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act))  # warm-up: compile, pointer table
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act)
@@ -193,24 +208,14 @@ def test_tensor_descriptor_loads(H, I, ws):
     start, a descriptor of the wrong group or pool (a fused w13 viewed as gate/up, a second pool, -1 groups),
     rows of the next group leaking into a tile's stored rows, or a captured launch losing its device-built
     descriptors. Same tiles with and without TMA must give the same bits; both within TOL of float64."""
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
     from vllm_moonep.testing.reference import expert_ffn_float64
 
     tk = _triton()
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
     gen = torch.Generator(device="cuda").manual_seed(7)
-
-    def r(*s, scale):
-        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(torch.bfloat16)
-
-    w13 = r(5, 2 * I, H, scale=H**-0.5)
-    d0 = r(5, H, I, scale=I**-0.5)
-    g1, u1, d1 = r(3, I, H, scale=H**-0.5), r(3, I, H, scale=H**-0.5), r(3, H, I, scale=I**-0.5)
-    pools = torch.tensor([0, 1, -1, 0, 0, 1, 0, 1], dtype=torch.int64)
-    rows = torch.tensor([4, 2, -1, 0, 3, 0, 1, 1], dtype=torch.int64)
+    w = _two_pools(gen, H, I, [0, 1, -1, 0, 0, 1, 0, 1], [4, 2, -1, 0, 3, 0, 1, 1])
     lens = [33, 250, 0, 1, 700, 16, 129, 64]
-    w = GroupedWeights([w13[:, :I, :], g1], [w13[:, I:, :], u1], [d0, d1], pools, rows)
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128)
     tiles = _TMA_TILES[ws]
     tma = {k: {**v, "tma": True, "ws": ws} for k, v in tiles.items()}
@@ -222,12 +227,7 @@ def test_tensor_descriptor_loads(H, I, ws):
     tk.expert_ffn_triton(x, rw, cu, w, out=out_ptr, config=tiles)
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=tma)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    _on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=tma))
     assert torch.equal(out[:total], out_ptr[:total]), "TMA loads changed the output of the same tiles"
     ref = expert_ffn_float64(x, rw, cu, w)[:total]
     assert _rel(out[:total], ref) < TOL
@@ -256,26 +256,15 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
     an item taken twice or never (the work counter), groups of more rows than one tile (the row loop),
     padding-only segments and empty groups, the trimmed tail's zeros, counters not restored after a
     launch (the next launch or a graph replay would skip or hang), and a replay on new rows."""
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
     from vllm_moonep.testing.reference import expert_ffn_float64
 
     tk = _triton()
     if tma and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
     gen = torch.Generator(device="cuda").manual_seed(8)
-
-    def r(*s, scale):
-        return (torch.randn(*s, generator=gen, device="cuda") * scale).to(torch.bfloat16)
-
-    # two pools (a fused w13 viewed as gate/up, and a separate one) and -1 groups, as the symmetric layout has
-    G0, G1 = 9, 3
-    w13 = r(G0, 2 * I, H, scale=H**-0.5)
-    d0 = r(G0, H, I, scale=I**-0.5)
-    g1, u1, d1 = r(G1, I, H, scale=H**-0.5), r(G1, I, H, scale=H**-0.5), r(G1, H, I, scale=I**-0.5)
-    pools = torch.tensor([0, 0, -1, 1, 0, 0, 1, 0, 0, -1, 1, 0, 0, 0], dtype=torch.int64)
-    rows = torch.tensor([0, 1, -1, 0, 2, 3, 1, 4, 5, -1, 2, 6, 7, 8], dtype=torch.int64)
+    # two pools and -1 groups, as the symmetric layout has
+    w = _two_pools(gen, H, I, [0, 0, -1, 1, 0, 0, 1, 0, 0, -1, 1, 0, 0, 0], [0, 1, -1, 0, 2, 3, 1, 4, 5, -1, 2, 6, 7, 8])
     lens = [1, 2, 0, 1, 40, 0, 8, 1, 17, 0, 1, 3, 0, 5]  # 40 and 17 rows: more than one BM=16 tile
-    w = GroupedWeights([w13[:, :I, :], g1], [w13[:, I:, :], u1], [d0, d1], pools, rows)
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
     start = int(cu[10 - 1])  # group 10's only row: weight 0, a padding-only segment
     rw[start] = 0.0
@@ -286,15 +275,13 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
     tk.expert_ffn_triton(x, rw, cu, w, out=out3, config=tiles)
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):  # a counter left set by one launch shows in the next
+    def three_launches():  # a counter left set by one launch shows in the next
+        for _ in range(3):
             out.fill_(float("nan"))
             act.fill_(float("nan"))  # a down item that reads act before it is written reads NaN, not old values
             tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=fused)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+
+    _on_side_stream(three_launches)
     sync = tk.prepare_weights(w).sync
     assert int(sync.abs().sum()) == 0, f"counters not restored: {sync.tolist()}"
     assert torch.equal(out[:total], out3[:total]), "one launch differs from three launches with the same tiles"
@@ -341,12 +328,7 @@ def test_flattened_tile_loop(H, I):
     tk.expert_ffn_triton(x, rw, cu, w, out=ref, config=tiles, padded=False)
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=flat, padded=False)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
+    _on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=flat, padded=False))
     assert torch.equal(out[:total], ref[:total]), "the flattened loop changed the output of the same tiles"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
