@@ -103,3 +103,17 @@ def test_expert_impl_choice_is_said_once_and_explicit_triton_says_why(monkeypatc
     assert "impl=auto ->" in said[0] and "the Triton kernels need a CUDA device" in said[0], said[0]
     with pytest.raises(MoonEPInputError, match="impl='triton' cannot run here: the Triton kernels need a CUDA device"):
         expert_ffn(x, rw, cu, w, impl="triton")
+
+
+@pytest.mark.parametrize("ws, skip, where", [(True, False, "warp-specialized"), (False, True, "padding")])
+def test_flat_tiles_that_cannot_flatten_are_said(triton_kernels, monkeypatch, caplog, ws, skip, where):
+    """A tile config's "flat" dropped without a word where Triton cannot flatten the loop (with the
+    warp-specialized loop, or on padded steps, whose tile skip varies the loop bound)."""
+    monkeypatch.setattr(defaults_mod, "_SAID", set())
+    with caplog.at_level(logging.INFO, logger=triton_kernels.__name__):
+        for _ in range(3):
+            assert triton_kernels._flat({"flat": True}, ws, skip) is False
+        assert triton_kernels._flat({"flat": True}, False, False) is True
+        assert triton_kernels._flat({}, False, False) is False
+    lines = [r.getMessage() for r in caplog.records if '"flat"' in r.getMessage()]
+    assert len(lines) == 1 and where in lines[0], lines

@@ -192,6 +192,9 @@ def test_one_launch_is_said_once_per_shape(report):
     assert len(lines) == len(set(lines)), f"said more than once: {lines}"
     # one line per shape that ran it: random_ragged (64 x 48) and odd_dims (72 x 40) among them
     assert any("H=64, I=48" in m for m in lines) and any("H=72, I=40" in m for m in lines), lines
+    # the TMA configs ask for ws (both kernels) and TMA down loads, which the one launch does not take
+    dropped = [m for m in report["_said"] if "one launch does not take the tile options" in m]
+    assert len(dropped) == 1 and "down:tma" in dropped[0] and "gate_up:ws" in dropped[0], dropped
 
 
 @pytest.mark.parametrize("case", CASES)

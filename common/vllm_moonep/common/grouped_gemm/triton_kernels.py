@@ -477,7 +477,14 @@ def _flat(c: dict, ws: bool, skip: bool) -> bool:
     """A tile config's ``flat`` where Triton can flatten the tile loop: not with ``ws``, and not when
     tiles of weight-0 rows are skipped (``skip``: the main loop's bound then varies by tile, and
     Triton fuses only loops whose inner bound does not; it would leave the loops nested anyway)."""
-    return bool(c.get("flat", False)) and not ws and not skip
+    if not c.get("flat", False):
+        return False
+    if ws or skip:
+        say_once("MoonEP expert kernels: a tile config asks for the flattened tile loop (\"flat\"); it runs nested "
+                 + ("with the warp-specialized loop" if ws else "on steps with padding (the tile skip)")
+                 + ", where Triton cannot flatten it", __name__)
+        return False
+    return True
 
 
 def _launch_trim(cu, route_w, eff):
@@ -529,6 +536,11 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False):
     say_once(f"MoonEP expert kernels: steps whose tile entry says so (H={H}, I={I}: decode, tuning.json) run as "
              "one launch instead of three; its work counters belong to the layer's weights, so one layer's "
              "expert compute must run in stream order (not on two CUDA streams at once)", __name__)
+    unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn)) for opt in ("ws", "flat") if c.get(opt)]
+    unused += ["down:tma"] if dn.get("tma") else []
+    if unused:
+        say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its down operands are "
+                 "pointer loads, its loops neither warp-specialized nor flattened); it runs without them", __name__)
     (s_gn, s_gk), (s_un, s_uk), (s_dn, s_dk) = prep.strides
     tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
     grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)
