@@ -40,7 +40,7 @@ def _tpe_of(ids, E):
 
 # Each case: a name -> (R, E, S, K, B, tp, ids per rank, tpe). tpe defaults to the bincount of ids.
 def _case(name):
-    for way in ("_sort", "_pairwise"):  # the same case with rule 4 forced one way (OPTIONS)
+    for way in ("_sort", "_pairwise", "_wide"):  # the same case with rule 4 forced one way, or in int64 (OPTIONS)
         if name.endswith(way):
             return _case(name[: -len(way)])
     if name.startswith("sigma_"):
@@ -119,6 +119,12 @@ def _case(name):
         tpe[1] = 0
         tpe[2, 3] = 500
         return 4, 16, 8, 2, 3, 4, None, tpe
+    if name == "large_counts":  # plan only: 2**21 rows a rank, all for home 0's first 8 experts (E/R=40: sorted)
+        hot = [2**18 + d for d in (-7, -5, -3, -1, 1, 3, 5, 7)]  # each rank's counts sum to S*K = 2**21
+        tpe = torch.zeros(2, 80, dtype=torch.int64)
+        tpe[0, :8] = torch.tensor(hot)
+        tpe[1, :8] = torch.tensor(hot[::-1])
+        return 2, 80, 2**18, 8, 3, 8, None, tpe  # B=3: a fourth remote expert stays in its segment
     if name == "out_of_range_ids":
         ids, _ = _routing(4, 24, 32, 4, 2.0, seed=10)
         for r, bad in enumerate([-1, 32, 10**6, -(2**31)]):
@@ -142,6 +148,10 @@ EDGE_CASES = [
     "sigma_2_5.0_sort", "sigma_4_2.0_sort", "sigma_8_1.0_sort", "sigma_8_5.0_sort", "few_slots_B1_sort",
     "few_slots_B3_sort", "hand_tie_break_overshoot_sort", "hand_slot_order_B1_sort", "hand_slot_order_B2_sort",
     "B_more_than_epn_sort", "B_more_than_E_sort", "all_tokens_one_expert_sort", "R16_sort",
+    "large_counts",
+    # the plan kernel in int64 (the planner's own int32 wherever narrow_fits, so these keep the wide path honest)
+    "sigma_8_5.0_wide", "hand_tie_break_overshoot_wide", "kimi_r8_wide", "many_experts_per_rank_wide",
+    "counts_not_summing_to_cap_wide", "large_counts_wide", "R32_wide",
 ]
 CASES = SIGMA_CASES + EDGE_CASES
 #: planner options of a case (bench_planner --rule4 / --rule4-chunk): rule 4 forced one way, or the
@@ -149,6 +159,7 @@ CASES = SIGMA_CASES + EDGE_CASES
 OPTIONS = {"kimi_r2_rule4_chunk32": dict(rule4="pairwise", rule4_chunk=32),
            "many_experts_per_rank_chunk2": dict(rule4="pairwise", rule4_chunk=2)}
 OPTIONS.update({n: dict(rule4=n.rsplit("_", 1)[1]) for n in EDGE_CASES if n.endswith(("_sort", "_pairwise"))})
+OPTIONS.update({n: dict(wide=True) for n in EDGE_CASES if n.endswith("_wide")})
 
 
 def _expected_place(gp, r, ids, E):
@@ -282,8 +293,12 @@ _EDGE_DOCS = {
     "counts_not_summing_to_cap": "rows not summing to S*K: the host's exact arithmetic, not the contract's shortcut",
     "out_of_range_ids": "ids outside [0,E) must give dest=row=-1 and not shift other entries' ordinals",
 }
+_EDGE_DOCS["large_counts"] = ("2**21 rows a rank on one home: remote allocs of ~2**18 packed to ~2**24-2**25 in "
+                              "int32 (an overflow, or a reduction's sentinel inside the values' range)")
 _EDGE_DOCS.update({n: f"{_EDGE_DOCS.get(n[:-5], 'random routing of ' + n[:-5])}, slots ordered by the sort"
                    for n in EDGE_CASES if n.endswith("_sort")})
+_EDGE_DOCS.update({n: f"{_EDGE_DOCS.get(n[:-5], 'random routing of ' + n[:-5])}, in the int64 plan arithmetic"
+                   for n in EDGE_CASES if n.endswith("_wide")})
 
 
 @pytest.mark.parametrize("case", EDGE_CASES)
@@ -323,15 +338,34 @@ def test_gpu_random_cases():
     shapes = [sh for sh in GPU_SHAPES for _ in range(14 if sh[0] <= 32 else 4)]
     dev = torch.device("cuda")
     failures = []
+    widths = set()
     for i, (R, E) in enumerate(shapes):
         K, S, B, tp, sigma, seed = _random_case(rng, R, E)
         ids, tpe = _routing(R, S, E, K, sigma, seed)
-        dp = DevicePlanner(R, E, S, K, B, tp, dev, fast_launch=i % 2 == 0)  # both launch paths
+        # both launch paths; every third case in the int64 plan arithmetic, the others the planner's own
+        dp = DevicePlanner(R, E, S, K, B, tp, dev, fast_launch=i % 2 == 0, wide=True if i % 3 == 0 else None)
+        widths.add(dp.arithmetic)
         ranks = range(R) if R <= 8 else sorted({0, R - 1, rng.randrange(R)})
         err = compare(dp, tpe.to(torch.int32).to(dev), [x.to(dev) for x in ids], tpe, ids, S, K, B, tp, ranks)
         if err:
-            failures.append(f"case {i} R={R} E={E} S={S} K={K} B={B} tp={tp} sigma={sigma}: {err}")
+            failures.append(f"case {i} R={R} E={E} S={S} K={K} B={B} tp={tp} sigma={sigma} "
+                            f"{dp.arithmetic}: {err}")
     assert not failures, "\n".join(failures[:10])
+    assert widths == {"int32", "int64"}, f"only {widths} ran natively"
+
+
+def test_plan_width_choice():
+    """int32 plan arithmetic where it is exact (Kimi-K2 at R=8 up to 8192 tokens), int64 beyond, and an
+    explicit int32 refused where a contract input could overflow it (a silent wrong plan otherwise)."""
+    from vllm_moonep.engine.device_planner import DevicePlanner, narrow_fits
+
+    cpu = torch.device("cpu")
+    assert narrow_fits(8, 384, 8192, 8, 48, 128) and DevicePlanner(8, 384, 8192, 8, 48, 128, cpu).arithmetic == "int32"
+    assert not narrow_fits(128, 1024, 8192, 8, 8, 128)
+    assert DevicePlanner(128, 1024, 8192, 8, 8, 128, cpu).arithmetic == "int64"
+    assert DevicePlanner(8, 384, 128, 8, 48, 128, cpu, wide=True).arithmetic == "int64"
+    with pytest.raises(ValueError, match="narrow_fits"):
+        DevicePlanner(128, 1024, 8192, 8, 8, 128, cpu, wide=False)
 
 
 @pytest.mark.gpu

@@ -9,8 +9,10 @@ Contract:
 
 - ``plan(tpe_all)`` gives exactly the values and dtypes of ``plan_global(tpe_all.cpu(), ...)``
   (every field; ``experts_to_copy`` int32, the rest int64) for non-negative counts whose total
-  is below 2**31 (the contract's total is R*S*K, which ``__init__`` bounds). It repeats the
-  host's arithmetic, so counts that do not sum to S*K per rank give the host's plan too.
+  is at most the contract's R*S*K, and beyond it up to the width's limit: below 2**31 in int64,
+  and, in the int32 arithmetic the planner picks where ``narrow_fits`` (Kimi-K2 at R=8 up to
+  S=8192), while the padded rows packed with an index stay below ``NARROW_LIMIT``. It repeats
+  the host's arithmetic, so counts that do not sum to S*K per rank give the host's plan too.
 - ``place(gp, rank, ids)`` gives exactly ``place_entries(gp, rank, ids)`` whenever ``gp.tpe[rank]``
   is the bincount of ``ids`` (the contract's input; the host function then computes the same
   within-rank ordinal). Ids outside ``[0, E)`` are never dereferenced: their dest and row are -1,
@@ -66,7 +68,7 @@ from vllm_moonep.engine.launch import Launcher
 from vllm_moonep.engine.planner import GlobalPlan
 from vllm_moonep.engine.signals import exchange_counts
 
-__all__ = ["DIRECT_MAX_SUBBLOCKS", "RULE4_SORT_ABOVE", "DevicePlanner"]
+__all__ = ["DIRECT_MAX_SUBBLOCKS", "NARROW_LIMIT", "RULE4_SORT_ABOVE", "DevicePlanner", "narrow_fits"]
 
 #: place without the histogram kernel up to this many sub-blocks of 128 entries (S*K <= 1024):
 #: each program then compares its entries with at most this many earlier sub-blocks
@@ -74,6 +76,19 @@ DIRECT_MAX_SUBBLOCKS = 8
 #: rule 4 orders slots by a sort above this many experts per rank (padded), by pairwise compare at
 #: or below it (H200, plan kernel: E/R=48 sorted 26.7 us, pairwise 32.3; E/R=192 10.4 against 32.8)
 RULE4_SORT_ABOVE = 32
+
+
+#: the plan kernel computes in int32 when every value it forms stays below this (in magnitude);
+#: its sentinels are +-NARROW_LIMIT
+NARROW_LIMIT = 2**30
+
+
+def narrow_fits(R: int, E: int, S: int, K: int, B: int, token_padding: int) -> bool:
+    """Whether the plan kernel's int32 arithmetic is exact for the contract's input (counts summing
+    to ``S*K`` per rank): the largest value it forms is a padded row total (at most ``R*S*K`` rows
+    plus ``token_padding`` per segment of ``E+B``) packed with an index of up to ``2*max(R_P, EPN_P)``."""
+    rows = R * S * K + token_padding * (E + B)
+    return rows * 2 * max(_np2(R), _np2(E // R)) < NARROW_LIMIT
 
 
 def _np2(x: int) -> int:
@@ -94,7 +109,7 @@ def _plan_kernel(
     x_tpe, x_table, x_sig, x_epoch, x_board, x_timeout_ns, me,
     R_P: tl.constexpr, EPN_P: tl.constexpr, R_SH: tl.constexpr, J_SH: tl.constexpr,
     RB: tl.constexpr, JC: tl.constexpr, TAIL: tl.constexpr, TP: tl.constexpr, SORT: tl.constexpr,
-    EXCHANGE: tl.constexpr,
+    EXCHANGE: tl.constexpr, IDT: tl.constexpr, BIG: tl.constexpr,
 ):
     """Program ``d``: rules 1-3 for every home (identical in all programs), then rule 4 for rank ``d``.
     ``EXCHANGE`` (the symmetric transport): first put this rank's counts ``x_tpe`` into row ``me``
@@ -103,8 +118,8 @@ def _plan_kernel(
     Experts live in an ``[R_P, EPN_P]`` tile (row = home ``h``, column = ``j``, ``e = h*EPN + j``),
     so group sums are row sums and row-major order is expert order (padding holds zeros).
     """
-    NEG: tl.constexpr = -(2**62)
-    POS: tl.constexpr = 2**62
+    NEG: tl.constexpr = -BIG
+    POS: tl.constexpr = BIG
     d = tl.program_id(0)
     hr = tl.arange(0, R_P)
     hh = hr[:, None]
@@ -117,13 +132,13 @@ def _plan_kernel(
         exchange_counts(x_tpe, ee, emask, x_table, x_sig, x_epoch, x_board, x_timeout_ns, R, E, me, R_P)
 
     # Rule 1 (and the row-wise tables): counts, ordinal_base[d,:] (exclusive sum over ranks), tpe[d,:].
-    count = tl.zeros([R_P, EPN_P], tl.int64)
-    before = tl.zeros([R_P, EPN_P], tl.int64)
-    mine = tl.zeros([R_P, EPN_P], tl.int64)
+    count = tl.zeros([R_P, EPN_P], IDT)
+    before = tl.zeros([R_P, EPN_P], IDT)
+    mine = tl.zeros([R_P, EPN_P], IDT)
     for r0 in range(0, R, RB):
         rr = r0 + tl.arange(0, RB)[:, None, None]
         m3 = (rr < R) & emask[None, :, :]
-        t = tl.load(tpe_ptr + rr * s_tr + ee[None, :, :] * s_te, mask=m3, other=0).to(tl.int64)
+        t = tl.load(tpe_ptr + rr * s_tr + ee[None, :, :] * s_te, mask=m3, other=0).to(IDT)
         count += tl.sum(t, axis=0)
         before += tl.sum(tl.where(rr < d, t, 0), axis=0)
         mine += tl.sum(tl.where(rr == d, t, 0), axis=0)
@@ -138,7 +153,7 @@ def _plan_kernel(
     bal = tl.sum(count, axis=1) - CAP
     pmax = tl.where(rvalid, bal * R_P + (R_P - 1 - hr), NEG)
     pmin = tl.where(rvalid, bal * R_P + hr, POS)
-    quota = tl.zeros([R_P, R_P], tl.int64)
+    quota = tl.zeros([R_P, R_P], IDT)
     xmax = tl.max(pmax, axis=0)
     it = 0
     while (it < R - 1) & (xmax >= R_P):  # max balance > 0
@@ -158,8 +173,8 @@ def _plan_kernel(
     # Only column d of alloc (and of its cumsum over ranks) is kept.
     qpk = tl.where((hh < R) & (uu < R), quota * R_P + (R_P - 1 - uu), NEG)
     rpk = tl.where(emask, count * EPN_P + (EPN_P - 1 - jj), NEG)
-    a_d = tl.zeros([R_P, EPN_P], tl.int64)
-    c_d = tl.zeros([R_P, EPN_P], tl.int64)
+    a_d = tl.zeros([R_P, EPN_P], IDT)
+    c_d = tl.zeros([R_P, EPN_P], IDT)
     qx = tl.max(qpk, axis=1)
     it = 0
     while (it < R - 1 + EPN) & (tl.max(qx, axis=0) >= R_P):  # some quota > 0
@@ -223,11 +238,11 @@ def _plan_kernel(
             NCH: tl.constexpr = EPN_P // JC
             a2 = tl.reshape(a32, [NCH, JC])
             ci = tl.arange(0, NCH)[:, None]
-            packed = tl.zeros([EPN_P], tl.int64)
+            packed = tl.zeros([EPN_P], IDT)
             for c in range(NCH):
                 ac = tl.max(tl.where(ci == c, a2, -1), axis=0)
                 jc = c * JC + tl.arange(0, JC)
-                pc = tl.where(ac > 0, (ac.to(tl.int64) + TP - 1) // TP * TP, 0)
+                pc = tl.where(ac > 0, (ac.to(IDT) + TP - 1) // TP * TP, 0)
                 gt = (ac[None, :] > a32[:, None]) | ((ac[None, :] == a32[:, None]) & (jc[None, :] > jr[:, None]))
                 packed += tl.sum(tl.where(gt, pc[None, :] * EPN_P + 1, 0), axis=1)
         q_ = packed & (EPN_P - 1)
@@ -263,8 +278,8 @@ def _plan_kernel(
         q = b0 + tl.arange(0, TAIL)
         qm = (q < B) & (q >= n_used)
         tl.store(etc_out + d * B + q, tl.full([TAIL], -1, tl.int32), mask=qm)
-        tl.store(seg_out + d * W + E + q, tl.zeros([TAIL], tl.int64), mask=qm)
-        tl.store(cu_out + d * W + E + q, tl.zeros([TAIL], tl.int64) + stotal, mask=qm)
+        tl.store(seg_out + d * W + E + q, tl.zeros([TAIL], IDT), mask=qm)
+        tl.store(cu_out + d * W + E + q, tl.zeros([TAIL], IDT) + stotal, mask=qm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -376,15 +391,18 @@ class DevicePlanner:
     ``fast_launch``: launch through the compiled kernel's C launcher once a kernel is compiled
     (saves the 28-38 us of host time Triton's dispatch takes per ``plan()``; ``engine/launch.py``).
     ``None``: the engine's ``FAST_LAUNCH`` default. The GPU random-case test alternates both paths.
-    ``plan_warps``, ``place_warps``, ``rule4``, ``rule4_chunk``: choices to benchmark (``None``: the
-    planner's own). ``rule4``: how slots are ordered, ``"sort"`` (one sort of the remote experts'
-    keys) or ``"pairwise"`` (each expert compared with every other, ``rule4_chunk`` columns at a
-    time); both give the same plan.
+    ``plan_warps``, ``place_warps``, ``rule4``, ``rule4_chunk``, ``wide``: choices to benchmark
+    (``None``: the planner's own). ``rule4``: how slots are ordered, ``"sort"`` (one sort of the
+    remote experts' keys) or ``"pairwise"`` (each expert compared with every other, ``rule4_chunk``
+    columns at a time); both give the same plan. ``wide``: the plan kernel's arithmetic in int64
+    (``True``) or int32 (``False``, refused where a value of the contract's input could overflow);
+    by default int32 wherever ``narrow_fits`` says it is exact (half the instructions of every
+    compare, select and packed reduction of the latency-bound rounds).
     """
 
     def __init__(self, R: int, E: int, S: int, K: int, B: int, token_padding: int, device: torch.device,
                  *, plan_warps: int | None = None, place_warps: int | None = None, fast_launch: bool | None = None,
-                 rule4: str | None = None, rule4_chunk: int | None = None):
+                 rule4: str | None = None, rule4_chunk: int | None = None, wide: bool | None = None):
         R, E, S, K, B, tp = (int(v) for v in (R, E, S, K, B, token_padding))
         if R < 1 or E < 1 or E % R != 0:
             raise ValueError(f"need R >= 1 and E % R == 0 (R={R}, E={E})")
@@ -454,10 +472,16 @@ class DevicePlanner:
         self._dest = torch.zeros(n, **i64)
         self._row = torch.zeros(n, **i64)
 
+        fits = narrow_fits(R, E, S, K, B, tp)
+        if wide is False and not fits:
+            raise ValueError(f"wide=False: int32 plan arithmetic could overflow at R={R}, E={E}, S={S}, K={K}, "
+                             f"B={B}, token_padding={tp} (narrow_fits)")
+        self._wide = not fits if wide is None else bool(wide)
         self._plan_launch = Launcher(_plan_kernel, fast_launch)
         self._plan_consts = dict(
             R_P=self._R_P, EPN_P=self._EPN_P, R_SH=self._R_P.bit_length() - 1, J_SH=self._EPN_P.bit_length() - 1,
             RB=self._RB, JC=self._JC, TAIL=64, TP=tp, SORT=self._sort,
+            IDT=tl.int64 if self._wide else tl.int32, BIG=2**62 if self._wide else NARROW_LIMIT,
         )
         self._hist_launch = Launcher(_hist_kernel, fast_launch)
         self._hist_consts = dict(KS=self._KS, SB=self._SB, E_P=self._E_P)
@@ -492,6 +516,11 @@ class DevicePlanner:
             num_warps=self._plan_warps, EXCHANGE=exchanging, **self._plan_consts,
         )
         return gp
+
+    @property
+    def arithmetic(self) -> str:
+        """The plan kernel's integer width, ``"int32"`` or ``"int64"`` (see ``wide``)."""
+        return "int64" if self._wide else "int32"
 
     @property
     def result(self) -> GlobalPlan:

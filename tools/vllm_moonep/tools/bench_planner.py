@@ -52,7 +52,7 @@ def _median(measure, fn, iters: int, warmup: int) -> float:
     return statistics.median(measure(fn) for _ in range(iters))
 
 
-def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None, rule4_chunk=None, rule4=None):
+def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None, rule4_chunk=None, rule4=None, wide=None):
     """Times of one configuration (seconds) after an exactness check against the host planner."""
     from vllm_moonep.engine.device_planner import DevicePlanner
 
@@ -61,7 +61,7 @@ def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None, ru
     tpe_cpu = torch.stack([torch.bincount(i.reshape(-1).long(), minlength=E) for i in ids])
     tpe = tpe_cpu.to(torch.int32).to(dev)
     ids0 = ids[0].to(dev)
-    dp = DevicePlanner(R, E, S, K, B, tp, dev, plan_warps=plan_warps, rule4_chunk=rule4_chunk, rule4=rule4)
+    dp = DevicePlanner(R, E, S, K, B, tp, dev, plan_warps=plan_warps, rule4_chunk=rule4_chunk, rule4=rule4, wide=wide)
 
     gp = dp.plan(tpe)
     dest, row = dp.place(gp, 0, ids0)
@@ -71,7 +71,7 @@ def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None, ru
     ok = ok and torch.equal(dest.cpu(), rd) and torch.equal(row.cpu(), rr)
 
     measure = _timer(dev)
-    out = {"match": ok, "slots": int((gp.experts_to_copy >= 0).sum())}
+    out = {"match": ok, "slots": int((gp.experts_to_copy >= 0).sum()), "arith": dp.arithmetic}
     out["host"] = _median(measure, lambda: plan_global(tpe.cpu(), S, K, B, tp), iters, warmup)
     out["plan"] = _median(measure, lambda: dp.plan(tpe), iters, warmup)
     out["place"] = _median(measure, lambda: dp.place(gp, 0, ids0), iters, warmup)
@@ -116,7 +116,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rule4-chunk", type=int, default=None,
                     help="columns per step of the pairwise slot-order count when E/R > 64 (a power of two; default: "
                          "the planner's own, 2048 / padded E/R)")
+    ap.add_argument("--wide", choices=["yes", "no"], default=None,
+                    help="the plan kernel's arithmetic in int64 (yes) or int32 (no); default: the planner's own "
+                         "(int32 where device_planner.narrow_fits)")
     a = ap.parse_args(argv)
+    wide = None if a.wide is None else a.wide == "yes"
     dev = torch.device(a.device)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         ap.error("--device cpu runs the Triton interpreter: start with TRITON_INTERPRET=1")
@@ -128,18 +132,19 @@ def main(argv=None) -> int:
     B = a.slots or default_num_slots(E, R)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (Triton interpreter)"
     print(f"planner, R={R} E={E} K={K} B={B} tp={a.token_padding} on {name}; us per call, median of {iters}")
-    print("| tokens/rank | maxvio | slots used | match | host (D2H + plan_global) | plan | place | graph plan+place "
-          "| host/plan | host/graph |")
-    print("|---:|---:|---:|:---:|---:|---:|---:|---:|---:|---:|")
+    print("| tokens/rank | maxvio | slots used | match | plan arithmetic | host (D2H + plan_global) | plan | place "
+          "| graph plan+place | host/plan | host/graph |")
+    print("|---:|---:|---:|:---:|:---:|---:|---:|---:|---:|---:|---:|")
     kernels = []
     for S in a.tokens:
         for mv in a.maxvio:
             try:
-                r = bench_one(R, E, K, S, B, a.token_padding, mv, dev, iters, warmup, a.plan_warps, a.rule4_chunk, a.rule4)
+                r = bench_one(R, E, K, S, B, a.token_padding, mv, dev, iters, warmup, a.plan_warps, a.rule4_chunk, a.rule4,
+                              wide)
             except ValueError as exc:  # a choice the planner refuses (--rule4-chunk, --plan-warps)
                 ap.error(str(exc))
             us = {k: r[k] * 1e6 for k in ("host", "plan", "place", "graph")}
-            print(f"| {S} | {mv:.1f} | {r['slots']} | {'yes' if r['match'] else 'NO'} | {us['host']:.1f} | "
+            print(f"| {S} | {mv:.1f} | {r['slots']} | {'yes' if r['match'] else 'NO'} | {r['arith']} | {us['host']:.1f} | "
                   f"{us['plan']:.1f} | {us['place']:.1f} | {us['graph']:.1f} | {us['host'] / us['plan']:.1f}x | "
                   f"{us['host'] / us['graph']:.1f}x |", flush=True)
             kernels.append((S, mv, r.get("kernels")))
