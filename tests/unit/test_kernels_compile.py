@@ -30,6 +30,11 @@ def _kernels():
                     cu32="*i32", rows32="*i32", real_rows="*i32", n_entries=i32, n_move=i32, K=i32, H=i32, R=i32,
                     E=i32, me=i32, G=i32, TP=i32, timeout_ns=i64, n_prog=i32)
     rows_cx = dict(ROWS=4, BLOCK_H=4096, R_PAD=8, G_PAD=1024, CHUNK=1024, PCH=256)
+
+    def copy_sig(table, w):
+        planes = {f"{k}{p}": t for k, t in (("dst", bf16), ("src", bf16), ("tab", table), ("elems", i64),
+                                             ("chunks", i32)) for p in range(3)}
+        return dict(ids="*i32", **planes, rows_per_source=i32, B=i32, cu="*i32", w=w, E=i32, n_prog=i32)
     cases = [
         ("dispatch_rows(place inline)", k.dispatch_rows_kernel, rows_sig, dict(rows_cx, PLACE=True)),
         ("dispatch_rows(placed before)", k.dispatch_rows_kernel, rows_sig, dict(rows_cx, PLACE=False)),
@@ -43,16 +48,14 @@ def _kernels():
         ("reduce", k.reduce_kernel,
          dict(comb_x=bf16, comb_w="*fp32", out=bf16, out_w="*fp32", S=i32, K=i32, H=i32, n_prog=i32),
          dict(HAS_W=True, K_PAD=8, BLOCK_H=2048)),
-        ("copy_rows(table)", row_copy._kernel().fn,
-         dict(ids="*i32", dst=bf16, src=bf16, table="*i64", rows_per_source=i32, row_elems=i64, n_chunks=i32, B=i32,
-              cu="*i32", w="*fp32", E=i32, n_prog=i32), dict(TABLE=True, LIVE=True, B_PAD=256, CHUNK=65536, BLOCK=4096)),
+        ("copy_rows(table, two planes)", row_copy._kernel().fn, copy_sig("*i64", "*fp32"),
+         dict(PLANES=2, TABLE=True, LIVE=True, B_PAD=256, CHUNK=65536, BLOCK=4096)),
         ("pad_and_count", pad_kernel._kernel().fn,
          dict(x=bf16, sx0=i32, sx1=i32, ids="*i64", si0=i32, si1=i32, w="*fp32", sw0=i32, sw1=i32, xo=bf16, io="*i32",
               wo="*fp32", tpe="*i32", s=i32, cap=i32, H=i32, K=i32, E=i32, pad_expert=i32),
          dict(ROWS=4, K_P=8, E_P=512, BLOCK_H=2048)),
-        ("copy_rows(tensor)", row_copy._kernel().fn,
-         dict(ids="*i32", dst=bf16, src=bf16, table="*i32", rows_per_source=i32, row_elems=i64, n_chunks=i32, B=i32,
-              cu="*i32", w=bf16, E=i32, n_prog=i32), dict(TABLE=False, LIVE=False, B_PAD=256, CHUNK=65536, BLOCK=4096)),
+        ("copy_rows(tensor, three planes)", row_copy._kernel().fn, copy_sig("*i32", bf16),
+         dict(PLANES=3, TABLE=False, LIVE=False, B_PAD=256, CHUNK=65536, BLOCK=4096)),
     ]
     # the expert kernels at Kimi-K2 shape, decode and prefill tiles (tuning.json's), and the one-launch kernel
     from vllm_moonep.common.grouped_gemm import triton_fused, triton_kernels as gk

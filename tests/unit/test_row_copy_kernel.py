@@ -3,7 +3,7 @@ against the rule written out in the test (a used slot, and with ``live`` one who
 non-zero weight, gets its source row), byte for byte.
 
 The kernel is persistent: each program walks the used slots and takes every ``n_prog``-th chunk
-of each. Each case names the bug it catches; the destination starts as a sentinel (-7), so a
+of each (a slot's chunks run over its planes in turn). Each case names the bug it catches; the destination starts as a sentinel (-7), so a
 slot written that should not be, or a chunk no program took, shows as a byte difference.
 """
 
@@ -13,7 +13,7 @@ import pytest
 
 from tests.interpreter_child import interpreter_report, print_report
 
-# (name, chunk, block, programs, live): the bug each catches
+# (name, chunk, block, programs, live[, planes]): the bug each catches
 CASES = {
     # chunks split over programs unevenly, the last chunk partial: a chunk no program takes, or one
     # taken twice with a wrong offset
@@ -27,6 +27,11 @@ CASES = {
     # with an empty segment is not copied, a slot whose first live row is past the first block is
     "live_rule": (64, 32, 3, True),
     "live_rule_one_program": (1024, 4, 1, True),
+    # two planes of different row sizes in one launch (w13 and w2): a chunk offset not rebased to its
+    # plane, a plane's last partial chunk lost, or plane 1 written with plane 0's row size
+    "two_planes": (64, 32, 3, False, 2),
+    # three planes (gate, up, down) with the live rule and more programs than a slot's chunks
+    "three_planes_live": (64, 32, 11, True, 3),
 }
 
 
@@ -36,10 +41,12 @@ def _run(name: str):
 
     from vllm_moonep.engine import row_copy
 
-    chunk, block, n_prog, live = CASES[name]
+    chunk, block, n_prog, live, *more = CASES[name]
+    planes = more[0] if more else 1
     g = torch.Generator().manual_seed(7)
     B, N, E = 7, 5, 4
-    src = torch.randn(N, 3, 100, generator=g).to(torch.bfloat16)  # 300 elements per row: partial chunks
+    shapes = [(3, 100), (130,), (2, 45)][:planes]  # 300, 130, 90 elements per row: partial chunks
+    srcs = [torch.randn(N, *sh, generator=g).to(torch.bfloat16) for sh in shapes]
     # segment lengths of rows [0, E+B): slot 1 empty, slot 4's live row is the 9th of its segment
     lens = [0, 2, 0, 0, 3, 0, 6, 3, 11, 1, 4]
     cu = torch.tensor(lens, dtype=torch.int64).cumsum(0).to(torch.int32)
@@ -48,19 +55,22 @@ def _run(name: str):
     seg = lambda b: slice(int(cu[E + b - 1]), int(cu[E + b]))  # noqa: E731
     w[seg(3)] = 0.0  # slot 3: every row weight 0
     w[seg(4)][:8] = 0.0  # slot 4: live only from its 9th row (past a 4-row block)
-    dst = torch.full((B, 3, 100), -7.0).to(torch.bfloat16)
-    row_elems = 300
+    dsts = [torch.full((B, *sh), -7.0).to(torch.bfloat16) for sh in shapes]
+    elems = [d[0].numel() for d in dsts]
+    pad = 3 - planes
     row_copy._kernel().fn[(n_prog, 1, 1)](
-        ids, dst, src, ids, N, row_elems, triton.cdiv(row_elems, chunk), B, cu, w, E if live else 0, n_prog,
-        TABLE=False, LIVE=live, B_PAD=8, CHUNK=chunk, BLOCK=block)
-    want = torch.full_like(dst, -7.0)  # the rule written out here, not the module's host version
-    for b, e in enumerate(ids.tolist()):
-        if e >= 0 and (not live or bool((w[seg(b)] != 0).any())):
-            want[b] = src[e]
-    if torch.equal(dst.view(torch.int16), want.view(torch.int16)):
-        return None
-    bad = sorted({int(i) for i in (dst.view(torch.int16) != want.view(torch.int16)).nonzero()[:, 0]})
-    return f"slots {bad} differ from the rule"
+        ids, *(dsts + [dsts[0]] * pad), *(srcs + [srcs[0]] * pad), ids, ids, ids, *(elems + [0] * pad),
+        *([triton.cdiv(n, chunk) for n in elems] + [0] * pad), N, B, cu, w, E if live else 0, n_prog,
+        PLANES=planes, TABLE=False, LIVE=live, B_PAD=8, CHUNK=chunk, BLOCK=block)
+    for p, (dst, src) in enumerate(zip(dsts, srcs)):
+        want = torch.full_like(dst, -7.0)  # the rule written out here, not the module's host version
+        for b, e in enumerate(ids.tolist()):
+            if e >= 0 and (not live or bool((w[seg(b)] != 0).any())):
+                want[b] = src[e]
+        if not torch.equal(dst.view(torch.int16), want.view(torch.int16)):
+            bad = sorted({int(i) for i in (dst.view(torch.int16) != want.view(torch.int16)).nonzero()[:, 0]})
+            return f"plane {p}: slots {bad} differ from the rule"
+    return None
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from vllm_moonep.engine.defaults import default_num_slots, resolve_device, say_once
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
-from vllm_moonep.engine.row_copy import copy_rows
+from vllm_moonep.engine.row_copy import MAX_PLANES, copy_rows
 from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.protocol import MoonEPPlan
 from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
@@ -557,8 +557,10 @@ def copy_slots_from_rows(slots: torch.Tensor, E: int, weights: Iterable[torch.Te
     unused slots (``-1``) are not touched (copying them onto themselves would move every slot's
     weights every step, GBs per layer at full size). On CUDA the slot ids stay on the device
     (``row_copy``: no host read); on CPU only the used slots are read and copied."""
-    for w in weights:
-        copy_rows(slots, w[E:], src=w, rows_per_source=w.shape[0])
+    ws = list(weights)
+    for i in range(0, len(ws), MAX_PLANES):  # one launch per MAX_PLANES tensors
+        part = ws[i:i + MAX_PLANES]
+        copy_rows(slots, [w[E:] for w in part], src=part, rows_per_source=part[0].shape[0])
 
 
 if TYPE_CHECKING:  # the type checker verifies the class honours the protocol it is used through

@@ -4,9 +4,10 @@
 with ``e = slot_ids[b] >= 0``, ``dst[b]`` becomes a bitwise copy of row ``e % rows_per_source`` of
 source ``e // rows_per_source``; slots with ``-1`` are untouched. The sources are one tensor (the
 replicated layout: its own rows ``[0, E)``) or a device table of addresses (the symmetric layout:
-every peer's home rows, read over NVLink). On CUDA one Triton launch does it with no host
-synchronization (graph-capturable); on CPU, the slot ids are read on the host and only used
-slots move.
+every peer's home rows, read over NVLink). Several ``dst`` (planes: a layer's w13 and w2, or
+gate, up and down) take the same slot ids in one call. On CUDA one Triton launch does all
+planes with no host synchronization (graph-capturable); on CPU, the slot ids are read on the
+host and only used slots move.
 
 ``live=(cu_seqlens [E+B], route_weights [NvS], E)`` (the dispatched rows): a slot whose segment
 ``E+b`` holds only rows of weight 0 is not copied either. Those are padding entries (a padded
@@ -26,7 +27,7 @@ import torch
 if TYPE_CHECKING:  # imported where the kernel is made: CPU-only installs have no Triton
     from vllm_moonep.engine.launch import Launcher
 
-__all__ = ["copy_rows", "address_table", "live_slot_ids"]
+__all__ = ["MAX_PLANES", "copy_rows", "address_table", "live_slot_ids"]
 
 _CHUNK = 1 << 16  # elements per work item (one chunk of one slot's row)
 _PROGRAMS_PER_SM = 4  # persistent programs per SM
@@ -43,24 +44,44 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    global _copy_rows_kernel
+    global _copy_rows_kernel, copy_chunk  # a @jit helper must be a module global (the kernel resolves it there)
     if _copy_rows_kernel is not None:
         return _copy_rows_kernel
 
     @triton.jit
-    def copy_rows_kernel(ids, dst, src, table, rows_per_source, row_elems, n_chunks, B, cu, w, E, n_prog,
-                         TABLE: tl.constexpr, LIVE: tl.constexpr, B_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK: tl.constexpr):
+    def copy_chunk(dst, src, table, owner, local, rows_per_source, b, row_elems, c,
+                   TABLE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Chunk ``c`` of one plane's row: slot ``b`` <- row ``local`` of source ``owner``."""
+        if TABLE:
+            base = tl.load(table + owner).to(dst.dtype)
+        else:
+            base = src + owner.to(tl.int64) * rows_per_source * row_elems
+        s = base + local * row_elems
+        d = dst + b.to(tl.int64) * row_elems
+        o = tl.arange(0, BLOCK)
+        lo = c * CHUNK  # int32: copy_rows bounds row_elems below 2**31 - CHUNK
+        for k in range(0, CHUNK, BLOCK):
+            m = lo + k + o < row_elems
+            tl.store(d + lo + k + o, tl.load(s + lo + k + o, mask=m), mask=m)
+
+    @triton.jit
+    def copy_rows_kernel(ids, dst0, dst1, dst2, src0, src1, src2, tab0, tab1, tab2, elems0, elems1, elems2,
+                         chunks0, chunks1, chunks2, rows_per_source, B, cu, w, E, n_prog,
+                         PLANES: tl.constexpr, TABLE: tl.constexpr, LIVE: tl.constexpr, B_PAD: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr):
         """Persistent: every program reads the ``B`` slot ids at once and walks the used slots only;
-        chunk ``c`` of the ``j``-th used slot is work item ``j * n_chunks + c``, taken by program
+        a used slot's chunks run over its ``PLANES`` rows in turn (plane 0's, then 1's, then 2's),
+        and chunk ``c`` of the ``j``-th used slot is work item ``j * chunks + c``, taken by program
         ``item % n_prog``. (A grid of ``B x chunks`` programs, most of which found their slot
-        unused, cost a Kimi-K2 decode step 138 us of empty programs for the two weights at B=192.)"""
+        unused, cost a Kimi-K2 decode step 138 us of empty programs for the two weights at B=192;
+        one launch per plane cost ~2 us each with nothing to copy.)"""
         pid = tl.program_id(0)
         bi = tl.arange(0, B_PAD)
         e_all = tl.load(ids + bi, mask=bi < B, other=-1)
         used = e_all >= 0
         n_used = tl.sum(used.to(tl.int32), 0)
         order = tl.cumsum(used.to(tl.int32), 0) - 1
+        n_chunks = chunks0 + chunks1 + chunks2  # the unused planes have 0
         for j in range(0, n_used):
             pick = used & (order == j)
             b = tl.sum(tl.where(pick, bi, 0), 0)
@@ -78,19 +99,17 @@ def _kernel():
             if live != 0:
                 owner = e // rows_per_source
                 local = (e % rows_per_source).to(tl.int64)
-                if TABLE:
-                    base = tl.load(table + owner).to(dst.dtype)
-                else:
-                    base = src + owner.to(tl.int64) * rows_per_source * row_elems
-                s = base + local * row_elems
-                d = dst + b.to(tl.int64) * row_elems
-                o = tl.arange(0, BLOCK)
                 first = (pid - (j * n_chunks) % n_prog + n_prog) % n_prog  # this program's first chunk of slot j
                 for c in range(first, n_chunks, n_prog):
-                    lo = c * CHUNK  # int32: copy_rows bounds row_elems below 2**31 - CHUNK
-                    for k in range(0, CHUNK, BLOCK):
-                        m = lo + k + o < row_elems
-                        tl.store(d + lo + k + o, tl.load(s + lo + k + o, mask=m), mask=m)
+                    if c < chunks0:
+                        copy_chunk(dst0, src0, tab0, owner, local, rows_per_source, b, elems0, c, TABLE, CHUNK, BLOCK)
+                    elif PLANES > 1:
+                        if c < chunks0 + chunks1:
+                            copy_chunk(dst1, src1, tab1, owner, local, rows_per_source, b, elems1, c - chunks0,
+                                       TABLE, CHUNK, BLOCK)
+                        elif PLANES > 2:
+                            copy_chunk(dst2, src2, tab2, owner, local, rows_per_source, b, elems2,
+                                       c - chunks0 - chunks1, TABLE, CHUNK, BLOCK)
 
     from vllm_moonep.engine.launch import Launcher
 
@@ -101,39 +120,60 @@ def _kernel():
 _copy_rows_kernel: Launcher | None = None
 
 
-def copy_rows(slot_ids: torch.Tensor, dst: torch.Tensor, *, src: torch.Tensor | None = None,
-              table: torch.Tensor | None = None, rows_per_source: int,
+#: planes (tensors sharing the slot ids) one launch copies
+MAX_PLANES = 3
+
+
+def copy_rows(slot_ids: torch.Tensor, dst, *, src=None, table=None, rows_per_source: int,
               live: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
-    """See the module doc. ``dst`` is ``[B, ...]`` contiguous; ``src`` is ``[N, ...]`` (rows of
-    the same shape) or ``table`` holds one address per source; ``live``: skip slots whose rows
-    all have weight 0."""
-    B = dst.shape[0]
-    row_elems = dst[0].numel() if B else 0
-    if B == 0 or row_elems == 0:
+    """See the module doc. ``dst`` is ``[B, ...]`` contiguous, or a list of up to ``MAX_PLANES``
+    such tensors (planes: e.g. w13 and w2) that take the same slot ids, copied in one launch;
+    ``src`` is ``[N, ...]`` (rows of the same shape), or ``table`` holds one address per source (a
+    list of either, one per plane); ``live``: skip slots whose rows all have weight 0."""
+    dsts = list(dst) if isinstance(dst, (list, tuple)) else [dst]
+    srcs = list(src) if isinstance(src, (list, tuple)) else [src] * len(dsts)
+    tabs = list(table) if isinstance(table, (list, tuple)) else [table] * len(dsts)
+    if not 1 <= len(dsts) <= MAX_PLANES or len(srcs) != len(dsts) or len(tabs) != len(dsts):
+        raise ValueError(f"copy_rows: 1 to {MAX_PLANES} planes, with one src or table each "
+                         f"(got {len(dsts)} dst, {len(srcs)} src, {len(tabs)} table)")
+    B = dsts[0].shape[0]
+    if any(d.shape[0] != B for d in dsts):
+        raise ValueError(f"copy_rows: every plane needs the same slot count, got {[d.shape[0] for d in dsts]}")
+    planes = [(d, s_, t) for d, s_, t in zip(dsts, srcs, tabs) if B and d[0].numel()]
+    if not planes:
         return
-    if dst.device.type == "cuda":
+    if planes[0][0].device.type == "cuda":
         import triton
 
-        if row_elems >= 2**31 - _CHUNK:
-            raise ValueError(f"copy_rows: a row of {row_elems} elements is beyond the kernel's int32 offsets")
-        kern = _kernel()
-        n_chunks = triton.cdiv(row_elems, _CHUNK)
         from vllm_moonep.engine.launch import sm_count
 
-        n_prog = max(1, min(B * n_chunks, sm_count(dst.device) * _PROGRAMS_PER_SM))  # persistent
-        cu, w, E = live if live is not None else (slot_ids, dst, 0)
-        kern((n_prog, 1, 1), slot_ids, dst, src if src is not None else dst, table if table is not None else slot_ids,
-             rows_per_source, row_elems, n_chunks, B, cu, w, E, n_prog, TABLE=table is not None,
-             LIVE=live is not None, B_PAD=triton.next_power_of_2(B), CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=8)
+        elems = [d[0].numel() for d, _, _ in planes]
+        if max(elems) >= 2**31 - _CHUNK:
+            raise ValueError(f"copy_rows: a row of {max(elems)} elements is beyond the kernel's int32 offsets")
+        use_table = planes[0][2] is not None
+        if any((t is not None) != use_table or (t is None and s_ is None) for _, s_, t in planes):
+            raise ValueError("copy_rows: every plane needs a src, or every plane a table")
+        kern = _kernel()
+        chunks = [triton.cdiv(n, _CHUNK) for n in elems]
+        n_prog = max(1, min(B * sum(chunks), sm_count(dsts[0].device) * _PROGRAMS_PER_SM))  # persistent
+        cu, w, E = live if live is not None else (slot_ids, planes[0][0], 0)
+        pad = 3 - len(planes)  # unused planes: any valid pointer, 0 elements, 0 chunks (never read)
+        d_args = [d for d, _, _ in planes] + [planes[0][0]] * pad
+        s_args = [s_ if s_ is not None else d for d, s_, _ in planes] + [planes[0][0]] * pad
+        t_args = [t if t is not None else slot_ids for _, _, t in planes] + [slot_ids] * pad
+        kern((n_prog, 1, 1), slot_ids, *d_args, *s_args, *t_args, *(elems + [0] * pad), *(chunks + [0] * pad),
+             rows_per_source, B, cu, w, E, n_prog, PLANES=len(planes), TABLE=use_table, LIVE=live is not None,
+             B_PAD=triton.next_power_of_2(B), CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=8)
         return
     used = [(b, e) for b, e in enumerate(live_slot_ids(slot_ids.tolist(), live)) if e >= 0]
     if not used:
         return
-    if src is None:
+    if any(s_ is None for _, s_, _ in planes):
         raise ValueError("copy_rows on CPU needs src (address tables are a device feature)")
     d = torch.tensor([b for b, _ in used], dtype=torch.int64)
     s = torch.tensor([e for _, e in used], dtype=torch.int64)
-    dst.index_copy_(0, d, src.reshape((-1,) + tuple(dst.shape[1:])).index_select(0, s))
+    for dt, sr, _ in planes:
+        dt.index_copy_(0, d, sr.reshape((-1,) + tuple(dt.shape[1:])).index_select(0, s))
 
 
 def live_slot_ids(slots: list[int], live: tuple[torch.Tensor, torch.Tensor, int] | None) -> list[int]:

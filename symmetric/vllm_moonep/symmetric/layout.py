@@ -396,8 +396,8 @@ class SymmetricWeightLayout:
         live = None if rows is None else (*self._check_rows(rows), self.num_experts)
         if self._peer_tables is not None:  # GPU, every owner addressable: no host read
             mine = etc[self.rank]
-            copy_rows(mine, self.slots_w13, table=self._peer_tables[0], rows_per_source=epn, live=live)
-            copy_rows(mine, self.slots_w2, table=self._peer_tables[1], rows_per_source=epn, live=live)
+            copy_rows(mine, [self.slots_w13, self.slots_w2], table=list(self._peer_tables), rows_per_source=epn,
+                      live=live)
         else:
             self._prefetch_host(live_slot_ids(etc[self.rank].tolist(), live))
         if self.slot_pool is not None:
