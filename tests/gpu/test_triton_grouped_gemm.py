@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_moonep.tools.timing import on_side_stream
+
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-2  # bf16 operands, activation and output rounded once each (METHOD.md: 1e-3..1e-2)
@@ -69,16 +71,6 @@ def _two_pools(gen, H, I, pools, rows, dev="cuda"):
     g1, u1, d1 = r(n1, I, H, scale=H**-0.5), r(n1, I, H, scale=H**-0.5), r(n1, H, I, scale=I**-0.5)
     return GroupedWeights([w13[:, :I, :], g1], [w13[:, I:, :], u1], [d0, d1], torch.tensor(pools, dtype=torch.int64),
                           torch.tensor(rows, dtype=torch.int64))
-
-
-def _on_side_stream(fn):
-    """Run ``fn`` on a fresh stream (as a capture warm-up does) and wait for it."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
 
 
 def _check(x, rw, cu, w, total, impl_cmp=True):
@@ -171,7 +163,7 @@ def test_cuda_graph_capture_replay():
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=1024)  # capacity for the replays
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    _on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act))  # warm-up: compile, pointer table
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act))  # warm-up: compile, pointer table
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act)
@@ -227,7 +219,7 @@ def test_tensor_descriptor_loads(H, I, ws):
     tk.expert_ffn_triton(x, rw, cu, w, out=out_ptr, config=tiles)
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    _on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=tma))
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=tma))
     assert torch.equal(out[:total], out_ptr[:total]), "TMA loads changed the output of the same tiles"
     ref = expert_ffn_float64(x, rw, cu, w)[:total]
     assert _rel(out[:total], ref) < TOL
@@ -281,7 +273,7 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
             act.fill_(float("nan"))  # a down item that reads act before it is written reads NaN, not old values
             tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=fused)
 
-    _on_side_stream(three_launches)
+    on_side_stream(three_launches)
     sync = tk.prepare_weights(w).sync
     assert int(sync.abs().sum()) == 0, f"counters not restored: {sync.tolist()}"
     assert torch.equal(out[:total], out3[:total]), "one launch differs from three launches with the same tiles"
@@ -328,7 +320,7 @@ def test_flattened_tile_loop(H, I):
     tk.expert_ffn_triton(x, rw, cu, w, out=ref, config=tiles, padded=False)
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    _on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=flat, padded=False))
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=flat, padded=False))
     assert torch.equal(out[:total], ref[:total]), "the flattened loop changed the output of the same tiles"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

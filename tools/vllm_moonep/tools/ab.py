@@ -54,6 +54,7 @@ from vllm_moonep.testing.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.testing.weights import local_experts
 from vllm_moonep.tools.bench_dispatch import time_all_to_all
 from vllm_moonep.tools.memory_projection import MODELS, projection_rows, render
+from vllm_moonep.tools.timing import on_side_stream
 
 GiB = 1024**3
 
@@ -434,12 +435,7 @@ def _graph_step(moes, x, ids, w, tokens):
 
     for _ in range(2):  # buffers of this capacity exist, kernels compiled (eager, collective)
         step()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    on_side_stream(step)
     dist.barrier()
     graph = torch.cuda.CUDAGraph()
     try:

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["capture_graph", "sync_device", "timed_median"]
+__all__ = ["capture_graph", "on_side_stream", "sync_device", "timed_median"]
 
 
 def sync_device(dev: torch.device) -> None:
@@ -43,17 +43,23 @@ def timed_median(fn, dev: torch.device, iters: int, warmup: int, barrier: bool =
     return statistics.median(host), (statistics.median(device) if device else None)
 
 
-def capture_graph(fn, warm_calls: int = 1) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph, after ``warm_calls`` calls on a side stream (capture needs
-    its kernels compiled and its allocations made outside the capture); replay with ``.replay()``."""
+def on_side_stream(fn, calls: int = 1) -> None:
+    """Call ``fn`` ``calls`` times on a fresh stream ordered after the current one, then wait for it
+    (a capture's warm-up: kernels compiled and memory allocated outside the capture)."""
     cur = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(cur)
     with torch.cuda.stream(side):
-        for _ in range(warm_calls):
+        for _ in range(calls):
             fn()
     cur.wait_stream(side)
     torch.cuda.synchronize()
+
+
+def capture_graph(fn, warm_calls: int = 1) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after ``warm_calls`` calls on a side stream (capture needs
+    its kernels compiled and its allocations made outside the capture); replay with ``.replay()``."""
+    on_side_stream(fn, warm_calls)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
