@@ -239,6 +239,18 @@ _DECODE_TILES = {"gate_up": {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num
                  "down": {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}}
 
 
+def _refill(x, rw, cu, lens, H, gen) -> int:
+    """New rows for a captured graph, written into its input tensors in place (padded to 128 as
+    MoonEP's dispatch pads); returns the rows the segments hold."""
+    x2, rw2, cu2, total = _inputs(lens, H, gen, pad_to=128)
+    x.zero_()
+    rw.zero_()
+    x[: x2.shape[0]] = x2
+    rw[: x2.shape[0]] = rw2
+    cu.copy_(cu2)
+    return total
+
+
 @pytest.mark.parametrize("progs_per_sm", [1, 3])
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
@@ -284,12 +296,7 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
     with torch.cuda.graph(graph):
         tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=fused)
     for lens2 in ([0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [3, 129, 0, 7, 0, 0, 1, 0, 0, 0, 2, 0, 16, 0]):
-        x2, rw2, cu2, total2 = _inputs(lens2, H, gen, pad_to=128)
-        x.zero_()
-        rw.zero_()
-        x[: x2.shape[0]] = x2
-        rw[: x2.shape[0]] = rw2
-        cu.copy_(cu2)
+        total2 = _refill(x, rw, cu, lens2, H, gen)
         out.fill_(float("nan"))
         act.fill_(float("nan"))
         graph.replay()
@@ -331,3 +338,64 @@ def test_flattened_tile_loop(H, I):
     tk.expert_ffn_triton(x, rw, cu, w, out=ref, config=tiles, padded=False)
     torch.cuda.synchronize()
     assert torch.equal(out[:total], ref[:total]), "a replayed flattened launch differs"
+
+
+@pytest.mark.parametrize("progs_per_sm", [1, 3])
+@pytest.mark.parametrize("tiles", ["decode", "mid-tma"])
+@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
+def test_stream_k_tiles(H, I, tiles, progs_per_sm):
+    """Stream-K ("streamk": the last tiles cut between programs, the pieces summed by the one that
+    arrives last) at realistic sizes, where pieces of one tile run at the same time on several SMs:
+    a piece lost or summed twice, two pieces sharing a workspace slot (a race the interpreter, which
+    runs programs one by one, cannot show), a sum read before a piece's stores landed (a missing
+    release or acquire), a ticket left set (the next launch sums too early), a sum in arrival order
+    (other bits from launch to launch), and a graph replay on new rows. Against the float64
+    reference, and close to the same tiles uncut (the sums are the same, in another order)."""
+    from vllm_moonep.testing.reference import expert_ffn_float64
+
+    tk = _triton()
+    tma = tiles == "mid-tma"
+    if tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    lens = [3, 0, 130, 1, 0, 77, 40, 0, 35, 200, 0, 0, 9, 300, 64, 5, 17, 1, 0, 90]
+    w = _weights(len(lens), H, I, gen)
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128)
+    if tma:
+        base = {"gate_up": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "tma": True},
+                "down": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "tma": True}}
+    else:
+        base = {k: dict(v) for k, v in _DECODE_TILES.items()}
+    whole = {k: {**v, "progs_per_sm": progs_per_sm} for k, v in base.items()}
+    cut = {k: {**v, "streamk": True} for k, v in whole.items()}
+    ref = expert_ffn_float64(x, rw, cu, w)[:total]
+    out_whole = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=out_whole, config=whole)
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    outs = []
+
+    def launches():
+        for _ in range(3):
+            out.fill_(float("nan"))
+            act.fill_(float("nan"))
+            tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=cut)
+            outs.append(out[:total].clone())
+
+    on_side_stream(launches)
+    assert all(torch.equal(o, outs[0]) for o in outs), "stream-K gave other bits from one launch to the next"
+    assert _rel(outs[0], ref) < TOL, f"stream-K: {_rel(outs[0], ref):.3e} from the float64 reference"
+    assert _rel(outs[0], out_whole[:total]) < 2e-3, "stream-K and the same tiles uncut differ by more than rounding"
+    assert all(int(t.abs().sum()) == 0 for _, t in tk._STREAMK_WS.values()), "a stream-K ticket was left set"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=cut)
+    for lens2 in ([0, 0, 0, 1, 1] + [0] * 15, [3, 129, 0, 7, 0, 0, 1, 0, 0, 0, 2, 0, 16, 0, 300, 0, 0, 0, 0, 1]):
+        total2 = _refill(x, rw, cu, lens2, H, gen)
+        out.fill_(float("nan"))
+        graph.replay()
+        again = torch.full_like(x, float("nan"))
+        tk.expert_ffn_triton(x, rw, cu, w, out=again, config=cut)
+        torch.cuda.synchronize()
+        assert torch.equal(out[:total2], again[:total2]), "a replayed stream-K launch differs from an eager one"
+        assert _rel(out[:total2], expert_ffn_float64(x, rw, cu, w)[:total2]) < TOL

@@ -62,10 +62,11 @@ def _kernels():
 
     gemm_ptrs = dict(x_ptr=bf16, rw_ptr="*fp32", cu_ptr="*i32")
     gemm_dims = dict(M=i32, G=i32, N=i32, K=i32)
-    gu_sig = dict(gemm_ptrs, eff_ptr="*i32", tab_ptr="*i64", act_ptr=bf16, **gemm_dims, stride_xm=i32, stride_am=i32,
-                  s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32)
-    dn_sig = dict(act_ptr=bf16, rw_ptr="*fp32", cu_ptr="*i32", eff_ptr="*i32", tab_ptr="*i64", out_ptr=bf16, **gemm_dims,
-                  stride_am=i32, stride_om=i32, s_dn=i32, s_dk=i32)
+    sk_ptrs = dict(ws_ptr="*fp32", tk_ptr="*i32")  # the stream-K workspace and tickets
+    gu_sig = dict(gemm_ptrs, eff_ptr="*i32", tab_ptr="*i64", act_ptr=bf16, **sk_ptrs, **gemm_dims, stride_xm=i32,
+                  stride_am=i32, s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32)
+    dn_sig = dict(act_ptr=bf16, rw_ptr="*fp32", cu_ptr="*i32", eff_ptr="*i32", tab_ptr="*i64", out_ptr=bf16, **sk_ptrs,
+                  **gemm_dims, stride_am=i32, stride_om=i32, s_dn=i32, s_dk=i32)
     fused_sig = dict(gemm_ptrs, tab_ptr="*i64", act_ptr=bf16, out_ptr=bf16, sync_ptr="*i32", M=i32, G=i32, I=i32, H=i32,
                      stride_xm=i32, stride_am=i32, stride_om=i32, s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32, s_dn=i32,
                      s_dk=i32)
@@ -74,11 +75,17 @@ def _kernels():
                     BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True)
     cases += [
         ("gate_up(decode tiles)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False)),
+         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False)),
         ("gate_up(TMA, warp-specialized, 8 warps)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=64, BN=256, BK=64, TMA=True, WS=True, FLAT=False), 8),
+         dict(flags, GP2=512, BM=64, BN=256, BK=64, TMA=True, WS=True, FLAT=False, STREAMK=False), 8),
+        ("gate_up(stream-K, decode tiles)", gk._gate_up_kernel, gu_sig,
+         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=True)),
+        ("gate_up(stream-K, TMA, 8 warps)", gk._gate_up_kernel, gu_sig,
+         dict(flags, GP2=512, BM=64, BN=128, BK=64, TMA=True, WS=False, FLAT=False, STREAMK=True), 8),
         ("down(TMA, tile loop flattened)", gk._down_kernel, dn_sig,
-         dict(flags, SKIP=False, GP2=512, BM=128, BN=256, BK=64, ZM=64, TMA=True, WS=False, FLAT=True), 8),
+         dict(flags, SKIP=False, GP2=512, BM=128, BN=256, BK=64, ZM=64, TMA=True, WS=False, FLAT=True, STREAMK=False), 8),
+        ("down(stream-K, TMA, round robin flattened)", gk._down_kernel, dn_sig,
+         dict(flags, SKIP=False, GP2=512, BM=64, BN=128, BK=64, ZM=64, TMA=True, WS=False, FLAT=True, STREAMK=True)),
         ("trim", gk._trim_kernel, dict(cu_ptr="*i32", rw_ptr="*fp32", eff_ptr="*i32"), dict(BLK=256)),
         ("fused(one launch)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False)),
         ("fused(one launch, TMA gate/up)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=True)),

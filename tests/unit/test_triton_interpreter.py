@@ -109,6 +109,8 @@ def _case_data(name: str):
 
 
 TMA_CONFIG: dict = {}  # the interpreter's tiles with "tma" (and "ws") on, set in the child
+#: the stream-K runs: programs per SM (2 "SMs" off CUDA: 2, 6 and 80 programs) and operand loads
+STREAMK_RUNS = ((1, "pointer"), (3, "tma"), (40, "pointer"))
 
 CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "padded_segments", "weight0_block_inside",
          "float32"]
@@ -117,8 +119,8 @@ CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "
 def _child_main() -> None:
     import torch
 
-    from vllm_moonep.common.grouped_gemm.triton_kernels import (_INTERP_CONFIG, _descriptors, expert_ffn_triton,
-                                                                interpreting, prepare_weights)
+    from vllm_moonep.common.grouped_gemm.triton_kernels import (_INTERP_CONFIG, _STREAMK_WS, _descriptors,
+                                                                expert_ffn_triton, interpreting, prepare_weights)
 
     global TMA_CONFIG
     TMA_CONFIG = {k: {**v, "tma": True, "ws": True} for k, v in _INTERP_CONFIG.items()}
@@ -145,7 +147,12 @@ def _child_main() -> None:
             got = out[:n].double()
             unwritten = int(torch.isnan(got).sum())
             denom = float(ref[:n].norm())
-            err = float((got - ref[:n]).norm()) / denom if denom > 0 else float((got - ref[:n]).norm())
+
+            def rel(a):  # relative error against float64 (absolute where the reference is all zero)
+                e = float((a - ref[:n]).norm())
+                return e / denom if denom > 0 else e
+
+            err = rel(got)
             # rows whose reference is exactly zero (weight-0 rows, padding) must be exactly zero
             zero_rows = (ref[:n].abs().sum(dim=1) == 0) if n else torch.zeros(0, dtype=torch.bool)
             zero_ok = bool((got[zero_rows] == 0).all()) if n else True
@@ -170,9 +177,35 @@ def _child_main() -> None:
                     expert_ffn_triton(x, rw, cu, w, out=out_f, config=cfg)
                     fused_same &= bool(torch.equal(out_f[:n], want[:n]))
             fused_reset = int(prepare_weights(w, x.device).sync.abs().sum()) == 0
+            # stream-K: the last tiles cut between programs. 2 programs (pieces of one tile on two),
+            # 6, and 80 (one main-loop iteration each where a tile has several: a tile in three or more
+            # pieces); pointer and TMA loads, the tile skip on and off. Each against the float64
+            # reference, and the same bits launch after launch (the pieces are summed in a fixed order)
+            sk = {"err": 0.0, "unwritten": 0, "zero_ok": True, "same_twice": True, "skip_same": True, "cut": False}
+            for pps, loads in STREAMK_RUNS:
+                base = TMA_CONFIG if loads == "tma" else _INTERP_CONFIG
+                cfg = {k: {**v, "streamk": True, "progs_per_sm": pps} for k, v in base.items()}
+                outs = []
+                for i, padded in enumerate((True, True, False)):
+                    if i == 1:  # the workspaces exist now: NaN in them shows which pieces were written
+                        for wsp, _ in _STREAMK_WS.values():
+                            wsp.fill_(float("nan"))
+                    o = torch.full_like(x, float("nan"))
+                    expert_ffn_triton(x, rw, cu, w, out=o, config=cfg, padded=padded)
+                    outs.append(o[:n])
+                    if i == 1:
+                        sk["cut"] |= any(bool(torch.isfinite(wsp).any()) for wsp, _ in _STREAMK_WS.values())
+                g64 = outs[0].double()
+                sk["unwritten"] += int(torch.isnan(g64).sum())
+                sk["err"] = max(sk["err"], rel(g64))
+                sk["zero_ok"] &= bool((g64[zero_rows] == 0).all()) if n else True
+                sk["same_twice"] &= bool(torch.equal(outs[0], outs[1]))
+                sk["skip_same"] &= bool(torch.equal(outs[0], outs[2]))
+            sk["tickets_reset"] = all(int(t.abs().sum()) == 0 for _, t in _STREAMK_WS.values())
+            sk["workspaces"] = len(_STREAMK_WS)
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
                             "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same,
-                            "fused_reset": fused_reset}
+                            "fused_reset": fused_reset, "streamk": sk}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
     report["_said"] = said
@@ -211,6 +244,15 @@ def test_interpreter_case(report, case):
     assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
     assert r["fused_same"], f"{case}: the one-launch kernel gave other outputs than the three launches' same tiles"
     assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
+    k = r["streamk"]
+    assert k["unwritten"] == 0, f"{case}: stream-K left {k['unwritten']} output elements unwritten (a piece never summed)"
+    assert k["zero_ok"], f"{case}: stream-K wrote non-zero rows where the reference is zero"
+    assert k["err"] < TOL, f"{case}: stream-K relative error {k['err']:.3e} >= {TOL} (a piece summed twice or lost)"
+    assert k["same_twice"], f"{case}: stream-K gave other bits on a second launch (pieces summed in arrival order)"
+    assert k["skip_same"], f"{case}: stream-K with the tile skip gave other outputs than without"
+    assert k["tickets_reset"], f"{case}: stream-K left a ticket set (the next launch would sum too early)"
+    if case != "all_empty":
+        assert k["cut"], f"{case}: no tile was cut between programs (the stream-K checks above would be vacuous)"
 
 
 if __name__ == "__main__":

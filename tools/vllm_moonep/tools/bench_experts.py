@@ -30,8 +30,10 @@ before each run by ``triton.testing.do_bench``:
 ``--tune`` times candidate tile configs for each kernel at each point, keeps per ``(shape, NvS)``
 the one with the least total time over both routings, then times the whole compute with those
 tiles as three launches and as one (``triton_fused``, ``FUSED_CANDIDATES``, ``FUSED_TILES``) and
-keeps one launch where it is faster at both routings; writes ``tuning.json`` (to ``$OUT`` if set, else the current directory) and uses
-it for the table. A point the table runs as one launch is also timed as three launches of the same
+keeps one launch where it is faster at both routings; each kernel's ``STREAMK_TRIES`` best tiles are
+also timed cut by stream-K (``"streamk"``) and kept cut where faster at both routings.
+``--tune-streamk`` is the quick pass of that last step alone, on the shipped tiles. Both write
+``tuning.json`` (to ``$OUT`` if set, else the current directory) and use it for the table. A point the table runs as one launch is also timed as three launches of the same
 tiles (the ``three launches`` column). Prints a markdown table; writes
 ``bench_experts.json`` to ``$OUT`` if set.
 
@@ -117,8 +119,11 @@ DOWN_CANDIDATES = [
 #: launch settings tried for the one-launch kernel (``triton_fused``) with a point's best gate_up and
 #: down tiles, and with ``FUSED_TILES``; its warps are the gate_up tiles' (both compile into one kernel)
 FUSED_CANDIDATES = [{"num_stages": s, "progs_per_sm": p} for p in (1, 2, 3, 4) for s in (3, 4)]
-#: one launch replaces three only when faster by more than this at every routing (ties are noise)
-FUSED_MARGIN = 0.01
+#: one launch replaces three, or stream-K tiles uncut ones, only when faster by more than this at every
+#: routing (ties are noise)
+KEEP_MARGIN = 0.01
+#: the best candidates of each kernel that ``--tune`` also times cut by stream-K (``"streamk"``)
+STREAMK_TRIES = 3
 #: decode tiles (16 rows) that suit one launch: narrower than the three launches' best, so that a few
 #: busy groups still give every SM a work item (a probe on an H200, docs/PERFORMANCE.md, ninth session)
 FUSED_TILES = [
@@ -309,6 +314,14 @@ def quack_from_tokens(rows: list) -> dict:
     return out
 
 
+#: what tuning.json says about itself (the tile options are explained in triton_kernels' module doc)
+TUNING_COMMENT = ("tile configs per (H, I, tokens per rank); written by python -m vllm_moonep.tools.bench_experts "
+                  "--tune or --tune-streamk (points it measured replaced, others kept). Beside the tiles: \"tma\" "
+                  "tensor-descriptor loads, \"ws\" the warp-specialized main loop, \"flat\" the persistent tile loop "
+                  "flattened, \"streamk\" the last tiles cut between programs, \"fused\" one launch (triton_fused) of "
+                  "the entry's tiles; each where it measured faster (docs/PERFORMANCE.md)")
+
+
 def merged_tuning(shipped: list, tuned: list) -> dict:
     """The tile table ``--tune`` writes: the shipped entries with every point it measured
     replaced (same ``H``, ``I`` and tokens per rank) or added, ordered by shape and tokens; points
@@ -316,8 +329,7 @@ def merged_tuning(shipped: list, tuned: list) -> dict:
     key = lambda e: (e["H"], e["I"], e.get("tokens_per_rank", e["max_rows"]))  # noqa: E731
     table = {key(e): e for e in shipped}
     table.update({key(e): e for e in tuned})
-    return {"comment": "tile configs per (H, I, tokens per rank); written by python -m vllm_moonep.tools.bench_experts "
-                       "--tune (points it measured replaced, others kept)",
+    return {"comment": TUNING_COMMENT,
             "entries": [table[k] for k in sorted(table)]}
 
 
@@ -378,6 +390,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096")
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune-streamk", action="store_true",
+                    help="time the shipped tiles of each point also cut by stream-K (\"streamk\"), per kernel, and write "
+                         "tuning.json with stream-K where it was faster at every routing (a quick pass; --tune does it "
+                         "for its best candidates)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
     ap.add_argument("--quack-tuned", action="store_true",
                     help="quack column: quack's autotuner (compiles and times its config space per new shape: minutes)")
@@ -443,36 +459,61 @@ def main(argv=None) -> int:
                 cases.append((routing, cu_h, cu, real, nvs, mv, x, rw))
             nvs = cases[0][4]
             cfg = None
+
+            def kernel_times(kind, c):
+                """One kernel with tile config ``c``, per routing (ms; inf where it cannot run)."""
+                times = []
+                try:
+                    for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
+                        eff = torch.empty(G, dtype=torch.int32, device=dev)
+                        tk._launch_trim(cu, rw, eff)
+                        act = torch.randn(nvs_, I, device=dev, dtype=torch.bfloat16)
+                        o = torch.empty_like(x)
+                        if kind == "gate_up":
+                            fn = lambda: tk._launch_gate_up(x, rw, cu, eff, prep, act, c, False)  # noqa: E731
+                        else:
+                            fn = lambda: tk._launch_down(act, rw, cu, eff, prep, o, c, False)  # noqa: E731
+                        replay, _g = _graphed(fn)
+                        times.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
+                except Exception as e:  # out of resources etc.
+                    print(f"#   {sname} t={tokens} {kind} {c}: skipped ({type(e).__name__}: {str(e)[:80]})")
+                    times = [math.inf] * len(cases)
+                return times
+
+            def with_streamk(kind, tiles, known=None):
+                """The best of ``tiles`` (``known``: their times) as they are and cut by stream-K, where cut
+                is faster at every routing by more than KEEP_MARGIN (else the best as it is)."""
+                times = known or [kernel_times(kind, c) for c in tiles]
+                j = min(range(len(tiles)), key=lambda i: sum(times[i]))
+                best_c, best_t = tiles[j], times[j]
+                won = None
+                for c, t in zip(tiles, times):
+                    if c.get("streamk") or not math.isfinite(sum(t)):
+                        continue
+                    ck = {**c, "streamk": True}
+                    tk_ = kernel_times(kind, ck)
+                    print(f"#   {sname} t={tokens} {kind} {c}: stream-K {sum(tk_)*1e3:.1f} us against "
+                          f"{sum(t)*1e3:.1f} us (both routings)", flush=True)
+                    if (all(a < b * (1 - KEEP_MARGIN) for a, b in zip(tk_, best_t))
+                            and (won is None or sum(tk_) < sum(won[1]))):
+                        won = (ck, tk_)
+                return (best_c, best_t) if won is None else won
+
             if args.tune:
-                # time each kernel's candidates on both routings; keep the least total
+                # time each kernel's candidates on both routings; keep the least total, then the
+                # STREAMK_TRIES best cut by stream-K where that is faster at every routing
                 best = {}
                 for kind, cands in (("gate_up", GU_CANDIDATES), ("down", DOWN_CANDIDATES)):
-                    scores = []
-                    for c in cands:
-                        tot = 0.0
-                        try:
-                            for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
-                                eff = torch.empty(G, dtype=torch.int32, device=dev)
-                                tk._launch_trim(cu, rw, eff)
-                                act = torch.randn(nvs_, I, device=dev, dtype=torch.bfloat16)
-                                o = torch.empty_like(x)
-                                if kind == "gate_up":
-                                    fn = lambda: tk._launch_gate_up(x, rw, cu, eff, prep, act, c, False)  # noqa: E731
-                                else:
-                                    fn = lambda: tk._launch_down(act, rw, cu, eff, prep, o, c, False)  # noqa: E731
-                                replay, _g = _graphed(fn)
-                                tot += _bench(replay, warmup=10, rep=max(20, args.rep // 3))
-                        except Exception as e:  # out of resources etc.
-                            print(f"#   {sname} t={tokens} {kind} {c}: skipped ({type(e).__name__}: {str(e)[:80]})")
-                            tot = math.inf
-                        scores.append(tot)
+                    per = [kernel_times(kind, c) for c in cands]
+                    scores = [sum(t) for t in per]
                     i = min(range(len(cands)), key=lambda j: scores[j])
-                    best[kind] = cands[i]
+                    top = sorted(range(len(cands)), key=lambda j: scores[j])[:STREAMK_TRIES]
+                    best[kind], _t = with_streamk(kind, [cands[j] for j in top], [per[j] for j in top])
                     # the tiles the shipped table gives this point, timed in the same sweep: the anchor
                     was = tk.select_config(H, I, nvs, G, tokens=tokens)[kind]
                     was_s = next((f"{scores[j]*1e3:.1f} us" for j, c in enumerate(cands) if c == was), "not a candidate")
-                    print(f"#   tune {sname} t={tokens} {kind}: best {cands[i]} ({scores[i]*1e3:.1f} us over both routings; "
-                          f"shipped tiles {was_s})", flush=True)
+                    print(f"#   tune {sname} t={tokens} {kind}: best {best[kind]} ({sum(_t)*1e3:.1f} us over both "
+                          f"routings; best uncut {scores[i]*1e3:.1f} us; shipped tiles {was_s})", flush=True)
                 # the whole compute: three launches with these tiles, against one launch of the same tiles
                 def _whole(conf):  # per routing
                     tot = []
@@ -495,7 +536,7 @@ def main(argv=None) -> int:
                         continue
                     # kept only where faster at every routing by more than the margin: the table must
                     # never make a point slower, and a tie within noise keeps the three launches
-                    if sum(tf) < fused_t and all(a < b * (1 - FUSED_MARGIN) for a, b in zip(tf, three)):
+                    if sum(tf) < fused_t and all(a < b * (1 - KEEP_MARGIN) for a, b in zip(tf, three)):
                         fused_best, fused_t = {**tiles, "fused": launch}, sum(tf)
                 won = "slower at some routing" if fused_best is None else f"{fused_best} ({fused_t*1e3:.1f} us)"
                 print(f"#   tune {sname} t={tokens} one launch: {won}; three launches {sum(three)*1e3:.1f} us "
@@ -504,6 +545,17 @@ def main(argv=None) -> int:
                     best = fused_best
                 cfg = best
                 tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **best})
+            elif args.tune_streamk:
+                # the shipped tiles, each kernel cut by stream-K where that is faster at every routing
+                shipped = tk.select_config(H, I, nvs, G, tokens=tokens)
+                if shipped.get("fused"):
+                    print(f"#   tune-streamk {sname} t={tokens}: one launch (its tiles are whole); kept", flush=True)
+                else:
+                    cfg = {**shipped, **{kind: with_streamk(kind, [shipped[kind]])[0] for kind in ("gate_up", "down")}}
+                    print(f"#   tune-streamk {sname} t={tokens}: gate_up {'cut' if cfg['gate_up'].get('streamk') else 'whole'},"
+                          f" down {'cut' if cfg['down'].get('streamk') else 'whole'}", flush=True)
+                    tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens,
+                                          **cfg})
             for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
                 n = int(cu_h[-1])
                 real_rows = int(real.sum())
@@ -628,7 +680,7 @@ def main(argv=None) -> int:
     if out_dir:
         with open(os.path.join(out_dir, "bench_experts.json"), "w") as f:
             json.dump(result, f, indent=1)
-    if args.tune:
+    if args.tune or args.tune_streamk:
         path = os.path.join(out_dir or ".", "tuning.json")
         with open(path, "w") as f:
             json.dump(merged_tuning(tk.load_tuning(), tuned_entries), f, indent=1)

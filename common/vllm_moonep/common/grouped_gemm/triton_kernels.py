@@ -43,6 +43,13 @@ so every pool layout above still works; ``"ws": true`` adds Triton's warp-specia
 (their outputs are masked off), past ``NvS`` zeros. Where TMA cannot run (not Hopper-class, rows
 not 16-byte aligned) the pointer loads do (said once). Device-built descriptors need Triton's
 launch-time scratch allocator: one backed by torch is set where none is (``_ensure_scratch_allocator``).
+``"streamk": true`` evens out the last tiles: a launch whose tiles do not divide into the programs
+(17 busy groups x 6 column blocks = 102 gate/up tiles on 132 SMs, say: a fifth of the GPU idle, or
+a second round for a few programs) runs all but its last full round of tiles round robin, then cuts
+the rest into equal ranges of main-loop iterations, one per program; a tile cut between programs
+is summed (float32, in program order) and finished by the piece that arrives last (``_sk_range``).
+Its workspace is per device and shared by every layer (``_streamk``), so one device's expert
+compute runs in stream order.
 ``"flat": true`` flattens a kernel's persistent tile loop into its main loop (Triton's
 ``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue), on steps
 without padding (``padded=False``) and without ``ws`` (``_flat``). Same bits either way.
@@ -76,7 +83,8 @@ import triton.language as tl
 
 from vllm_moonep.common.grouped_gemm.api import GroupedWeights
 from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
-from vllm_moonep.common.grouped_gemm.triton_tiles import down_tile, gate_up_tile, pick, tile_index, trim_end, zero_rows
+from vllm_moonep.common.grouped_gemm.triton_tiles import (down_acc, down_store, down_tile, gate_up_acc, gate_up_store,
+                                                          gate_up_tile, pick, tile_index, trim_end, zero_rows)
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError
 from vllm_moonep.engine.launch import capability, sm_count
@@ -142,14 +150,84 @@ def _tile(t, cum, tiles, gidx, mb, start, eend, N, BM: tl.constexpr, BN: tl.cons
     return g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0
 
 
+# Stream-K (a tile config's ``"streamk"``): the last tiles are cut into pieces of the reduction
+# dimension so that every program gets the same number of main-loop iterations. Tiles first go
+# round robin, one tile per program per round, for all but the last full round ("data-parallel":
+# programs running at once share weight slices through L2); the rest (between one and two rounds
+# of tiles, or every tile when there are fewer) is one run of ``tiles x cdiv(K, BK)`` iterations,
+# cut into ``nprog`` equal ranges. A tile whose iterations fall in one range is a whole tile; a
+# tile cut between programs p0..p1 has each piece's float32 sums written to the workspace (slot
+# ``2q + (q == p0)`` for program q: a program holds at most one piece that starts a cut tile and
+# one that ends one), then a ticket (``tickets[p0]``, one per cut tile) counts the pieces in; the
+# piece that arrives last adds all of them, in program order, and runs the epilogue. No program
+# waits for another, so any grid runs (and the interpreter, which runs programs one by one), and
+# the sum's order is fixed: the same bits every launch. The last piece puts the ticket back to 0.
+@triton.jit
+def _sk_range(total, nprog, pid, K, BK: tl.constexpr):
+    """``(dp_total, ipt, L, it, it_end)``: the round-robin tiles, iterations per tile, iterations
+    per program, and this program's range of the stream-K iterations."""
+    ipt = tl.cdiv(K, BK)
+    dp_total = tl.maximum(total // nprog - 1, 0) * nprog
+    sk_it = (total - dp_total) * ipt
+    L = tl.maximum(tl.cdiv(sk_it, nprog), 1)
+    it = pid * L
+    return dp_total, ipt, L, it, tl.minimum(it + L, sk_it)
+
+
+@triton.jit
+def _sk_piece(it, it_end, ipt, L):
+    """The piece from stream-K iteration ``it`` on: its tile of the run, the tile's main-loop
+    iterations it holds ``[kk0, kk1)``, and the programs ``p0..p1`` that hold the tile's pieces."""
+    ts = it // ipt
+    kk0 = it - ts * ipt
+    kk1 = tl.minimum(ipt, kk0 + (it_end - it))
+    return ts, kk0, kk1, (ts * ipt) // L, (ts * ipt + ipt - 1) // L
+
+
+@triton.jit
+def _sk_slot(q, p0):
+    return 2 * q + (q == p0).to(tl.int32)
+
+
+@triton.jit
+def _sk_put(ws_ptr, slot, plane, acc, PLANES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A piece's float32 sums into its workspace slot."""
+    r = tl.arange(0, BM)
+    c = tl.arange(0, BN)
+    base = ws_ptr + (slot * PLANES + plane).to(tl.int64) * (BM * BN)
+    tl.store(base + r[:, None] * BN + c[None, :], acc)
+
+
+@triton.jit
+def _sk_get(ws_ptr, slot, plane, PLANES: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """A piece's sums from the workspace (written by other programs: past L1)."""
+    r = tl.arange(0, BM)
+    c = tl.arange(0, BN)
+    base = ws_ptr + (slot * PLANES + plane).to(tl.int64) * (BM * BN)
+    return tl.load(base + r[:, None] * BN + c[None, :], cache_modifier=".cg")
+
+
+@triton.jit
+def _sk_last(tk_ptr, p0, p1):
+    """Count this program's piece in (its sums already stored); whether it was the tile's last."""
+    tl.debug_barrier()  # every thread's stores, then one release carries them
+    n = tl.atomic_add(tk_ptr + p0, 1, sem="acq_rel", scope="gpu")
+    last = n == p1 - p0
+    if last:
+        tl.store(tk_ptr + p0, 0)  # every piece is in: the ticket at rest for the next launch
+    tl.debug_barrier()  # every thread's workspace loads after the acquire
+    return last
+
+
+
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, act_ptr,
+    x_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, act_ptr, ws_ptr, tk_ptr,
     M, G, N, K, stride_xm, stride_am,
     s_gn, s_gk, s_un, s_uk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -162,7 +240,10 @@ def _gate_up_kernel(
     xd = x_ptr
     if TMA:  # rows past the group's end load the next group's (never stored), past M zeros
         xd = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BM, BK])
-    for t in tl.range(pid, total, nprog, flatten=FLAT):
+    rr_total = total
+    if STREAMK:
+        rr_total, ipt, L, it, it_end = _sk_range(total, nprog, pid, K, BK)
+    for t in tl.range(pid, rr_total, nprog, flatten=FLAT):
         g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN,
                                                                      EVEN_N)
         wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
@@ -170,16 +251,40 @@ def _gate_up_kernel(
         gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
                      N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
                      BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+    if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
+        while it < it_end:
+            ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, cum, tiles, gidx, mb, start,
+                                                                         eend, N, BM, BN, EVEN_N)
+            wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
+            wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
+            acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0,
+                                       kk0 * BK, kk1 * BK, N, K, stride_xm, s_gn, s_gk, s_un, s_uk,
+                                       BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+            if (kk0 == 0) & (kk1 == ipt):
+                gate_up_store(acc_g, acc_u, rw_ptr, act_ptr, rows, rows_ld, ee, cols, N, stride_am)
+            else:
+                slot = _sk_slot(pid, p0)
+                _sk_put(ws_ptr, slot, 0, acc_g, 2, BM, BN)
+                _sk_put(ws_ptr, slot, 1, acc_u, 2, BM, BN)
+                if _sk_last(tk_ptr, p0, p1):
+                    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+                    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+                    for q in range(p0, p1 + 1):
+                        acc_g += _sk_get(ws_ptr, _sk_slot(q, p0), 0, 2, BM, BN)
+                        acc_u += _sk_get(ws_ptr, _sk_slot(q, p0), 1, 2, BM, BN)
+                    gate_up_store(acc_g, acc_u, rw_ptr, act_ptr, rows, rows_ld, ee, cols, N, stride_am)
+            it += kk1 - kk0
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, out_ptr,
+    act_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, out_ptr, ws_ptr, tk_ptr,
     M, G, N, K, stride_am, stride_om,
     s_dn, s_dk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -198,15 +303,38 @@ def _down_kernel(
     ad = act_ptr
     if TMA:
         ad = tl.make_tensor_descriptor(act_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
-    for t in tl.range(pid, total, nprog, flatten=FLAT):
+    rr_total = total
+    if STREAMK:
+        rr_total, ipt, L, it, it_end = _sk_range(total, nprog, pid, K, BK)
+    for t in tl.range(pid, rr_total, nprog, flatten=FLAT):
         g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN,
                                                                      EVEN_N)
         wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
         down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
                   N, K, stride_am, stride_om, s_dn, s_dk,
                   BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
-    # then the zero tiles, continuing the same round robin over programs
-    for t in range(total + (pid - total % nprog + nprog) % nprog, total + ztotal, nprog):
+    first_z = total + (pid - total % nprog + nprog) % nprog  # continuing the same round robin
+    if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
+        first_z = total + pid
+        while it < it_end:
+            ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, cum, tiles, gidx, mb, start,
+                                                                         eend, N, BM, BN, EVEN_N)
+            wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
+            acc = down_acc(act_ptr, rw_ptr, wd, ad, rows, rows_ld, ee, cols_ld, row0, col0, kk0 * BK, kk1 * BK,
+                           N, K, stride_am, s_dn, s_dk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+            if (kk0 == 0) & (kk1 == ipt):
+                down_store(acc, out_ptr, rows, ee, pick(sel, end), cols, N, stride_om)
+            else:
+                _sk_put(ws_ptr, _sk_slot(pid, p0), 0, acc, 1, BM, BN)
+                if _sk_last(tk_ptr, p0, p1):
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+                    for q in range(p0, p1 + 1):
+                        acc += _sk_get(ws_ptr, _sk_slot(q, p0), 0, 1, BM, BN)
+                    down_store(acc, out_ptr, rows, ee, pick(sel, end), cols, N, stride_om)
+            it += kk1 - kk0
+    # then the zero tiles, round robin over programs
+    for t in range(first_z, total + ztotal, nprog):
         tz = t - total
         zg = tl.sum((zcum <= tz).to(tl.int32), 0)
         zsel = gidx == zg
@@ -487,6 +615,29 @@ def _flat(c: dict, ws: bool, skip: bool) -> bool:
     return True
 
 
+#: stream-K workspaces (float32 piece sums, int32 tickets at rest at zero), by device and size:
+#: shared by every layer's launches on that device, which therefore run in stream order
+_STREAMK_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _streamk(c: dict, device, nprog: int, planes: int, fallback: tuple) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """``(STREAMK, workspace, tickets)`` for one launch of tile config ``c`` (``"streamk"``: see
+    ``_sk_range``). The workspace holds two pieces per program; made once per device and size (before
+    a CUDA graph is captured, by the warm-up call), so graphs keep pointing at live memory."""
+    if not c.get("streamk", False):
+        return (False, *fallback)
+    n = 2 * nprog * planes * c["BM"] * c["BN"]
+    key = (str(device), nprog, n)
+    hit = _STREAMK_WS.get(key)
+    if hit is None:
+        say_once("MoonEP expert kernels: tiles with \"streamk\" cut the last tiles between programs; their "
+                 "workspace is per device, so the expert compute of one device runs in stream order "
+                 "(not on two CUDA streams at once)", __name__)
+        hit = (torch.empty(n, dtype=torch.float32, device=device), torch.zeros(nprog, dtype=torch.int32, device=device))
+        _STREAMK_WS[key] = hit
+    return (True, *hit)
+
+
 def _launch_trim(cu, route_w, eff):
     return _trim_kernel[(int(cu.numel()),)](cu, route_w, eff, BLK=256, num_warps=4)
 
@@ -498,13 +649,14 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     tma, ws = _descriptors(c, x, (s_gn, s_un))
     flat = _flat(c, ws, skip)
     grid = (max(1, sm_count(x.device) * int(c.get("progs_per_sm", 1))),)
+    sk, wsp, tks = _streamk(c, x.device, grid[0], 2, (act, eff))
     return _gate_up_kernel[grid](
-        x, route_w, cu, eff, prep.table, act,
+        x, route_w, cu, eff, prep.table, act, wsp, tks,
         x.shape[0], G, I, H, x.stride(0), act.stride(0),
         s_gn, s_gk, s_un, s_uk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
         EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
@@ -515,13 +667,14 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
     tma, ws = _descriptors(c, act, (s_dn,))
     flat = _flat(c, ws, skip)
     grid = (max(1, sm_count(act.device) * int(c.get("progs_per_sm", 1))),)
+    sk, wsp, tks = _streamk(c, act.device, grid[0], 1, (dst, eff))
     return _down_kernel[grid](
-        act, route_w, cu, eff, prep.table, dst,
+        act, route_w, cu, eff, prep.table, dst, wsp, tks,
         act.shape[0], G, H, I, act.stride(0), dst.stride(0),
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
         EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
@@ -536,11 +689,13 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False):
     say_once(f"MoonEP expert kernels: steps whose tile entry says so (H={H}, I={I}: decode, tuning.json) run as "
              "one launch instead of three; its work counters belong to the layer's weights, so one layer's "
              "expert compute must run in stream order (not on two CUDA streams at once)", __name__)
-    unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn)) for opt in ("ws", "flat") if c.get(opt)]
+    unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn)) for opt in ("ws", "flat", "streamk")
+              if c.get(opt)]
     unused += ["down:tma"] if dn.get("tma") else []
     if unused:
         say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its down operands are "
-                 "pointer loads, its loops neither warp-specialized nor flattened); it runs without them", __name__)
+                 "pointer loads, its loops neither warp-specialized nor flattened, its tiles whole); it runs without "
+                 "them", __name__)
     (s_gn, s_gk), (s_un, s_uk), (s_dn, s_dk) = prep.strides
     tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
     grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)

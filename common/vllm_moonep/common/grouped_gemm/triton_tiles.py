@@ -6,7 +6,10 @@ One tile is ``BM`` rows of one group times ``BN`` output columns::
     _down_tile:     act[rows, :I] @ down_g^T                                    ->  out[rows, cols]
 
 ``triton_kernels`` runs them as three launches (trim, every gate/up tile, every down tile);
-``triton_fused`` runs the same tiles in one launch. Both reach a group's weights through the
+``triton_fused`` runs the same tiles in one launch. Each tile is a main loop (``*_acc``: float32 sums
+over a range of the reduction dimension) and an epilogue (``*_store``): a stream-K schedule
+(``triton_kernels``, ``"streamk"``) runs a tile's main loop in pieces on several programs and the
+epilogue once, on the sum of the pieces. Both reach a group's weights through the
 pointer table (``wg``, ``wu``, ``wd``: the group's base addresses), so the tiles do not know where
 the pools live. The row masks are the tile's: ``ee`` is the group's trimmed end (rows at or past it
 are never loaded past it, and their activations or outputs are written as 0 or not at all).
@@ -17,7 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "gate_up_tile", "down_tile", "zero_rows"]
+__all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "gate_up_acc", "gate_up_store", "gate_up_tile",
+           "down_acc", "down_store", "down_tile", "zero_rows"]
 
 
 @triton.jit
@@ -73,27 +77,28 @@ def load_k(ptrs, k, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def gate_up_tile(
-    x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
-    N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
+def gate_up_acc(
+    x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0, k0, k1,
+    N, K, stride_xm, s_gn, s_gk, s_un, s_uk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
     SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
-    """``act[rows, cols] = silu(x @ gate^T) * (x @ up^T) * route_w`` over ``K = H``; ``xd``: the
-    rows' tensor descriptor when ``TMA`` (then the group's gate and up are described here)."""
+    """The float32 sums ``x @ gate^T`` and ``x @ up^T`` of a tile over ``k`` in ``[k0, k1)`` (a whole
+    tile: ``[0, K)``; a stream-K piece: part of it); ``xd``: the rows' tensor descriptor when ``TMA``
+    (then the group's gate and up are described here)."""
     offs_k = tl.arange(0, BK)
     if TMA:  # this group's gate and up, described on the device (columns past N load zeros)
         gd = tl.make_tensor_descriptor(wg, shape=[N, K], strides=[s_gn, 1], block_shape=[BN, BK])
         ud = tl.make_tensor_descriptor(wu, shape=[N, K], strides=[s_un, 1], block_shape=[BN, BK])
-    a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = wg + cols_ld[:, None] * s_gn + offs_k[None, :] * s_gk
-    u_ptrs = wu + cols_ld[:, None] * s_un + offs_k[None, :] * s_uk
+    a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    g_ptrs = wg + cols_ld[:, None] * s_gn + (k0 + offs_k)[None, :] * s_gk
+    u_ptrs = wu + cols_ld[:, None] * s_un + (k0 + offs_k)[None, :] * s_uk
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    k_end = K
+    k_end = k1
     if SKIP:  # every row of the tile has weight 0: no main loop, act = 0 (see live)
-        k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
-    for k in tl.range(0, k_end, BK, warp_specialize=WS):
+        k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), k1, k0)
+    for k in tl.range(k0, k_end, BK, warp_specialize=WS):
         if TMA:
             a = xd.load([row0, k])
             bg = gd.load([col0, k])
@@ -113,6 +118,12 @@ def gate_up_tile(
             a_ptrs += BK
             g_ptrs += BK * s_gk
             u_ptrs += BK * s_uk
+    return acc_g, acc_u
+
+
+@triton.jit
+def gate_up_store(acc_g, acc_u, rw_ptr, act_ptr, rows, rows_ld, ee, cols, N, stride_am):
+    """A tile's epilogue: ``act[rows, cols] = silu(g) * u * route_w`` in the activation dtype."""
     rw = tl.load(rw_ptr + rows_ld)
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * rw[:, None]
     a_out = act_ptr + rows.to(tl.int64)[:, None] * stride_am + cols[None, :]
@@ -120,24 +131,37 @@ def gate_up_tile(
 
 
 @triton.jit
-def down_tile(
-    act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
-    N, K, stride_am, stride_om, s_dn, s_dk,
+def gate_up_tile(
+    x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
+    N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
     SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
 ):
-    """``out[rows, cols] = act @ down^T`` over ``K = I``; rows at or past the trimmed end ``ee``
-    (and below the segment's end ``en``) are written as 0. ``ad``: the activations' descriptor when ``TMA``."""
+    """``act[rows, cols] = silu(x @ gate^T) * (x @ up^T) * route_w`` over ``K = H``."""
+    acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0, 0, K,
+                               N, K, stride_xm, s_gn, s_gk, s_un, s_uk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+    gate_up_store(acc_g, acc_u, rw_ptr, act_ptr, rows, rows_ld, ee, cols, N, stride_am)
+
+
+@triton.jit
+def down_acc(
+    act_ptr, rw_ptr, wd, ad, rows, rows_ld, ee, cols_ld, row0, col0, k0, k1,
+    N, K, stride_am, s_dn, s_dk,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+):
+    """The float32 sum ``act @ down^T`` of a tile over ``k`` in ``[k0, k1)``; ``ad``: the
+    activations' descriptor when ``TMA``."""
     offs_k = tl.arange(0, BK)
     if TMA:
         dd = tl.make_tensor_descriptor(wd, shape=[N, K], strides=[s_dn, 1], block_shape=[BN, BK])
-    a_ptrs = act_ptr + rows_ld[:, None] * stride_am + offs_k[None, :]
-    d_ptrs = wd + cols_ld[:, None] * s_dn + offs_k[None, :] * s_dk
+    a_ptrs = act_ptr + rows_ld[:, None] * stride_am + (k0 + offs_k)[None, :]
+    d_ptrs = wd + cols_ld[:, None] * s_dn + (k0 + offs_k)[None, :] * s_dk
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    k_end = K
+    k_end = k1
     if SKIP:  # act is 0 on every row of the tile: no main loop, out = 0
-        k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), K, 0)
-    for k in tl.range(0, k_end, BK, warp_specialize=WS):
+        k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), k1, k0)
+    for k in tl.range(k0, k_end, BK, warp_specialize=WS):
         if TMA:
             a = ad.load([row0, k])
             b = dd.load([col0, k])
@@ -151,9 +175,29 @@ def down_tile(
         if not TMA:
             a_ptrs += BK
             d_ptrs += BK * s_dk
+    return acc
+
+
+@triton.jit
+def down_store(acc, out_ptr, rows, ee, en, cols, N, stride_om):
+    """A tile's epilogue: ``out[rows, cols]``, rows at or past the trimmed end ``ee`` (and below the
+    segment's end ``en``) written as 0."""
     acc = tl.where((rows < ee)[:, None], acc, 0.0)
     o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(rows < en)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def down_tile(
+    act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
+    N, K, stride_am, stride_om, s_dn, s_dk,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+):
+    """``out[rows, cols] = act @ down^T`` over ``K = I``."""
+    acc = down_acc(act_ptr, rw_ptr, wd, ad, rows, rows_ld, ee, cols_ld, row0, col0, 0, K,
+                   N, K, stride_am, s_dn, s_dk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+    down_store(acc, out_ptr, rows, ee, en, cols, N, stride_om)
 
 
 @triton.jit
