@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from vllm_moonep.engine.launch import sm_count
+from vllm_moonep.engine.symmetric_transport import DEFAULT_PROGRAMS_PER_SM, PROGRAMS_PER_SM
 from vllm_moonep.testing.launch import launched_world_size
 from vllm_moonep.tools import bench_dispatch
 
@@ -32,3 +34,25 @@ def test_bench_dispatch_reports_paired_and_separate_anchors(tmp_path, capsys):
             assert r[key] is not None and r[key] > 0, (key, r)
     table = capsys.readouterr().out
     assert "dispatch/a2a paired" in table and table.count("| 2 | ") == 2
+
+
+def test_programs_sweep_times_every_setting_against_one_anchor(tmp_path, capsys):
+    """The paired programs sweep (buffers of several num_sms in one process, rounds in rotating order):
+    a setting left untimed or timed against another round's anchor, a buffer of one setting serving
+    another's calls (the settings must each reach their own Buffer), or a negative count accepted."""
+    out = tmp_path / "sweep.json"
+    assert bench_dispatch.main(["--preset", "qwen3-30b-a3b", "--ranks", "2", "--tokens", "2", "--maxvio", "0",
+                                "--transport", "symmetric", "--iters", "3", "--warmup", "1",
+                                "--programs-sweep", "0", "2", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["a2a_us"] > 0
+    default = sm_count(torch.device("cpu")) * DEFAULT_PROGRAMS_PER_SM
+    want = [default, 2 * PROGRAMS_PER_SM, 3 * PROGRAMS_PER_SM]
+    assert len(set(want)) == 3, "the settings must give three different program counts, or the check below is vacuous"
+    assert [(c["num_sms"], c["programs"]) for c in rows[0]["settings"]] == list(zip([0, 2, 3], want))
+    assert all(c["us"] > 0 for c in rows[0]["settings"])
+    table = capsys.readouterr().out
+    assert " | ".join(f"{p} programs us (x a2a)" for p in want) in table
+    assert table.count("| 2 | 0.0 | ") == 1
+    with pytest.raises(SystemExit):
+        bench_dispatch.main(["--ranks", "2", "--programs-sweep", "-1"])

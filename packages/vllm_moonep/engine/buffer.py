@@ -537,6 +537,12 @@ class Buffer:
         return self._destroyed
 
     @property
+    def row_programs(self) -> int | None:
+        """Programs each row-moving kernel of the symmetric transport launches (from ``num_sms``, or
+        the default per SM); ``None`` on the collective transport."""
+        return None if self._sym is None else self._sym.programs
+
+    @property
     def heap_bytes(self) -> int:
         """Bytes this buffer holds on its symmetric heap, per rank (the symmetric transport's
         receive and landing areas, sized once from ``S``; 0 for the collective transport)."""

@@ -3,6 +3,8 @@ measured in the same run and process group.
 
     python -m vllm_moonep.tools.bench_dispatch --device cuda --backend nccl --ranks 2 --preset kimi-k2 \
         --tokens 1 128 1024 4096 --maxvio 0 2 [--transport auto|symmetric|collective] [--programs N]
+    python -m vllm_moonep.tools.bench_dispatch --device cuda --ranks 2 --tokens 1 16 128 --maxvio 0 \
+        --programs-sweep 0 16 32
 
 Payload per rank as the MoonEP benchmarks define it: ``S*K*H*2`` bytes (every token slot's bf16
 row, whichever rank it goes to). Anchors, on that payload split evenly over the ranks:
@@ -13,7 +15,8 @@ events around the call); ``graph`` is one replay of a CUDA graph holding dispatc
 (symmetric transport). Ratios are engine / anchor (host-timed); the "paired" ratios take an
 ``all_to_all_single`` timed in every iteration right after that iteration's dispatch and combine
 (median of the per-iteration ratios), which cancels the machine's drift over a run.
-``--profile`` prints the top kernels of one dispatch on rank 0.
+``--profile`` prints the top kernels of one dispatch on rank 0. ``--programs-sweep`` times, instead,
+buffers of several row-kernel program counts against each other in one process (``rank_programs_sweep``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.engine import TRANSPORTS, Buffer, current_cuda_device, default_num_slots
+from vllm_moonep.engine.symmetric_transport import DEFAULT_PROGRAMS_PER_SM, PROGRAMS_PER_SM
 from vllm_moonep.testing.launch import (add_launch_arguments, finish_launched_group, is_driver, resolve_launch,
                                         run_on_ranks, shutdown_pools)
 from vllm_moonep.testing.routing import route, sigma_for_maxvio
@@ -184,6 +188,114 @@ def rank_bench(H, E, K, S, sigma, device, iters, warmup, profile, transport, pro
     return res
 
 
+def rank_programs_sweep(H, E, K, S, sigma, device, iters, warmup, transport, settings):
+    """Paired sweep of the row kernels' programs (``--programs-sweep``): one buffer per setting of
+    ``num_sms`` (0: the default) in this process, each one's dispatch + combine captured as a CUDA
+    graph (eager calls off CUDA), and a plain ``all_to_all_single`` of the payload; every round
+    times each once, in an order that rotates from round to round, so that the machine's drift
+    between runs (which moved the 1-token anchor 40-73 us between separate runs) falls on every
+    setting alike. Returns per entry (settings, then the all-to-all) ``(host median s, device
+    median s or None)``, and the programs each setting's buffer launches (``None``: no row kernels).
+    """
+    r, R = dist.get_rank(), dist.get_world_size()
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = current_cuda_device()
+    ids, w = route(S, E, K, sigma=sigma, seed=1, rank=r)
+    x = torch.randn(S, H, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16).to(dev)
+    ids, w = ids.to(dev), w.to(dev)
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+    bufs, calls, graphs = [], [], []
+    for n in settings:
+        buf = Buffer(S, H, K, E, R, B=default_num_slots(E, R), device=dev, check_inputs=False, transport=transport,
+                     num_sms=n or None)
+
+        def both(buf=buf):
+            d = buf.dispatch(x, w, ids, tpe)
+            buf.combine(d[3], d[0])
+
+        if dev.type == "cuda" and buf.transport_name == "symmetric":
+            g = capture_graph(both)
+            graphs.append(g)
+            calls.append(g.replay)
+        else:
+            calls.append(both)
+        bufs.append(buf)
+    calls.append(all_to_all_call(S, K, H, dev))
+    host = [[] for _ in calls]
+    device_t = [[] for _ in calls]
+    for i in range(warmup + iters):
+        k = i % len(calls)
+        for j in list(range(k, len(calls))) + list(range(k)):
+            h, d = timed_median(calls[j], dev, 1, 0)
+            if i >= warmup:
+                host[j].append(h)
+                if d is not None:
+                    device_t[j].append(d)
+    programs = [buf.row_programs for buf in bufs]
+    for buf in bufs:
+        buf.check_errors(sync=True)
+    del graphs
+    for buf in bufs:
+        buf.destroy()
+    return [(statistics.median(h), statistics.median(d) if d else None) for h, d in zip(host, device_t)], programs
+
+
+def _points(a, launch, env, rank_fn, H, E, K, *extra) -> list:
+    """``(tokens, maxvio, per-rank results of rank_fn)`` for every point of the command line, each on
+    the spawned ranks (``rank_fn(H, E, K, S, sigma, device, iters, warmup, *extra)``); the ranks'
+    buffer pools and launched group are closed after the last, or on an error."""
+    out = []
+    try:
+        for S in a.tokens:
+            for mv in a.maxvio:
+                sigma = sigma_for_maxvio(mv, E, K, S * a.ranks)
+                out.append((S, mv, run_on_ranks(a.ranks, rank_fn, H, E, K, S, sigma, a.device, a.iters, a.warmup,
+                                                *extra, env=env, backend=launch.backend, device=launch.device)))
+    finally:
+        shutdown_pools()
+        finish_launched_group()
+    return out
+
+
+def _programs_sweep(a, argv, launch, env, H, E, K) -> int:
+    """``--programs-sweep``: the paired table, slowest rank's median per entry."""
+    rows = []
+    for S, mv, res in _points(a, launch, env, rank_programs_sweep, H, E, K, a.transport, a.programs_sweep):
+        times = [t for t, _ in res]
+        worst = [(max(x[j][0] for x in times), None if times[0][j][1] is None else max(x[j][1] for x in times))
+                 for j in range(len(a.programs_sweep) + 1)]
+        rows.append({"tokens": S, "maxvio": mv,
+                     "a2a_us": worst[-1][0] * 1e6,
+                     "a2a_dev_us": None if worst[-1][1] is None else worst[-1][1] * 1e6,
+                     "settings": [{"num_sms": n, "programs": p, "us": h * 1e6, "dev_us": None if d is None else d * 1e6}
+                                  for n, p, (h, d) in zip(a.programs_sweep, res[0][1], worst[:-1])]})
+    if not is_driver():
+        return 0
+    if launch.note:
+        print(launch.note)
+    progs = rows[0]["settings"] if rows else []
+    names = [f"{c['programs']} programs" if c["programs"] else f"num_sms={c['num_sms']}" for c in progs]
+    print(f"paired sweep of the row kernels' programs (a Buffer's num_sms x {PROGRAMS_PER_SM} programs; default: "
+          f"{DEFAULT_PROGRAMS_PER_SM} per SM), {a.preset} (H={H}, E={E}, K={K}), {a.ranks} ranks on {a.device} over "
+          f"{launch.backend}: dispatch + combine (one CUDA-graph replay on GPUs), slowest rank's median, device-timed "
+          "where there is a device (else host), and its ratio to the all_to_all_single timed in the same rounds")
+    print("| tokens/rank | maxvio | all_to_all us | " + " | ".join(f"{n} us (x a2a)" for n in names) + " |")
+    print("|---:|---:|---:|" + "---:|" * len(names))
+
+    def pick(d):
+        return d["dev_us"] if d["dev_us"] is not None else d["us"]
+
+    for r in rows:
+        a2a = r["a2a_dev_us"] if r["a2a_dev_us"] is not None else r["a2a_us"]
+        cells = " | ".join(f"{pick(c):.0f} ({pick(c) / a2a:.2f})" for c in r["settings"])
+        print(f"| {r['tokens']} | {r['maxvio']:.1f} | {a2a:.0f} | {cells} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(_run_record(a, argv, launch.backend, a.transport, H, E, K, rows), f, indent=1)
+    return 0
+
+
 def _us(v):
     return "-" if v is None else f"{v * 1e6:.0f}"
 
@@ -205,6 +317,9 @@ def main(argv=None) -> int:
     ap.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help="the engine's transport")
     ap.add_argument("--programs", type=int, default=None,
                     help="programs of the symmetric transport's row kernels (the Buffer's num_sms)")
+    ap.add_argument("--programs-sweep", type=int, nargs="+", default=None, metavar="N",
+                    help="instead of the table: a paired sweep of the row kernels' programs, one buffer per num_sms "
+                         "N (0: the default) in each rank's process, timed in rotating rounds with the all_to_all")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile", action="store_true",
@@ -217,6 +332,8 @@ def main(argv=None) -> int:
         ap.error("--ranks must be >= 1")
     if any(t < 1 for t in a.tokens):
         ap.error("--tokens must be >= 1")
+    if a.programs_sweep and any(n < 0 for n in a.programs_sweep):
+        ap.error("--programs-sweep values must be >= 0 (0: the default)")
     H, E, K = SHAPES[a.preset]
     if E % a.ranks:
         ap.error(f"{a.preset} has {E} experts, not divisible by --ranks {a.ranks}")
@@ -227,39 +344,32 @@ def main(argv=None) -> int:
     env = {"VLLM_MOONEP_THREADS_PER_RANK": "1", **launch.env}
     if launch.ranks_per_gpu > 1:  # processes sharing a GPU map each other's symmetric memory
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    if a.programs_sweep:
+        return _programs_sweep(a, argv, launch, env, H, E, K)
     rows = []
     transport = None
-    try:
-        for S in a.tokens:
-            for mv in a.maxvio:
-                sigma = sigma_for_maxvio(mv, E, K, S * a.ranks)
-                res = run_on_ranks(a.ranks, rank_bench, H, E, K, S, sigma, a.device, a.iters, a.warmup,
-                                   a.profile, a.transport, a.programs, env=env, backend=launch.backend,
-                                   device=launch.device)
-                transport = res[0]["transport"]
-                payload = S * K * H * 2
-                row = {"tokens": S, "maxvio": mv, "payload_MB": payload / 1e6,
-                       "slots_used": sum(x["slots_used"] for x in res)}
-                for key in ("dispatch", "combine", "graph", "a2a", "copies"):
-                    row[f"{key}_us"] = None if _worst(res, key, 0) is None else _worst(res, key, 0) * 1e6
-                    row[f"{key}_dev_us"] = None if _worst(res, key, 1) is None else _worst(res, key, 1) * 1e6
-                # paired anchor: the slowest rank's median a2a of the same iterations, and the largest
-                # over ranks of each rank's median per-iteration ratio
-                row["a2a_paired_us"] = _worst(res, "paired", 0) * 1e6
-                row["dispatch_over_a2a_paired"] = _worst(res, "paired", 1)
-                row["combine_over_a2a_paired"] = _worst(res, "paired", 2)
-                rows.append(row)
-                if a.profile and is_driver():
-                    if res[0]["profile"]:
-                        print(f"--- one dispatch + combine, rank 0, tokens {S}, maxvio {mv} ---\n{res[0]['profile']}")
-                    hp = res[0]["host_profile"]
-                    per = ", ".join(f"{k} {v:.1f}" for k, v in sorted(hp["launch_us"].items(), key=lambda kv: -kv[1]))
-                    print(f"--- host time, rank 0, tokens {S}, maxvio {mv}: dispatch {hp['dispatch_us']:.1f} us, combine "
-                          f"{hp['combine_us']:.1f} us per call; {hp['launches_per_call']:.1f} engine launches per "
-                          f"dispatch+combine, us each: {per or '-'}")
-    finally:
-        shutdown_pools()
-        finish_launched_group()
+    for S, mv, res in _points(a, launch, env, rank_bench, H, E, K, a.profile, a.transport, a.programs):
+        transport = res[0]["transport"]
+        payload = S * K * H * 2
+        row = {"tokens": S, "maxvio": mv, "payload_MB": payload / 1e6,
+               "slots_used": sum(x["slots_used"] for x in res)}
+        for key in ("dispatch", "combine", "graph", "a2a", "copies"):
+            row[f"{key}_us"] = None if _worst(res, key, 0) is None else _worst(res, key, 0) * 1e6
+            row[f"{key}_dev_us"] = None if _worst(res, key, 1) is None else _worst(res, key, 1) * 1e6
+        # paired anchor: the slowest rank's median a2a of the same iterations, and the largest
+        # over ranks of each rank's median per-iteration ratio
+        row["a2a_paired_us"] = _worst(res, "paired", 0) * 1e6
+        row["dispatch_over_a2a_paired"] = _worst(res, "paired", 1)
+        row["combine_over_a2a_paired"] = _worst(res, "paired", 2)
+        rows.append(row)
+        if a.profile and is_driver():
+            if res[0]["profile"]:
+                print(f"--- one dispatch + combine, rank 0, tokens {S}, maxvio {mv} ---\n{res[0]['profile']}")
+            hp = res[0]["host_profile"]
+            per = ", ".join(f"{k} {v:.1f}" for k, v in sorted(hp["launch_us"].items(), key=lambda kv: -kv[1]))
+            print(f"--- host time, rank 0, tokens {S}, maxvio {mv}: dispatch {hp['dispatch_us']:.1f} us, combine "
+                  f"{hp['combine_us']:.1f} us per call; {hp['launches_per_call']:.1f} engine launches per "
+                  f"dispatch+combine, us each: {per or '-'}")
     if not is_driver():
         return 0
     if launch.note:
