@@ -219,7 +219,6 @@ def _sk_last(tk_ptr, p0, p1):
     return last
 
 
-
 @triton.jit
 def _gate_up_kernel(
     x_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, act_ptr, ws_ptr, tk_ptr,
