@@ -44,7 +44,9 @@ def test_programs_sweep_times_every_setting_against_one_anchor(tmp_path, capsys)
     assert bench_dispatch.main(["--preset", "qwen3-30b-a3b", "--ranks", "2", "--tokens", "2", "--maxvio", "0",
                                 "--transport", "symmetric", "--iters", "3", "--warmup", "1",
                                 "--programs-sweep", "0", "2", "3", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    run = json.loads(out.read_text())
+    assert run["transport"] == "symmetric", "the record must name the transport the buffers resolved to"
+    rows = run["rows"]
     assert len(rows) == 1 and rows[0]["a2a_us"] > 0
     default = sm_count(torch.device("cpu")) * DEFAULT_PROGRAMS_PER_SM
     want = [default, 2 * PROGRAMS_PER_SM, 3 * PROGRAMS_PER_SM]

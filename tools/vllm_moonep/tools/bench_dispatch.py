@@ -195,7 +195,8 @@ def rank_programs_sweep(H, E, K, S, sigma, device, iters, warmup, transport, set
     times each once, in an order that rotates from round to round, so that the machine's drift
     between runs (which moved the 1-token anchor 40-73 us between separate runs) falls on every
     setting alike. Returns per entry (settings, then the all-to-all) ``(host median s, device
-    median s or None)``, and the programs each setting's buffer launches (``None``: no row kernels).
+    median s or None)``, the programs each setting's buffer launches (``None``: no row kernels), and
+    the transport the buffers resolved to.
     """
     r, R = dist.get_rank(), dist.get_world_size()
     dev = torch.device(device)
@@ -233,12 +234,14 @@ def rank_programs_sweep(H, E, K, S, sigma, device, iters, warmup, transport, set
                 if d is not None:
                     device_t[j].append(d)
     programs = [buf.row_programs for buf in bufs]
+    transport_name = bufs[0].transport_name if bufs else transport
     for buf in bufs:
         buf.check_errors(sync=True)
     del graphs
     for buf in bufs:
         buf.destroy()
-    return [(statistics.median(h), statistics.median(d) if d else None) for h, d in zip(host, device_t)], programs
+    times = [(statistics.median(h), statistics.median(d) if d else None) for h, d in zip(host, device_t)]
+    return times, programs, transport_name
 
 
 def _points(a, launch, env, rank_fn, H, E, K, *extra) -> list:
@@ -261,8 +264,9 @@ def _points(a, launch, env, rank_fn, H, E, K, *extra) -> list:
 def _programs_sweep(a, argv, launch, env, H, E, K) -> int:
     """``--programs-sweep``: the paired table, slowest rank's median per entry."""
     rows = []
+    transport = a.transport
     for S, mv, res in _points(a, launch, env, rank_programs_sweep, H, E, K, a.transport, a.programs_sweep):
-        times = [t for t, _ in res]
+        times = [t for t, _, _ in res]
         worst = [(max(x[j][0] for x in times), None if times[0][j][1] is None else max(x[j][1] for x in times))
                  for j in range(len(a.programs_sweep) + 1)]
         rows.append({"tokens": S, "maxvio": mv,
@@ -270,6 +274,7 @@ def _programs_sweep(a, argv, launch, env, H, E, K) -> int:
                      "a2a_dev_us": None if worst[-1][1] is None else worst[-1][1] * 1e6,
                      "settings": [{"num_sms": n, "programs": p, "us": h * 1e6, "dev_us": None if d is None else d * 1e6}
                                   for n, p, (h, d) in zip(a.programs_sweep, res[0][1], worst[:-1])]})
+        transport = res[0][2]
     if not is_driver():
         return 0
     if launch.note:
@@ -292,7 +297,7 @@ def _programs_sweep(a, argv, launch, env, H, E, K) -> int:
         print(f"| {r['tokens']} | {r['maxvio']:.1f} | {a2a:.0f} | {cells} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(_run_record(a, argv, launch.backend, a.transport, H, E, K, rows), f, indent=1)
+            json.dump(_run_record(a, argv, launch.backend, transport, H, E, K, rows), f, indent=1)
     return 0
 
 

@@ -389,8 +389,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096")
-    ap.add_argument("--tune", action="store_true")
-    ap.add_argument("--tune-streamk", action="store_true",
+    tune = ap.add_mutually_exclusive_group()  # --tune already times its best tiles cut by stream-K
+    tune.add_argument("--tune", action="store_true")
+    tune.add_argument("--tune-streamk", action="store_true",
                     help="time the shipped tiles of each point also cut by stream-K (\"streamk\"), per kernel, and write "
                          "tuning.json with stream-K where it was faster at every routing (a quick pass; --tune does it "
                          "for its best candidates)")
