@@ -399,3 +399,54 @@ def test_stream_k_tiles(H, I, tiles, progs_per_sm):
         torch.cuda.synchronize()
         assert torch.equal(out[:total2], again[:total2]), "a replayed stream-K launch differs from an eager one"
         assert _rel(out[:total2], expert_ffn_float64(x, rw, cu, w)[:total2]) < TOL
+
+
+# swapped tiles (weights on the MMA's M side): decode-sized row blocks (16, 32) under wide weight blocks
+_SWAP_TILES = {"gate_up": {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+               "down": {"BM": 32, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}}
+
+
+@pytest.mark.parametrize("schedule", ["three", "one", "streamk"])
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
+def test_swapped_tiles(H, I, tma, schedule):
+    """Swap-AB tiles (``"swap"``: acc^T = W x^T, transposed back for the epilogue): a transpose lost or
+    doubled (rows and weight columns exchanged: wrong values, or written to the wrong place), the route
+    weight or the trimmed tail applied along the wrong axis, row masks applied to weight columns (a
+    group's last tile of 1-15 rows), under every schedule that takes tiles (three launches, one launch,
+    stream-K) and both loads; then a captured graph replayed on new rows. Against float64 (swapped MMAs
+    sum in another order than unswapped ones: not the same bits) and the unswapped tiles within TOL."""
+    from vllm_moonep.testing.reference import expert_ffn_float64
+
+    tk = _triton()
+    if tma and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    w = _two_pools(gen, H, I, [0, 0, -1, 1, 0, 0, 1, 0], [0, 1, -1, 0, 2, 3, 1, 4])
+    lens = [1, 37, 0, 3, 130, 0, 16, 9]  # 1-15 row tails, whole 16- and 32-row tiles, one of 130 rows
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
+    tiles = {k: {**v, "tma": tma, "swap": True} for k, v in _SWAP_TILES.items()}
+    if schedule == "one":
+        tiles["fused"] = {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
+    elif schedule == "streamk":
+        tiles = {k: {**v, "streamk": True} for k, v in tiles.items()}
+    plain = {k: dict(v) for k, v in _SWAP_TILES.items()}
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=tiles))
+    out_plain = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=out_plain, config=plain)
+    ref = expert_ffn_float64(x, rw, cu, w)[:total]
+    assert not bool(torch.isnan(out[:total]).any()), "swapped tiles left output rows unwritten"
+    zero = ref.abs().sum(dim=1) == 0  # padding rows: exactly 0
+    assert bool((out[:total][zero] == 0).all()), "swapped tiles wrote non-zero padding rows"
+    assert _rel(out[:total], ref) < TOL, _rel(out[:total], ref)
+    assert _rel(out[:total], out_plain[:total]) < TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=tiles)
+    total2 = _refill(x, rw, cu, [2, 0, 0, 64, 1, 0, 31, 0], H, gen)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(out[:total2], expert_ffn_float64(x, rw, cu, w)[:total2]) < TOL, "a replayed swapped launch drifted"

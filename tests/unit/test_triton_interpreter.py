@@ -178,6 +178,18 @@ def _child_main() -> None:
                     expert_ffn_triton(x, rw, cu, w, out=out_f, config=cfg)
                     fused_same &= bool(torch.equal(out_f[:n], want[:n]))
             fused_reset = int(prepare_weights(w, x.device).sync.abs().sum()) == 0
+            # swapped tiles (weights on the MMA's M side, sums transposed back): three launches with TMA
+            # loads, one launch with pointer loads; the interpreter's gate/up tile is square (16 x 16), so
+            # a transpose lost there gives wrong values, not a shape error
+            swap = {"err": 0.0, "unwritten": 0, "zero_ok": True}
+            for cfg in ({k: {**v, "swap": True} for k, v in TMA_CONFIG.items()},
+                        {**{k: {**v, "swap": True} for k, v in _INTERP_CONFIG.items()}, "fused": one}):
+                o = torch.full_like(x, float("nan"))
+                expert_ffn_triton(x, rw, cu, w, out=o, config=cfg)
+                g64 = o[:n].double()
+                swap["unwritten"] += int(torch.isnan(g64).sum())
+                swap["err"] = max(swap["err"], rel(g64))
+                swap["zero_ok"] &= bool((g64[zero_rows] == 0).all()) if n else True
             # stream-K: the last tiles cut between programs. 2 programs (pieces of one tile on two),
             # launched three times: against the float64 reference, the same bits on the second launch
             # (pieces summed in a fixed order), the tile skip off on the third. 6 programs with TMA
@@ -209,7 +221,7 @@ def _child_main() -> None:
             sk["workspaces"] = len(_STREAMK_WS)
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
                             "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same,
-                            "fused_reset": fused_reset, "streamk": sk}
+                            "fused_reset": fused_reset, "streamk": sk, "swap": swap}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
     report["_said"] = said
@@ -248,6 +260,10 @@ def test_interpreter_case(report, case):
     assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
     assert r["fused_same"], f"{case}: the one-launch kernel gave other outputs than the three launches' same tiles"
     assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
+    sw = r["swap"]
+    assert sw["unwritten"] == 0, f"{case}: swapped tiles left {sw['unwritten']} output elements unwritten"
+    assert sw["zero_ok"], f"{case}: swapped tiles wrote non-zero rows where the reference is zero"
+    assert sw["err"] < TOL, f"{case}: swapped tiles' relative error {sw['err']:.3e} >= {TOL} (a transpose lost or doubled)"
     k = r["streamk"]
     assert k["unwritten"] == 0, f"{case}: stream-K left {k['unwritten']} output elements unwritten (a piece never summed)"
     assert k["zero_ok"], f"{case}: stream-K wrote non-zero rows where the reference is zero"

@@ -47,7 +47,7 @@ def fused_kernel(
     GP2: tl.constexpr, TB: tl.constexpr, ZM: tl.constexpr,
     BM1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N1: tl.constexpr,
     BM2: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, EVEN_K2: tl.constexpr, EVEN_N2: tl.constexpr,
-    DOT_F32: tl.constexpr, SKIP: tl.constexpr, TMA1: tl.constexpr,
+    DOT_F32: tl.constexpr, SKIP: tl.constexpr, TMA1: tl.constexpr, SWAP1: tl.constexpr, SWAP2: tl.constexpr,
 ):
     nprog = tl.num_programs(0)
     gidx = tl.arange(0, GP2)
@@ -82,7 +82,7 @@ def fused_kernel(
                 rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, I, BM1, BN1, EVEN_N1)
                 gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
                              I, H, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
-                             BM1, BN1, BK1, EVEN_K1, DOT_F32, SKIP, TMA1, False)
+                             BM1, BN1, BK1, EVEN_K1, DOT_F32, SKIP, TMA1, False, SWAP1)
             tl.debug_barrier()  # every thread's act stores, then one release carries them
             tl.atomic_add(ready + g, 1, sem="release", scope="gpu")
         else:
@@ -103,7 +103,7 @@ def fused_kernel(
                 rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, H, BM2, BN2, EVEN_N2)
                 down_tile(act_ptr, rw_ptr, out_ptr, wd, act_ptr, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
                           H, I, stride_am, stride_om, s_dn, s_dk,
-                          BM2, BN2, BK2, EVEN_K2, DOT_F32, SKIP, False, False)
+                          BM2, BN2, BK2, EVEN_K2, DOT_F32, SKIP, False, False, SWAP2)
             zc = col0 + tl.arange(0, BN2)
             for z0 in range(tl.minimum(s + tl.cdiv(ee - s, BM2) * BM2, en), en, ZM):
                 zero_rows(out_ptr, z0 + tl.arange(0, ZM), en, zc, H, stride_om, ZM, BN2)

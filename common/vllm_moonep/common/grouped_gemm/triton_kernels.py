@@ -50,6 +50,11 @@ the rest into equal ranges of main-loop iterations, one per program; a tile cut 
 is summed (float32, in program order) and finished by the piece that arrives last (``_sk_range``).
 Its workspace is per device and shared by every layer (``_streamk``), so one device's expert
 compute runs in stream order.
+``"swap": true`` (swap-AB) puts the weights on the MMA's M side (``triton_tiles.mma``): a tile of 16-32
+rows then runs Hopper's warpgroup MMA with the rows as its N, where unswapped it runs the per-warp
+MMA; the sums are transposed back before the epilogue, so every schedule takes it (three launches,
+one launch, stream-K). Measured within 3% either way of the same tiles unswapped (the regime is
+memory-bound): it is one more candidate for ``--tune``.
 ``"flat": true`` flattens a kernel's persistent tile loop into its main loop (Triton's
 ``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue), on steps
 without padding (``padded=False``) and without ``ws`` (``_flat``). Same bits either way.
@@ -226,7 +231,7 @@ def _gate_up_kernel(
     s_gn, s_gk, s_un, s_uk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -249,7 +254,7 @@ def _gate_up_kernel(
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
         gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
                      N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
-                     BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+                     BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
     if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
         while it < it_end:
             ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
@@ -259,7 +264,7 @@ def _gate_up_kernel(
             wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
             acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0,
                                        kk0 * BK, kk1 * BK, N, K, stride_xm, s_gn, s_gk, s_un, s_uk,
-                                       BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+                                       BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
             if (kk0 == 0) & (kk1 == ipt):
                 gate_up_store(acc_g, acc_u, rw_ptr, act_ptr, rows, rows_ld, ee, cols, N, stride_am)
             else:
@@ -283,7 +288,7 @@ def _down_kernel(
     s_dn, s_dk,
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -311,7 +316,7 @@ def _down_kernel(
         wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
         down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
                   N, K, stride_am, stride_om, s_dn, s_dk,
-                  BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+                  BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
     first_z = total + (pid - total % nprog + nprog) % nprog  # continuing the same round robin
     if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
         first_z = total + pid
@@ -321,7 +326,7 @@ def _down_kernel(
                                                                          eend, N, BM, BN, EVEN_N)
             wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
             acc = down_acc(act_ptr, rw_ptr, wd, ad, rows, rows_ld, ee, cols_ld, row0, col0, kk0 * BK, kk1 * BK,
-                           N, K, stride_am, s_dn, s_dk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+                           N, K, stride_am, s_dn, s_dk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
             if (kk0 == 0) & (kk1 == ipt):
                 down_store(acc, out_ptr, rows, ee, pick(sel, end), cols, N, stride_om)
             else:
@@ -655,7 +660,7 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
         s_gn, s_gk, s_un, s_uk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
         EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, SWAP=bool(c.get("swap", False)), num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
@@ -673,7 +678,7 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
         EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, SWAP=bool(c.get("swap", False)), num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
@@ -705,7 +710,7 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False):
         GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
         BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
         BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
-        DOT_F32=dot_f32, SKIP=skip, TMA1=tma1,
+        DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=bool(gu.get("swap", False)), SWAP2=bool(dn.get("swap", False)),
         num_warps=f["num_warps"], num_stages=f["num_stages"],
     )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "gate_up_acc", "gate_up_store", "gate_up_tile",
+__all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "acc_zeros", "mma", "acc_out", "gate_up_acc", "gate_up_store", "gate_up_tile",
            "down_acc", "down_store", "down_tile", "zero_rows"]
 
 
@@ -77,11 +77,50 @@ def load_k(ptrs, k, offs_k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def acc_zeros(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
+    """A tile's float32 sums at zero: ``[BM, BN]``, or ``[BN, BM]`` when ``SWAP`` (see ``mma``)."""
+    if SWAP:
+        z = tl.zeros((BN, BM), dtype=tl.float32)
+    else:
+        z = tl.zeros((BM, BN), dtype=tl.float32)
+    return z
+
+
+@triton.jit
+def mma(a, b, acc, DOT_F32: tl.constexpr, SWAP: tl.constexpr):
+    """``acc += a @ b^T`` for rows ``a [BM, BK]`` and weights ``b [BN, BK]``. ``SWAP`` (swap-AB) puts
+    the weights on the M side, ``acc^T += b @ a^T``: the tensor cores' M is then the weight columns
+    (64 or more: Hopper's warpgroup MMA) and their N the few rows of a decode tile (16), where a
+    16-row tile on the M side runs the older per-warp MMA. ``DOT_F32``: operands upcast (interpreter)."""
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        if SWAP:
+            r = tl.dot(b, tl.trans(a), acc, input_precision="ieee")
+        else:
+            r = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    else:
+        if SWAP:
+            r = tl.dot(b, tl.trans(a), acc)
+        else:
+            r = tl.dot(a, tl.trans(b), acc)
+    return r
+
+
+@triton.jit
+def acc_out(acc, SWAP: tl.constexpr):
+    """A tile's sums as ``[BM, BN]`` (a swapped tile's transposed back for the epilogue)."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
 def gate_up_acc(
     x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0, k0, k1,
     N, K, stride_xm, s_gn, s_gk, s_un, s_uk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SWAP: tl.constexpr,
 ):
     """The float32 sums ``x @ gate^T`` and ``x @ up^T`` of a tile over ``k`` in ``[k0, k1)`` (a whole
     tile: ``[0, K)``; a stream-K piece: part of it); ``xd``: the rows' tensor descriptor when ``TMA``
@@ -93,8 +132,8 @@ def gate_up_acc(
     a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + (k0 + offs_k)[None, :]
     g_ptrs = wg + cols_ld[:, None] * s_gn + (k0 + offs_k)[None, :] * s_gk
     u_ptrs = wu + cols_ld[:, None] * s_un + (k0 + offs_k)[None, :] * s_uk
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_g = acc_zeros(BM, BN, SWAP)
+    acc_u = acc_zeros(BM, BN, SWAP)
     k_end = k1
     if SKIP:  # every row of the tile has weight 0: no main loop, act = 0 (see live)
         k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), k1, k0)
@@ -107,18 +146,13 @@ def gate_up_acc(
             a = load_k(a_ptrs, k, offs_k, K, EVEN_K)
             bg = load_k(g_ptrs, k, offs_k, K, EVEN_K)
             bu = load_k(u_ptrs, k, offs_k, K, EVEN_K)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            acc_g = tl.dot(a, tl.trans(bg.to(tl.float32)), acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, tl.trans(bu.to(tl.float32)), acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, tl.trans(bg), acc_g)
-            acc_u = tl.dot(a, tl.trans(bu), acc_u)
+        acc_g = mma(a, bg, acc_g, DOT_F32, SWAP)
+        acc_u = mma(a, bu, acc_u, DOT_F32, SWAP)
         if not TMA:
             a_ptrs += BK
             g_ptrs += BK * s_gk
             u_ptrs += BK * s_uk
-    return acc_g, acc_u
+    return acc_out(acc_g, SWAP), acc_out(acc_u, SWAP)
 
 
 @triton.jit
@@ -135,11 +169,12 @@ def gate_up_tile(
     x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
     N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SWAP: tl.constexpr,
 ):
     """``act[rows, cols] = silu(x @ gate^T) * (x @ up^T) * route_w`` over ``K = H``."""
     acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0, 0, K,
-                               N, K, stride_xm, s_gn, s_gk, s_un, s_uk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+                               N, K, stride_xm, s_gn, s_gk, s_un, s_uk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS,
+                               SWAP)
     gate_up_store(acc_g, acc_u, rw_ptr, act_ptr, rows, rows_ld, ee, cols, N, stride_am)
 
 
@@ -148,7 +183,7 @@ def down_acc(
     act_ptr, rw_ptr, wd, ad, rows, rows_ld, ee, cols_ld, row0, col0, k0, k1,
     N, K, stride_am, s_dn, s_dk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SWAP: tl.constexpr,
 ):
     """The float32 sum ``act @ down^T`` of a tile over ``k`` in ``[k0, k1)``; ``ad``: the
     activations' descriptor when ``TMA``."""
@@ -157,7 +192,7 @@ def down_acc(
         dd = tl.make_tensor_descriptor(wd, shape=[N, K], strides=[s_dn, 1], block_shape=[BN, BK])
     a_ptrs = act_ptr + rows_ld[:, None] * stride_am + (k0 + offs_k)[None, :]
     d_ptrs = wd + cols_ld[:, None] * s_dn + (k0 + offs_k)[None, :] * s_dk
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc = acc_zeros(BM, BN, SWAP)
     k_end = k1
     if SKIP:  # act is 0 on every row of the tile: no main loop, out = 0
         k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), k1, k0)
@@ -168,14 +203,11 @@ def down_acc(
         else:
             a = load_k(a_ptrs, k, offs_k, K, EVEN_K)
             b = load_k(d_ptrs, k, offs_k, K, EVEN_K)
-        if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = mma(a, b, acc, DOT_F32, SWAP)
         if not TMA:
             a_ptrs += BK
             d_ptrs += BK * s_dk
-    return acc
+    return acc_out(acc, SWAP)
 
 
 @triton.jit
@@ -192,11 +224,11 @@ def down_tile(
     act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
     N, K, stride_am, stride_om, s_dn, s_dk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SWAP: tl.constexpr,
 ):
     """``out[rows, cols] = act @ down^T`` over ``K = I``."""
     acc = down_acc(act_ptr, rw_ptr, wd, ad, rows, rows_ld, ee, cols_ld, row0, col0, 0, K,
-                   N, K, stride_am, s_dn, s_dk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS)
+                   N, K, stride_am, s_dn, s_dk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
     down_store(acc, out_ptr, rows, ee, en, cols, N, stride_om)
 
 
