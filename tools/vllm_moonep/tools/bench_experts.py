@@ -89,6 +89,18 @@ GU_CANDIDATES = [
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 1, "tma": True},
     {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
+    # one wave: tiles whose shared memory lets 3-4 programs share an SM, so that a launch of a few
+    # hundred tiles runs them all at once (no second round for a few programs): 2-10% less per kernel
+    # at 16-64 tokens of Qwen3 on an H200 (docs/PERFORMANCE.md, twelfth session)
+    {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
+    {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 3},
+    {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
+    {"BM": 32, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 3},
+    {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 3, "tma": True},
+    # swap-AB ("swap": weights on the MMA's M side): within 3% either way of the same tiles unswapped
+    # (docs/PERFORMANCE.md, twelfth session); kept where a point's sweep finds it faster
+    {"BM": 32, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "swap": True},
+    {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2, "swap": True},
 ]
 DOWN_CANDIDATES = [
     {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
@@ -114,6 +126,16 @@ DOWN_CANDIDATES = [
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True, "flat": True},
     {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "flat": True},
     {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "flat": True},
+    # one wave (see GU_CANDIDATES): 6-11% less for the down kernel at 16-64 tokens of Qwen3 on an H200
+    {"BM": 16, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
+    {"BM": 16, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 3},
+    {"BM": 32, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
+    {"BM": 32, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4, "tma": True},
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 3, "tma": True},
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4, "tma": True},
+    # swap-AB (see GU_CANDIDATES)
+    {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "swap": True},
+    {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "swap": True},
 ]
 
 #: launch settings tried for the one-launch kernel (``triton_fused``) with a point's best gate_up and
@@ -318,7 +340,7 @@ def quack_from_tokens(rows: list) -> dict:
 TUNING_COMMENT = ("tile configs per (H, I, tokens per rank); written by python -m vllm_moonep.tools.bench_experts "
                   "--tune or --tune-streamk (points it measured replaced, others kept). Beside the tiles: \"tma\" "
                   "tensor-descriptor loads, \"ws\" the warp-specialized main loop, \"flat\" the persistent tile loop "
-                  "flattened, \"streamk\" the last tiles cut between programs, \"fused\" one launch (triton_fused) of "
+                  "flattened, \"streamk\" the last tiles cut between programs, \"swap\" weights on the MMA's M side (swap-AB), \"fused\" one launch (triton_fused) of "
                   "the entry's tiles; each where it measured faster (docs/PERFORMANCE.md)")
 
 
