@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "acc_zeros", "mma", "acc_out", "gate_up_acc", "gate_up_store", "gate_up_tile",
-           "down_acc", "down_store", "down_tile", "zero_rows"]
+__all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "acc_zeros", "mma", "acc_out", "gate_up_acc",
+           "gate_up_store", "gate_up_tile", "down_acc", "down_store", "down_tile", "zero_rows"]
 
 
 @triton.jit
