@@ -95,7 +95,7 @@ def _kernels():
         ("fused(one launch)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False)),
         ("fused(one launch, TMA gate/up)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=True)),
         ("fused(one launch, swapped tiles)", triton_fused.fused_kernel, fused_sig,
-         dict(fused_cx, TMA1=True, SWAP1=True, SWAP2=True)),
+         dict(fused_cx, BN1=64, TMA1=True, SWAP1=True, SWAP2=True)),
     ]
     # the device planner at Kimi-K2 shape (R=8, E=384, S*K = 65536 entries), with the constexprs
     # the planner itself chooses
@@ -140,7 +140,9 @@ def _ids():
 
 @pytest.mark.parametrize("name", _ids())
 def test_kernel_compiles_for_sm90(name):
-    """A kernel that passes the interpreter but cannot be compiled (would fail at its first GPU launch)."""
+    """A kernel that passes the interpreter but cannot be compiled (would fail at its first GPU launch); and
+    swapped tiles (weight blocks of 64+ columns on the M side) that do not run Hopper's warpgroup MMA, their
+    point (the unswapped 16-row tiles compile to the per-warp ``mma.sync``)."""
     case = {c[0]: c for c in _kernels()}[name]
     fn, sig, constexprs = case[1:4]
     warps = case[4] if len(case) > 4 else 4
@@ -150,3 +152,6 @@ def test_kernel_compiles_for_sm90(name):
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=HOPPER,
                               options=dict(num_warps=warps))
     assert ".entry" in compiled.asm["ptx"]
+    if "swapped" in name:
+        ptx = compiled.asm["ptx"]
+        assert "wgmma" in ptx and "mma.sync" not in ptx, f"{name}: swapped tiles compiled to the per-warp MMA"

@@ -90,14 +90,14 @@ GU_CANDIDATES = [
     {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     # one wave: tiles whose shared memory lets 3-4 programs share an SM, so that a launch of a few
-    # hundred tiles runs them all at once (no second round for a few programs): 2-10% less per kernel
+    # hundred tiles runs them all at once (no second round for a few programs): 2-4% less for gate/up
     # at 16-64 tokens of Qwen3 on an H200 (docs/PERFORMANCE.md, twelfth session)
     {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
     {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 3},
     {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
     {"BM": 32, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 3},
     {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 3, "tma": True},
-    # swap-AB ("swap": weights on the MMA's M side): within 3% either way of the same tiles unswapped
+    # swap-AB ("swap": weights on the MMA's M side): within 4% either way of the same tiles unswapped
     # (docs/PERFORMANCE.md, twelfth session); kept where a point's sweep finds it faster
     {"BM": 32, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "swap": True},
     {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2, "swap": True},
@@ -126,7 +126,7 @@ DOWN_CANDIDATES = [
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True, "flat": True},
     {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "flat": True},
     {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "flat": True},
-    # one wave (see GU_CANDIDATES): 6-11% less for the down kernel at 16-64 tokens of Qwen3 on an H200
+    # one wave (see GU_CANDIDATES): 8-12% less for the down kernel at 16-64 tokens of Qwen3 on an H200
     {"BM": 16, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
     {"BM": 16, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 3},
     {"BM": 32, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
@@ -707,6 +707,7 @@ def main(argv=None) -> int:
         path = os.path.join(out_dir or ".", "tuning.json")
         with open(path, "w") as f:
             json.dump(merged_tuning(tk.load_tuning(), tuned_entries), f, indent=1)
+            f.write("\n")
         print(f"# wrote {path}")
     return 0
 

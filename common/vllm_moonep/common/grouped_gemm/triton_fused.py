@@ -21,6 +21,8 @@ at once (a grid barrier, or a fixed split of items between programs, could). The
 operands are loaded with pointer loads (act is written by other programs of this launch; the
 tensor-descriptor path is for gate/up, whose rows come from the launch before).
 
+``SWAP1`` and ``SWAP2``: the gate/up and down tiles' swap-AB (``triton_tiles.mma``), as in three launches.
+
 The counters are ``int32 [2 + G]`` (``next``, ``left``, ``ready[G]``), zeroed once per weights
 (``prepare_weights``) and restored by each launch, so launches of one weights object must run
 in order (one stream, as the layers of a step do); replayed CUDA graphs keep that.

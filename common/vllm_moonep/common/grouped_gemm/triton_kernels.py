@@ -53,7 +53,7 @@ compute runs in stream order.
 ``"swap": true`` (swap-AB) puts the weights on the MMA's M side (``triton_tiles.mma``): a tile of 16-32
 rows then runs Hopper's warpgroup MMA with the rows as its N, where unswapped it runs the per-warp
 MMA; the sums are transposed back before the epilogue, so every schedule takes it (three launches,
-one launch, stream-K). Measured within 3% either way of the same tiles unswapped (the regime is
+one launch, stream-K). Measured within 4% either way of the same tiles unswapped (the regime is
 memory-bound): it is one more candidate for ``--tune``.
 ``"flat": true`` flattens a kernel's persistent tile loop into its main loop (Triton's
 ``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue), on steps
@@ -605,6 +605,12 @@ def _descriptors(c: dict, a: torch.Tensor, w_row_strides: tuple) -> tuple[bool, 
     return True, ws
 
 
+def _swap(c: dict) -> bool:
+    """A tile config's ``swap`` (swap-AB, ``triton_tiles.mma``): off unless the config asks; every
+    schedule and both operand loads take it, so it is never dropped."""
+    return bool(c.get("swap", False))
+
+
 def _flat(c: dict, ws: bool, skip: bool) -> bool:
     """A tile config's ``flat`` where Triton can flatten the tile loop: not with ``ws``, and not when
     tiles of weight-0 rows are skipped (``skip``: the main loop's bound then varies by tile, and
@@ -660,7 +666,7 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
         s_gn, s_gk, s_un, s_uk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
         EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, SWAP=bool(c.get("swap", False)), num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, SWAP=_swap(c), num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
@@ -678,7 +684,7 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
         EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, SWAP=bool(c.get("swap", False)), num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, SWAP=_swap(c), num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
@@ -710,7 +716,7 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False):
         GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
         BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
         BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
-        DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=bool(gu.get("swap", False)), SWAP2=bool(dn.get("swap", False)),
+        DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu), SWAP2=_swap(dn),
         num_warps=f["num_warps"], num_stages=f["num_stages"],
     )
 

@@ -9,7 +9,9 @@ One tile is ``BM`` rows of one group times ``BN`` output columns::
 ``triton_fused`` runs the same tiles in one launch. Each tile is a main loop (``*_acc``: float32 sums
 over a range of the reduction dimension) and an epilogue (``*_store``): a stream-K schedule
 (``triton_kernels``, ``"streamk"``) runs a tile's main loop in pieces on several programs and the
-epilogue once, on the sum of the pieces. Both reach a group's weights through the
+epilogue once, on the sum of the pieces. A main loop returns ``[BM, BN]`` sums whatever its ``SWAP``
+(swap-AB: the MMA runs on the transposed tile, ``mma``, and ``acc_out`` turns it back), so the
+epilogues and the stream-K workspace never see a swapped tile. Both reach a group's weights through the
 pointer table (``wg``, ``wu``, ``wd``: the group's base addresses), so the tiles do not know where
 the pools live. The row masks are the tile's: ``ee`` is the group's trimmed end (rows at or past it
 are never loaded past it, and their activations or outputs are written as 0 or not at all).
@@ -78,7 +80,8 @@ def load_k(ptrs, k, offs_k, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def acc_zeros(BM: tl.constexpr, BN: tl.constexpr, SWAP: tl.constexpr):
-    """A tile's float32 sums at zero: ``[BM, BN]``, or ``[BN, BM]`` when ``SWAP`` (see ``mma``)."""
+    """A tile's float32 sums at zero, in the shape its MMA accumulates: ``[BM, BN]``, or ``[BN, BM]`` when
+    ``SWAP`` (see ``mma``)."""
     if SWAP:
         z = tl.zeros((BN, BM), dtype=tl.float32)
     else:
@@ -91,7 +94,8 @@ def mma(a, b, acc, DOT_F32: tl.constexpr, SWAP: tl.constexpr):
     """``acc += a @ b^T`` for rows ``a [BM, BK]`` and weights ``b [BN, BK]``. ``SWAP`` (swap-AB) puts
     the weights on the M side, ``acc^T += b @ a^T``: the tensor cores' M is then the weight columns
     (64 or more: Hopper's warpgroup MMA) and their N the few rows of a decode tile (16), where a
-    16-row tile on the M side runs the older per-warp MMA. ``DOT_F32``: operands upcast (interpreter)."""
+    16-row tile on the M side runs the older per-warp MMA. ``DOT_F32``: operands upcast to float32 and
+    summed in IEEE float32 (the interpreter, whose bf16 dot is wrong, and float32 inputs on a GPU)."""
     if DOT_F32:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
