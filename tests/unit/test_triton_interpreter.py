@@ -253,28 +253,29 @@ def test_one_launch_is_said_once_per_shape(report):
     assert len(dropped) == 1 and "down:tma" in dropped[0] and "gate_up:ws" in dropped[0], dropped
 
 
+def _assert_outputs(d: dict, what: str, hint: str) -> None:
+    """One run's outputs against float64: every element inside the segments written, rows whose reference
+    is zero exactly zero, relative error under TOL (``hint``: the bug a failure points to)."""
+    assert d["unwritten"] == 0, f"{what}: {d['unwritten']} output elements inside segments were not written{hint}"
+    assert d["zero_ok"], f"{what}: rows with a zero reference are not exactly zero{hint}"
+    assert d["err"] < TOL, f"{what}: relative error {d['err']:.3e} >= {TOL}{hint}"
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_interpreter_case(report, case):
     """Triton kernel logic (unwritten rows, non-zero padding rows, drift from float64) wrong where only the CPU
     interpreter runs it."""
     r = report[case]
     assert "error" not in r, r.get("error")
-    assert r["unwritten"] == 0, f"{case}: {r['unwritten']} output elements inside segments were not written"
-    assert r["zero_ok"], f"{case}: rows with a zero reference are not exactly zero"
-    assert r["err"] < TOL, f"{case}: relative error {r['err']:.3e} >= {TOL}"
+    _assert_outputs(r, f"{case}", "")
     assert r["skip_same"], f"{case}: skipping the tiles of weight-0 rows (padded=True) changed the output"
     assert r["tma_used"], f"{case}: the TMA tiles fell back to pointer loads (the check below would be vacuous)"
     assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
     assert r["fused_same"], f"{case}: the one-launch kernel gave other outputs than the three launches' same tiles"
     assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
-    sw = r["swap"]
-    assert sw["unwritten"] == 0, f"{case}: swapped tiles left {sw['unwritten']} output elements unwritten"
-    assert sw["zero_ok"], f"{case}: swapped tiles wrote non-zero rows where the reference is zero"
-    assert sw["err"] < TOL, f"{case}: swapped tiles' relative error {sw['err']:.3e} >= {TOL} (a transpose lost or doubled)"
+    _assert_outputs(r["swap"], f"{case}: swapped tiles", " (a transpose lost or doubled)")
     k = r["streamk"]
-    assert k["unwritten"] == 0, f"{case}: stream-K left {k['unwritten']} output elements unwritten (a piece never summed)"
-    assert k["zero_ok"], f"{case}: stream-K wrote non-zero rows where the reference is zero"
-    assert k["err"] < TOL, f"{case}: stream-K relative error {k['err']:.3e} >= {TOL} (a piece summed twice or lost)"
+    _assert_outputs(k, f"{case}: stream-K", " (a piece never summed, summed twice or lost)")
     assert k["same_twice"], f"{case}: stream-K gave other bits on a second launch (pieces summed in arrival order)"
     assert k["skip_same"], f"{case}: stream-K with the tile skip gave other outputs than without"
     assert k["tickets_reset"], f"{case}: stream-K left a ticket set (the next launch would sum too early)"

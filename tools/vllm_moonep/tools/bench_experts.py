@@ -340,7 +340,8 @@ def quack_from_tokens(rows: list) -> dict:
 TUNING_COMMENT = ("tile configs per (H, I, tokens per rank); written by python -m vllm_moonep.tools.bench_experts "
                   "--tune or --tune-streamk (points it measured replaced, others kept). Beside the tiles: \"tma\" "
                   "tensor-descriptor loads, \"ws\" the warp-specialized main loop, \"flat\" the persistent tile loop "
-                  "flattened, \"streamk\" the last tiles cut between programs, \"swap\" weights on the MMA's M side (swap-AB), \"fused\" one launch (triton_fused) of "
+                  "flattened, \"streamk\" the last tiles cut between programs, \"swap\" weights on the MMA's M "
+                  "side (swap-AB), \"fused\" one launch (triton_fused) of "
                   "the entry's tiles; each where it measured faster (docs/PERFORMANCE.md)")
 
 
