@@ -231,8 +231,48 @@ def _child_main() -> None:
                             "fused_reset": fused_reset, "streamk": sk, "swap": swap}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        report["_trim"] = _trim_report()
+    except Exception as e:  # report, don't hide
+        report["_trim"] = {"error": f"{type(e).__name__}: {e}"}
     report["_said"] = said
     print("REPORT " + json.dumps(report))
+
+
+#: segments for the trim scan, ``(length, rows with a non-zero weight)``; the kernel scans 256-row blocks
+#: from the segment's end and stops at the first block holding such a row
+TRIM_SEGMENTS = [
+    (600, [10]),  # the last live row three blocks back from the end: the scan must not stop before it
+    (600, [0]),  # only the segment's first row: the last block the scan reads (clamped at the start)
+    (600, []),  # nothing live in a long segment: every block read, the end is the start
+    (256, [255]),  # the last row, a segment of exactly one block
+    (257, [0, 1]),  # one row past a block: the first block holds a single row
+    (0, []),  # empty
+    (128, [3, 70]),  # a decode segment, padded to 128
+    (513, [5, 300, 512]),  # live rows in several blocks: the last one counts
+]
+
+
+def _trim_report() -> dict:
+    """The trim kernel's ends against a scan in Python, on ``TRIM_SEGMENTS`` (one launch, all segments)."""
+    import torch
+
+    from vllm_moonep.common.grouped_gemm.triton_kernels import _launch_trim
+
+    lens = [n for n, _ in TRIM_SEGMENTS]
+    cu = torch.tensor(lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+    rw = torch.zeros(int(cu[-1]) + 3)
+    rw[-3:] = 1.0  # rows past the last segment: never read into it
+    want = []
+    start = 0
+    for (n, live), end in zip(TRIM_SEGMENTS, cu.tolist()):
+        for r in live:
+            rw[start + r] = 0.5
+        want.append(start + max(live) + 1 if live else start)
+        start = end
+    eff = torch.full((len(lens),), -1, dtype=torch.int32)
+    _launch_trim(cu, rw, eff)
+    return {"got": eff.tolist(), "want": want}
 
 
 @pytest.fixture(scope="module")
@@ -251,6 +291,15 @@ def test_one_launch_is_said_once_per_shape(report):
     # the TMA configs ask for ws (both kernels) and TMA down loads, which the one launch does not take
     dropped = [m for m in report["_said"] if "one launch does not take the tile options" in m]
     assert len(dropped) == 1 and "down:tma" in dropped[0] and "gate_up:ws" in dropped[0], dropped
+
+
+def test_trim_scan(report):
+    """The trim scan (from the end, stopping at the first block with a live row) stopping too early (a live
+    row blocks back from the end dropped: its output would be zeros), too late, or reading past a segment."""
+    t = report["_trim"]
+    assert "error" not in t, t.get("error")
+    bad = [(seg, g, w) for seg, g, w in zip(TRIM_SEGMENTS, t["got"], t["want"]) if g != w]
+    assert not bad, f"trimmed ends wrong for (length, live rows) -> got, want: {bad}"
 
 
 def _assert_outputs(d: dict, what: str, hint: str) -> None:

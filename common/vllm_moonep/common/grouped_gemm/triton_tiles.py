@@ -29,12 +29,19 @@ __all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "acc_zeros", "mma
 @triton.jit
 def trim_end(rw_ptr, start, end, BLK: tl.constexpr):
     """1 + the last row of ``[start, end)`` with a non-zero routing weight (``start`` if none):
-    MoonEP pads segments with weight-0 rows, whose output is exactly 0, so no tile computes them."""
+    MoonEP pads segments with weight-0 rows, whose output is exactly 0, so no tile computes them.
+    Scans blocks of ``BLK`` rows from the end and stops at the first block with such a row: a
+    segment's padding tail is shorter than its padding multiple (128), so one or two blocks
+    almost always decide it, however long the segment (a forward scan reads all of it, one
+    dependent block after another: 3-6 us for the hot segments of a 1024-token step)."""
     last = start
-    for r0 in range(start, end, BLK):
-        rows = r0 + tl.arange(0, BLK)
-        v = tl.load(rw_ptr + rows, mask=rows < end, other=0.0)
+    hi = end
+    while (hi > start) & (last == start):
+        lo = tl.maximum(hi - BLK, start)
+        rows = lo + tl.arange(0, BLK)
+        v = tl.load(rw_ptr + rows, mask=rows < hi, other=0.0)
         last = tl.maximum(last, tl.max(tl.where(v != 0.0, rows + 1, 0), 0))
+        hi = lo
     return last
 
 
