@@ -95,6 +95,18 @@ def traceable_rows(S, H, K, E, B, tp, sigma, seed, uncombined_first=False, num_t
     end = int(cu[-1])
     pad = ~real[:end]
     assert bool((xn[:end][pad] == 0).all()) and bool((wn[:end][pad] == 0).all())
+    # where each segment's entries end (the expert kernels take it in place of their trim launch): an end
+    # before an entry drops that row's output, one past the last entry computes padding (or, past the
+    # segment, the next segment's rows)
+    if _device().type == "cuda" and buf.transport_name == "symmetric":
+        ends = plan.live_ends
+        assert ends is not None and ends.dtype == torch.int32, "the GPU dispatch kernel did not hand over its ends"
+        starts = [0] + cu.tolist()[:-1]
+        want = [s0 + int(real[s0:e0].nonzero().max()) + 1 if bool(real[s0:e0].any()) else s0
+                for s0, e0 in zip(starts, cu.tolist())]
+        assert ends.cpu().tolist() == want
+    else:
+        assert plan.live_ends is None  # the kernels find them themselves
     # route weights come back exactly; identity expert sums K copies
     out, rw, _ = buf.combine(plan, xn.to(_device()), wn.to(_device()))
     n = S if num_tokens is None else num_tokens  # outputs of the padding tokens are unspecified

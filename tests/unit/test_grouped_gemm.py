@@ -82,6 +82,10 @@ def test_expert_ffn_validation():
         expert_ffn(x, torch.rand(8), cu, table, impl="grouped_mm")  # no dense tensor to hand it
     with pytest.raises(MoonEPInputError, match="weights are"):
         expert_ffn(x.float(), torch.rand(8), cu, w)
+    # row_ends (the engine's ends of each segment's entries): one int32 per group, on the rows' device
+    for bad in (cu[:2], cu.to(torch.int64), cu.reshape(3, 1)):
+        with pytest.raises(MoonEPInputError, match="row_ends must be"):
+            expert_ffn(x, torch.rand(8), cu, w, row_ends=bad)
 
 
 def test_grouped_mm_path_on_cpu_matches_float64():

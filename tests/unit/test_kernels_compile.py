@@ -27,7 +27,7 @@ def _kernels():
     i32, i64, bf16 = "i32", "i64", "*bf16"
     rows_sig = dict(x=bf16, w="*fp32", ids="*i32", dest="*i64", row="*i64", ob="*i64", cum="*i64", rb="*i64",
                     table="*i64", board=i64, epoch="*i64", ticket="*i32", sig="*i64", cu="*i64", seg_len="*i64",
-                    cu32="*i32", rows32="*i32", real_rows="*i32", n_entries=i32, n_move=i32, K=i32, H=i32, R=i32,
+                    cu32="*i32", rows32="*i32", ends32="*i32", real_rows="*i32", n_entries=i32, n_move=i32, K=i32, H=i32, R=i32,
                     E=i32, me=i32, G=i32, TP=i32, timeout_ns=i64, n_prog=i32)
     rows_cx = dict(ROWS=4, BLOCK_H=4096, R_PAD=8, G_PAD=1024, CHUNK=1024, PCH=256)
 

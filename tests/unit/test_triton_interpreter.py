@@ -114,6 +114,18 @@ TMA_CONFIG: dict = {}  # the interpreter's tiles with "tma" (and "ws") on, set i
 STREAMK_RUNS = ((1, "pointer", 3, False), (3, "tma", 1, False), (40, "pointer", 1, False), (40, "tma", 1, True))
 
 
+def _trimmed_ends(rw, cu):
+    """1 + each segment's last row with a non-zero weight (its start if none): the trim launch's ends."""
+    import torch
+
+    ends, s0 = [], 0
+    for e0 in cu.tolist():
+        live = (rw[s0:e0] != 0).nonzero()
+        ends.append(s0 + int(live.max()) + 1 if live.numel() else s0)
+        s0 = e0
+    return torch.tensor(ends, dtype=torch.int32)
+
+
 def _worst(a: float, b: float) -> float:
     """The larger error, NaN if either is (``max`` would keep 0.0 against a NaN and hide it)."""
     return b if (b != b or b > a) else a
@@ -169,6 +181,14 @@ def _child_main() -> None:
             out_tma = torch.full_like(x, float("nan"))
             expert_ffn_triton(x, rw, cu, w, out=out_tma, config=TMA_CONFIG)
             tma_same = bool(torch.equal(out_tma[:n], out[:n]))
+            # the engine's ends of each segment's entries instead of the trim launch: its own ends (the
+            # trimmed ones), the segments' ends (no tail known) and ends past them (clamped to the
+            # segment): the same bits every time
+            ends_same = True
+            for ends in (_trimmed_ends(rw, cu), cu.clone(), cu + 7):
+                o = torch.full_like(x, float("nan"))
+                expert_ffn_triton(x, rw, cu, w, out=o, row_ends=ends.to(torch.int32))
+                ends_same &= bool(torch.equal(o[:n], out[:n]))
             # and they ran: a launch that fell back to the pointer loads would pass tma_same unseen
             (s_gn, _), (s_un, _), (s_dn, _) = prepare_weights(w, x.device).strides
             act = torch.empty(x.shape[0], w.intermediate, dtype=x.dtype)
@@ -227,7 +247,7 @@ def _child_main() -> None:
             sk["tickets_reset"] = all(int(t.abs().sum()) == 0 for _, t in _STREAMK_WS.values())
             sk["workspaces"] = len(_STREAMK_WS)
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
-                            "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same,
+                            "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same, "ends_same": ends_same,
                             "fused_reset": fused_reset, "streamk": sk, "swap": swap}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -320,6 +340,8 @@ def test_interpreter_case(report, case):
     assert r["skip_same"], f"{case}: skipping the tiles of weight-0 rows (padded=True) changed the output"
     assert r["tma_used"], f"{case}: the TMA tiles fell back to pointer loads (the check below would be vacuous)"
     assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
+    assert r["ends_same"], (f"{case}: the engine's segment ends (row_ends) in place of the trim launch gave other "
+                            "outputs (ends past a segment not clamped, or a tail row computed from the next group)")
     assert r["fused_same"], f"{case}: the one-launch kernel gave other outputs than the three launches' same tiles"
     assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
     _assert_outputs(r["swap"], f"{case}: swapped tiles", " (a transpose lost or doubled)")

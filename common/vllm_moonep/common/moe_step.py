@@ -29,6 +29,7 @@ __all__ = [
     "combine_rows",
     "dispatch_and_prefetch",
     "fold_router_weight_on_input",
+    "live_ends",
     "step_token_count",
 ]
 
@@ -67,6 +68,14 @@ class DispatchState:
     def info(self) -> StepInfo:
         return StepInfo(self.capacity, self.num_tokens, self.cu_seqlens, self.plan.experts_to_copy,
                         self.capacity * self.topk)
+
+
+def live_ends(plan: object) -> torch.Tensor | None:
+    """Where each segment's entries end (``[E+B]`` int32, the padding tail after), when the engine
+    wrote them on the device (the built-in engine's GPU dispatch, ``Plan.live_ends``): the expert
+    kernels then skip the launch that finds them. ``None`` for any other engine or transport."""
+    ends = getattr(plan, "live_ends", None)
+    return ends if isinstance(ends, torch.Tensor) else None
 
 
 def check_hidden_states(hidden: torch.Tensor, hidden_size: int | None = None) -> None:
@@ -195,7 +204,7 @@ class MoonEPMoE:
         )
         with self.timer.phase("experts"):
             y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n,
-                           padded=state.padded)
+                           padded=state.padded, row_ends=live_ends(state.plan))
         with self.timer.phase("combine"):
             out = combine_rows(state, y)
         self.last = state.info()

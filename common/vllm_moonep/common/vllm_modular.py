@@ -43,6 +43,7 @@ from vllm_moonep.common.moe_step import (
     combine_rows,
     dispatch_and_prefetch,
     fold_router_weight_on_input,
+    live_ends,
     step_token_count,
 )
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, dispatched_rows
@@ -65,6 +66,7 @@ class MoonEPTokensMetadata(mk.ExpertTokensMetadata):
     step_tokens: int | None = None  # the step's tokens per rank (the max over DP ranks)
     padded: bool = True  # this rank's tokens do not fill the buffer (weight-0 rows inside segments)
     cu_seqlens: torch.Tensor | None = None  # dispatch's [E+B] int32 (our experts need no cumsum)
+    row_ends: torch.Tensor | None = None  # where each segment's entries end, if the engine wrote it (no trim launch)
 
 
 def _rows_per_group(plan: object, cu: torch.Tensor) -> torch.Tensor:
@@ -244,7 +246,8 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self._state = state
         self.last = state.info()
         meta = MoonEPTokensMetadata(expert_num_tokens=_rows_per_group(state.plan, cu), expert_num_tokens_cpu=None,
-                                    step_tokens=n, padded=state.padded, cu_seqlens=cu)
+                                    step_tokens=n, padded=state.padded, cu_seqlens=cu,
+                                    row_ends=live_ends(state.plan))
         # No per-row top-k ids after dispatch; route weights come back in row order.
         return x_nvsh, None, meta, None, w_nvs
 
@@ -413,4 +416,5 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
         # the Triton kernels' tiles, quack's regimes and the weight-0 tile skip follow them
         expert_ffn(hidden_states, route_w, cu, lay.grouped_weights(), impl=self.impl, out=output,
                    tokens=getattr(expert_tokens_meta, "step_tokens", None),
-                   padded=getattr(expert_tokens_meta, "padded", True))
+                   padded=getattr(expert_tokens_meta, "padded", True),
+                   row_ends=getattr(expert_tokens_meta, "row_ends", None))

@@ -90,6 +90,10 @@ class Plan:
     # this rank's rows per segment [E+B] int32, padding included, where the transport wrote them
     # (the GPU symmetric transport's row kernel); else made from cu_seqlens when first asked
     rows: torch.Tensor | None = field(default=None, repr=False)
+    # this rank's end of each segment's entries [E+B] int32 (rows from there to the segment's end are its
+    # padding tail), where the transport wrote them (the GPU symmetric transport's row kernel): the
+    # expert kernels then need not find them (``expert_ffn(row_ends=...)``); None elsewhere
+    live_ends: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def slots_used(self) -> int:
@@ -363,7 +367,8 @@ class Buffer:
             hidden_nvsh, route_nvs, cu, gp = self._sym.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
                                                                 tokens_per_expert, num_tokens)
             plan = Plan(experts_to_copy=gp.experts_to_copy, global_plan=gp, owner=id(self), step=self._step,
-                        cu_seqlens=cu, rows=self._sym.rows32 if self._sym.on_gpu else None)
+                        cu_seqlens=cu, rows=self._sym.rows32 if self._sym.on_gpu else None,
+                        live_ends=self._sym.ends32 if self._sym.on_gpu else None)
             self._step += 1
             return hidden_nvsh, route_nvs, cu, plan
         tr = self.transport

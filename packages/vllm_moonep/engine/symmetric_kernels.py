@@ -32,7 +32,7 @@ from vllm_moonep.engine.signals import (C_BAD_ID, C_WAIT_OUTPUTS, C_WAIT_ROWS, P
 
 @triton.jit
 def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch, ticket, sig, cu, seg_len, cu32,
-                         rows32, real_rows, n_entries, n_move, K, H, R, E, me, G, TP, timeout_ns, n_prog,
+                         rows32, ends32, real_rows, n_entries, n_move, K, H, R, E, me, G, TP, timeout_ns, n_prog,
                          PLACE: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr, G_PAD: tl.constexpr,
                          CHUNK: tl.constexpr, PCH: tl.constexpr):
     """Entry ``i`` (token ``i // K``): its hidden row, route weight and source id to row ``row[i]`` of
@@ -41,7 +41,8 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
     board. Only entries below ``n_move`` move (the rest are the caller's padding tokens: their rows
     keep reading 0, source -1). Also this rank's list of real rows (``real_rows[j]``: shard row of the ``j``-th real row,
     in segment order; -1 past the last) for combine, the int32 ``cu_seqlens`` and the rows of each
-    segment (``rows32``, padding included: what vLLM's prepare hands the experts). The last program
+    segment (``rows32``, padding included: what vLLM's prepare hands the experts) and the end of each segment's
+    entries (``ends32``: the padding tail after it, which the expert kernels need not look for). The last program
     to finish signals every peer (once for the launch) and waits (bounded) until every peer
     signalled that its rows landed."""
     pid = tl.program_id(0)
@@ -65,6 +66,7 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
             tl.store(cu32 + g, end.to(tl.int32), mask=gm)
             prev = tl.load(cu + g - 1, mask=gm & (g > 0), other=0)
             tl.store(rows32 + g, (end - prev).to(tl.int32), mask=gm)
+            tl.store(ends32 + g, (pad_start + ln).to(tl.int32), mask=gm)
         c = tl.arange(0, CHUNK)
         # the non-empty segments this program lists (segment q belongs to lister q % n_list): a
         # decode step has a few among E+B, and a loop over all of them cost each program 3

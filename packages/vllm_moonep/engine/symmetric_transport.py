@@ -168,6 +168,7 @@ class SymmetricTransport:
             self._launch = {name: Launcher(getattr(k, f"{name}_kernel")) for name in _KERNELS}
             self.cu32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
             self.rows32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
+            self.ends32 = torch.empty(E + B, dtype=torch.int32, device=self.device)
             self._block_h = min(triton.next_power_of_2(H), 4096)
             self._SK, self._RP, self._tmo = SK, triton.next_power_of_2(R), self._timeout_ns()
             self._G = E + B
@@ -257,7 +258,8 @@ class SymmetricTransport:
             ob = cum = rb = dest
         self._launch["dispatch_rows"](
             (P, 1, 1), hidden, route_w, flat, dest, row, ob, cum, rb, self.table, board, self.epoch, self._ticket_d,
-            b["sig"], self._cu_mine, self._seg_mine, self.cu32, self.rows32, self.real_rows, SK, n_tok * self.K, self.K,
+            b["sig"], self._cu_mine, self._seg_mine, self.cu32, self.rows32, self.ends32,
+            self.real_rows, SK, n_tok * self.K, self.K,
             H, R, E, rank, self._G, self.tp, tmo, P, PLACE=self.planner.direct, ROWS=_ROWS, BLOCK_H=self._block_h,
             R_PAD=RP, G_PAD=self._G_PAD, CHUNK=1024, PCH=_PLACE_CHUNK, num_warps=8)
         return b["recv_x"], b["recv_w"], self.cu32, gp

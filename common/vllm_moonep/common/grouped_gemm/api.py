@@ -266,13 +266,19 @@ def expert_ffn(
     out: torch.Tensor | None = None,
     tokens: int | None = None,
     padded: bool = True,
+    row_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoonEP expert compute: ``[NvS, H]`` rows in, ``[NvS, H]`` rows out (see the package doc).
     ``tokens``: the step's tokens per rank (before padding), where the caller knows it: the Triton
     kernels pick their tiles by it (``None``: by the row count ``NvS``), and ``auto`` whether quack
     runs it (``QUACK_FROM_TOKENS``; ``None``: Triton). ``padded=False``: the
     step has no padding tokens on any rank, so the Triton kernels need not look for tiles of
-    weight-0 rows inside segments (results are the same either way)."""
+    weight-0 rows inside segments (results are the same either way). ``row_ends``: optional ``[G]``
+    int32 on the rows' device, where each group's rows that may have a non-zero weight end (every row
+    from there to the segment's end has weight 0: the padding tail; the built-in engine's dispatch
+    writes them, ``Plan.live_ends``): the Triton kernels then skip the launch that finds them (the
+    same outputs; an end past the segment's counts as the segment's end, one short of a live row
+    drops that row's output to 0)."""
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise MoonEPInputError(f"expert_ffn: x must be [NvS, H={weights.hidden}], got {list(x.shape)}")
     if route_w.shape != (x.shape[0],):
@@ -289,6 +295,10 @@ def expert_ffn(
         raise MoonEPInputError(
             f"expert_ffn: x is on {x.device}, route_w on {route_w.device}, weights on {weights.gate[0].device}"
         )
+    if row_ends is not None and (row_ends.shape != cu_seqlens.shape or row_ends.dtype != torch.int32
+                                 or row_ends.device != x.device):
+        raise MoonEPInputError(f"expert_ffn: row_ends must be [{weights.num_groups}] int32 on {x.device}, got "
+                               f"{list(row_ends.shape)} {row_ends.dtype} on {row_ends.device}")
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype:
@@ -308,4 +318,5 @@ def expert_ffn(
         return expert_ffn_quack(x, route_w, cu_seqlens, weights, out=out)
     from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
 
-    return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded)
+    return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded,
+                             row_ends=row_ends)
