@@ -12,7 +12,9 @@ padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM
 layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed
 before each run by ``triton.testing.do_bench``:
 
-- ``triton``: ``expert_ffn_triton`` (tile configs from tuning.json, or the tuned ones with --tune);
+- ``triton``: ``expert_ffn_triton`` (tile configs from tuning.json, or the tuned ones with --tune), given
+  each segment's end of entries as the engine's GPU dispatch hands them to the layer (``row_ends``,
+  ``entry_ends``: no trim launch);
 - ``poc``: three ``torch._grouped_mm`` over ``E+B`` groups plus elementwise ops, as vLLM 0.33's
   ``MoonEPExperts.apply`` does;
 - ``quack``: ``expert_ffn_quack`` (quack-kernels' varlen GEMM, the optional extra) over gate and up
@@ -236,6 +238,13 @@ def rank0_case(shape: dict, tokens: int, sigma: float, seed: int = 0):
     return cu, real, nvs_rows(tokens, K, E, R, PAD), maxvio(tpe)
 
 
+def entry_ends(cu: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Each segment's end of entries (int32): its start plus its real rows, what the engine's GPU dispatch
+    hands the layer (``Plan.live_ends``), so that the expert kernels launch no trim."""
+    starts = torch.cat([cu.new_zeros(1), cu[:-1]]).to(torch.int64)
+    return (starts + real.to(torch.int64)).to(torch.int32)
+
+
 def make_weights(H, I, G, dev):
     """``(gate [G,I,H], up [G,I,H], down [G,H,I])`` bf16, seeded: every point and the profiled case
     run the same weights."""
@@ -402,8 +411,9 @@ def _profile_case(shape: str, tokens: int) -> int:
     print(f"# {shape}, {tokens} tokens/rank: NvS {nvs}, real rows {int(real.sum())}, busy groups "
           f"{int((real > 0).sum())}; tiles {conf}", flush=True)
     out, act, cu = torch.empty_like(x), torch.empty(nvs, I, device=dev, dtype=torch.bfloat16), cu_h.to(dev)
+    ends = entry_ends(cu_h, real).to(dev)
     for _ in range(4):
-        tk.expert_ffn_triton(x, rw, cu, weights, out=out, config=conf, act=act, padded=False)
+        tk.expert_ffn_triton(x, rw, cu, weights, out=out, config=conf, act=act, padded=False, row_ends=ends)
     torch.cuda.synchronize()
     return 0
 
@@ -544,8 +554,9 @@ def main(argv=None) -> int:
                     for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
                         o = torch.empty_like(x)
                         act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
+                        ends = entry_ends(cu_h, real).to(dev)
                         replay, _g = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf,
-                                                                           act=act, padded=False))
+                                                                           act=act, padded=False, row_ends=ends))
                         tot.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
                     return tot
                 three = _whole(best)
@@ -589,14 +600,15 @@ def main(argv=None) -> int:
                 out_t = torch.full_like(x, float("nan"))
                 act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
                 conf = cfg or tk.select_config(H, I, nvs_, G)
-                tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act, padded=False)
+                ends = entry_ends(cu_h, real).to(dev)
+                tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act, padded=False, row_ends=ends)
                 out_p = torch.empty_like(x)
                 poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)
                 torch.cuda.synchronize()
                 unwritten = int(torch.isnan(out_t[:n]).sum())
                 err_tp = relative_error(out_t[:n], out_p[:n])
                 f_tri = lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act,  # noqa: E731
-                                                     padded=False)
+                                                     padded=False, row_ends=ends)
                 f_poc = lambda: poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)  # noqa: E731
                 t_tri_eager = _bench(f_tri, rep=args.rep) * 1e3
                 t_poc_eager = _bench(f_poc, rep=args.rep) * 1e3
@@ -610,7 +622,7 @@ def main(argv=None) -> int:
                     conf3 = {k: v for k, v in conf.items() if k != "fused"}
                     out_3 = torch.empty_like(x)
                     r_3, g_3 = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_3, config=conf3,
-                                                                     act=act, padded=False))
+                                                                     act=act, padded=False, row_ends=ends))
                     t_three = _bench(r_3, rep=args.rep) * 1e3
                     del g_3
                 qrow = {"quack_us": None}
