@@ -451,3 +451,41 @@ def test_swapped_tiles(H, I, tma, schedule):
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out[:total2], expert_ffn_float64(x, rw, cu, w)[:total2]) < TOL, "a replayed swapped launch drifted"
+
+
+@pytest.mark.parametrize("schedule", ["three launches", "one launch"])
+@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
+def test_segment_ends_and_tails_left(H, I, schedule):
+    """The engine's segment ends (``row_ends``, no trim launch) and padding tails left unwritten
+    (``zero_tail=False``), as the MoE step runs the built-in engine: a row before its segment's tail
+    that changed (an end read wrong, a tile dropped), a tail row written with anything but 0 (a stray
+    store), or every tail row written anyway (the flag not reaching the kernels); ends past a segment
+    must not reach into the next one. Against the default call's outputs, bit for bit."""
+    tk = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    w = _weights(14, H, I, gen)
+    lens = [1, 2, 0, 1, 40, 0, 8, 1, 17, 0, 1, 3, 0, 5]
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
+    starts = torch.cat([cu.new_zeros(1), cu[:-1]])
+    ends = (starts + torch.tensor(lens, device="cuda", dtype=torch.int32)).to(torch.int32)
+    head = torch.zeros(x.shape[0], dtype=torch.bool, device="cuda")
+    for s0, n in zip(starts.tolist(), lens):
+        head[s0:s0 + n] = True
+    tail = ~head
+    tail[total:] = False
+    tiles = dict(_DECODE_TILES)
+    if schedule == "one launch":
+        tiles["fused"] = {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
+    want = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=want, config=tiles)
+    for row_ends in (ends, cu.clone(), cu + 300):  # the engine's ends, the segments' ends (no tail known), past them
+        out = torch.full_like(x, float("nan"))
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, config=tiles, row_ends=row_ends)
+        assert torch.equal(out[:total], want[:total]), f"row_ends {row_ends.tolist()[:6]}...: other outputs"
+        out.fill_(float("nan"))
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, config=tiles, row_ends=row_ends, zero_tail=False)
+        assert torch.equal(out[head], want[head]), "a row before its segment's tail changed with zero_tail=False"
+        t = out[tail]
+        assert bool((torch.isnan(t) | (t == 0)).all()), "a tail row got a value other than 0"
+        if row_ends is ends or schedule == "one launch":  # the tails are known (the one launch finds them itself)
+            assert int(torch.isnan(t).all(dim=1).sum()) > 0, "zero_tail=False wrote every tail row anyway"

@@ -179,3 +179,20 @@ def test_buffer_heap_bytes_are_its_receive_and_landing_areas():
     coll = Buffer(S, H, K, E, 1, B=B, device="cpu", transport="collective", token_padding=tp)
     assert coll.heap_bytes == 0  # sized per step, nothing held
     coll.destroy()
+
+
+def test_padding_tails_written_unless_the_engine_never_reads_them():
+    """The expert compute leaving the segments' padding tails unwritten (``zero_tail=False``) behind an
+    engine whose combine might read them (any engine but the built-in one, which says it reads entry
+    rows only), or writing them for the built-in one (2-8 MB per decode step for nothing)."""
+    from vllm_moonep.common.moe_step import DispatchState
+
+    cu = torch.tensor([4], dtype=torch.int32)
+    ours = DispatchState(Buffer(16, 8, 2, 8, 1, device="cpu"), None, 4, 4, 1, cu)  # type: ignore[arg-type]
+    assert not ours.tails_read
+
+    class OtherEngine:  # a contract engine that says nothing about what its combine reads
+        pass
+
+    theirs = DispatchState(OtherEngine(), None, 4, 4, 1, cu)  # type: ignore[arg-type]
+    assert theirs.tails_read

@@ -72,7 +72,7 @@ def _kernels():
                      s_dk=i32)
     flags = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True)
     fused_cx = dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128,
-                    BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, SWAP1=False, SWAP2=False)
+                    BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, SWAP1=False, SWAP2=False, ZT=True)
     cases += [
         ("gate_up(decode tiles)", gk._gate_up_kernel, gu_sig,
          dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=False)),
@@ -83,17 +83,25 @@ def _kernels():
         ("gate_up(stream-K, TMA, 8 warps)", gk._gate_up_kernel, gu_sig,
          dict(flags, GP2=512, BM=64, BN=128, BK=64, TMA=True, WS=False, FLAT=False, STREAMK=True, SWAP=False), 8),
         ("down(TMA, tile loop flattened)", gk._down_kernel, dn_sig,
-         dict(flags, SKIP=False, GP2=512, BM=128, BN=256, BK=64, ZM=64, TMA=True, WS=False, FLAT=True, STREAMK=False, SWAP=False), 8),
+         dict(flags, SKIP=False, GP2=512, BM=128, BN=256, BK=64, ZM=64, TMA=True, WS=False, FLAT=True, STREAMK=False, SWAP=False,
+              ZT=True), 8),
         ("down(stream-K, TMA, round robin flattened)", gk._down_kernel, dn_sig,
-         dict(flags, SKIP=False, GP2=512, BM=64, BN=128, BK=64, ZM=64, TMA=True, WS=False, FLAT=True, STREAMK=True, SWAP=False)),
+         dict(flags, SKIP=False, GP2=512, BM=64, BN=128, BK=64, ZM=64, TMA=True, WS=False, FLAT=True, STREAMK=True, SWAP=False,
+              ZT=True)),
+        # the padding tails left unwritten (zero_tail=False: a caller whose combine never reads them)
+        ("down(tails left)", gk._down_kernel, dn_sig,
+         dict(flags, GP2=512, BM=16, BN=128, BK=64, ZM=64, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=False,
+              ZT=False)),
         # swapped tiles (weights on the MMA's M side): the rows as the warpgroup MMA's N (16, 32)
         ("gate_up(swapped, decode tiles)", gk._gate_up_kernel, gu_sig,
          dict(flags, GP2=512, BM=32, BN=64, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=True)),
         ("down(swapped, TMA, stream-K)", gk._down_kernel, dn_sig,
-         dict(flags, GP2=512, BM=16, BN=128, BK=64, ZM=64, TMA=True, WS=False, FLAT=False, STREAMK=True, SWAP=True)),
+         dict(flags, GP2=512, BM=16, BN=128, BK=64, ZM=64, TMA=True, WS=False, FLAT=False, STREAMK=True, SWAP=True,
+              ZT=True)),
         ("trim", gk._trim_kernel, dict(cu_ptr="*i32", rw_ptr="*fp32", eff_ptr="*i32"), dict(BLK=256)),
         ("fused(one launch)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False)),
         ("fused(one launch, TMA gate/up)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=True)),
+        ("fused(one launch, tails left)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False, ZT=False)),
         ("fused(one launch, swapped tiles)", triton_fused.fused_kernel, fused_sig,
          dict(fused_cx, BN1=64, TMA1=True, SWAP1=True, SWAP2=True)),
     ]

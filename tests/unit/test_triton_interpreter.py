@@ -126,6 +126,17 @@ def _trimmed_ends(rw, cu):
     return torch.tensor(ends, dtype=torch.int32)
 
 
+def _head_rows(rw, cu, nvs: int):
+    """``[nvs]`` bool: the rows of each segment up to its last row with a non-zero weight (the rest of a
+    segment is its padding tail)."""
+    import torch
+
+    head = torch.zeros(nvs, dtype=torch.bool)
+    for s0, e0 in zip([0] + cu.tolist()[:-1], _trimmed_ends(rw, cu).tolist()):
+        head[s0:e0] = True
+    return head
+
+
 def _worst(a: float, b: float) -> float:
     """The larger error, NaN if either is (``max`` would keep 0.0 against a NaN and hide it)."""
     return b if (b != b or b > a) else a
@@ -189,6 +200,21 @@ def _child_main() -> None:
                 o = torch.full_like(x, float("nan"))
                 expert_ffn_triton(x, rw, cu, w, out=o, row_ends=ends.to(torch.int32))
                 ends_same &= bool(torch.equal(o[:n], out[:n]))
+            # the padding tails left as they were (zero_tail=False), three launches and one: every row up to
+            # its segment's last live row the same bits, the tail NaN (untouched) or 0 (inside a tile that
+            # also holds live rows), and some tail row untouched where a tail is longer than a tile
+            head = _head_rows(rw, cu, x.shape[0])
+            tail = ~head
+            tail[n:] = False
+            tails = {"same": True, "clean": True, "left": 0}
+            for cfg in (_INTERP_CONFIG, {**_INTERP_CONFIG, "fused": {"num_warps": 4, "num_stages": 1,
+                                                                      "progs_per_sm": 1}}):
+                o = torch.full_like(x, float("nan"))
+                expert_ffn_triton(x, rw, cu, w, out=o, config=cfg, zero_tail=False)
+                tails["same"] &= bool(torch.equal(o[head], out[head]))
+                t_rows = o[tail]
+                tails["clean"] &= bool((torch.isnan(t_rows) | (t_rows == 0)).all())
+                tails["left"] += int(torch.isnan(t_rows).all(dim=1).sum())
             # and they ran: a launch that fell back to the pointer loads would pass tma_same unseen
             (s_gn, _), (s_un, _), (s_dn, _) = prepare_weights(w, x.device).strides
             act = torch.empty(x.shape[0], w.intermediate, dtype=x.dtype)
@@ -248,6 +274,7 @@ def _child_main() -> None:
             sk["workspaces"] = len(_STREAMK_WS)
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
                             "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same, "ends_same": ends_same,
+                            "tails": tails,
                             "fused_reset": fused_reset, "streamk": sk, "swap": swap}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -342,6 +369,11 @@ def test_interpreter_case(report, case):
     assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
     assert r["ends_same"], (f"{case}: the engine's segment ends (row_ends) in place of the trim launch gave other "
                             "outputs (ends past a segment not clamped, or a tail row computed from the next group)")
+    t = r["tails"]
+    assert t["same"], f"{case}: with the padding tails left (zero_tail=False) a row before a tail changed"
+    assert t["clean"], f"{case}: with the padding tails left, a tail row got a value other than 0 (a stray write)"
+    if case == "padded_segments":  # tails of 27-47 rows: longer than a 16-row tile
+        assert t["left"] > 0, f"{case}: zero_tail=False wrote every tail row anyway (the check above is vacuous)"
     assert r["fused_same"], f"{case}: the one-launch kernel gave other outputs than the three launches' same tiles"
     assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
     _assert_outputs(r["swap"], f"{case}: swapped tiles", " (a transpose lost or doubled)")

@@ -65,6 +65,12 @@ class DispatchState:
         then computed, with the same result)."""
         return self.num_tokens < self.capacity
 
+    @property
+    def tails_read(self) -> bool:
+        """Whether the engine's combine may read the segments' padding tails, so that the expert compute
+        must write them (as zeros): not the built-in engine's, which reads each token's entry rows only."""
+        return not getattr(self.buffer, "combine_reads_entry_rows_only", False)
+
     def info(self) -> StepInfo:
         return StepInfo(self.capacity, self.num_tokens, self.cu_seqlens, self.plan.experts_to_copy,
                         self.capacity * self.topk)
@@ -204,7 +210,7 @@ class MoonEPMoE:
         )
         with self.timer.phase("experts"):
             y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n,
-                           padded=state.padded, row_ends=live_ends(state.plan))
+                           padded=state.padded, row_ends=live_ends(state.plan), zero_tail=state.tails_read)
         with self.timer.phase("combine"):
             out = combine_rows(state, y)
         self.last = state.info()

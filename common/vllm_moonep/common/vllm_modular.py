@@ -67,6 +67,7 @@ class MoonEPTokensMetadata(mk.ExpertTokensMetadata):
     padded: bool = True  # this rank's tokens do not fill the buffer (weight-0 rows inside segments)
     cu_seqlens: torch.Tensor | None = None  # dispatch's [E+B] int32 (our experts need no cumsum)
     row_ends: torch.Tensor | None = None  # where each segment's entries end, if the engine wrote it (no trim launch)
+    zero_tail: bool = True  # the engine's combine may read the segments' padding tails: write them as zeros
 
 
 def _rows_per_group(plan: object, cu: torch.Tensor) -> torch.Tensor:
@@ -247,7 +248,7 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.last = state.info()
         meta = MoonEPTokensMetadata(expert_num_tokens=_rows_per_group(state.plan, cu), expert_num_tokens_cpu=None,
                                     step_tokens=n, padded=state.padded, cu_seqlens=cu,
-                                    row_ends=live_ends(state.plan))
+                                    row_ends=live_ends(state.plan), zero_tail=state.tails_read)
         # No per-row top-k ids after dispatch; route weights come back in row order.
         return x_nvsh, None, meta, None, w_nvs
 
@@ -417,4 +418,5 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
         expert_ffn(hidden_states, route_w, cu, lay.grouped_weights(), impl=self.impl, out=output,
                    tokens=getattr(expert_tokens_meta, "step_tokens", None),
                    padded=getattr(expert_tokens_meta, "padded", True),
-                   row_ends=getattr(expert_tokens_meta, "row_ends", None))
+                   row_ends=getattr(expert_tokens_meta, "row_ends", None),
+                   zero_tail=getattr(expert_tokens_meta, "zero_tail", True))

@@ -340,6 +340,9 @@ class Buffer:
     # ------------------------------------------------------------------ contract API
     #: ``dispatch`` takes ``num_tokens`` (an extension of the contract; callers check for it)
     accepts_num_tokens = True
+    #: ``combine`` reads each token's entry rows of ``hidden_nvsh`` and nothing else (both transports): the
+    #: expert compute need not write the segments' padding tails (``expert_ffn(zero_tail=False)``)
+    combine_reads_entry_rows_only = True
 
     def dispatch(
         self,

@@ -12,9 +12,10 @@ padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM
 layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed
 before each run by ``triton.testing.do_bench``:
 
-- ``triton``: ``expert_ffn_triton`` (tile configs from tuning.json, or the tuned ones with --tune), given
-  each segment's end of entries as the engine's GPU dispatch hands them to the layer (``row_ends``,
-  ``entry_ends``: no trim launch);
+- ``triton``: ``expert_ffn_triton`` (tile configs from tuning.json, or the tuned ones with --tune), as the
+  layer runs it on the built-in engine: given each segment's end of entries as the GPU dispatch hands
+  them over (``row_ends``, ``entry_ends``: no trim launch), padding tails not written
+  (``zero_tail=False``: that combine never reads them); the untimed check call writes every row;
 - ``poc``: three ``torch._grouped_mm`` over ``E+B`` groups plus elementwise ops, as vLLM 0.33's
   ``MoonEPExperts.apply`` does;
 - ``quack``: ``expert_ffn_quack`` (quack-kernels' varlen GEMM, the optional extra) over gate and up
@@ -413,7 +414,8 @@ def _profile_case(shape: str, tokens: int) -> int:
     out, act, cu = torch.empty_like(x), torch.empty(nvs, I, device=dev, dtype=torch.bfloat16), cu_h.to(dev)
     ends = entry_ends(cu_h, real).to(dev)
     for _ in range(4):
-        tk.expert_ffn_triton(x, rw, cu, weights, out=out, config=conf, act=act, padded=False, row_ends=ends)
+        tk.expert_ffn_triton(x, rw, cu, weights, out=out, config=conf, act=act, padded=False, row_ends=ends,
+                             zero_tail=False)
     torch.cuda.synchronize()
     return 0
 
@@ -556,7 +558,8 @@ def main(argv=None) -> int:
                         act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
                         ends = entry_ends(cu_h, real).to(dev)
                         replay, _g = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf,
-                                                                           act=act, padded=False, row_ends=ends))
+                                                                           act=act, padded=False, row_ends=ends,
+                                                                           zero_tail=False))
                         tot.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
                     return tot
                 three = _whole(best)
@@ -608,7 +611,7 @@ def main(argv=None) -> int:
                 unwritten = int(torch.isnan(out_t[:n]).sum())
                 err_tp = relative_error(out_t[:n], out_p[:n])
                 f_tri = lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act,  # noqa: E731
-                                                     padded=False, row_ends=ends)
+                                                     padded=False, row_ends=ends, zero_tail=False)
                 f_poc = lambda: poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)  # noqa: E731
                 t_tri_eager = _bench(f_tri, rep=args.rep) * 1e3
                 t_poc_eager = _bench(f_poc, rep=args.rep) * 1e3
@@ -622,7 +625,8 @@ def main(argv=None) -> int:
                     conf3 = {k: v for k, v in conf.items() if k != "fused"}
                     out_3 = torch.empty_like(x)
                     r_3, g_3 = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_3, config=conf3,
-                                                                     act=act, padded=False, row_ends=ends))
+                                                                     act=act, padded=False, row_ends=ends,
+                                                                     zero_tail=False))
                     t_three = _bench(r_3, rep=args.rep) * 1e3
                     del g_3
                 qrow = {"quack_us": None}

@@ -26,7 +26,9 @@ are others, with no copies. Implementations (``impl=``):
   launch errors propagate: no explicit choice falls back to another.
 
 Rows past ``cu_seqlens[-1]`` are not computed: the output there is unspecified (zero in the
-reference), and nothing downstream reads them.
+reference), and nothing downstream reads them. The rows of each segment's padding tail are written
+as zeros unless the caller says its combine never reads them (``zero_tail=False``: the Triton kernels
+then leave them as they were; the MoE step passes it for the built-in engine).
 """
 
 from vllm_moonep.common.grouped_gemm.api import (

@@ -50,6 +50,7 @@ def fused_kernel(
     BM1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N1: tl.constexpr,
     BM2: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, EVEN_K2: tl.constexpr, EVEN_N2: tl.constexpr,
     DOT_F32: tl.constexpr, SKIP: tl.constexpr, TMA1: tl.constexpr, SWAP1: tl.constexpr, SWAP2: tl.constexpr,
+    ZT: tl.constexpr,
 ):
     nprog = tl.num_programs(0)
     gidx = tl.arange(0, GP2)
@@ -106,9 +107,10 @@ def fused_kernel(
                 down_tile(act_ptr, rw_ptr, out_ptr, wd, act_ptr, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
                           H, I, stride_am, stride_om, s_dn, s_dk,
                           BM2, BN2, BK2, EVEN_K2, DOT_F32, SKIP, False, False, SWAP2)
-            zc = col0 + tl.arange(0, BN2)
-            for z0 in range(tl.minimum(s + tl.cdiv(ee - s, BM2) * BM2, en), en, ZM):
-                zero_rows(out_ptr, z0 + tl.arange(0, ZM), en, zc, H, stride_om, ZM, BN2)
+            if ZT:  # the caller reads the segment's tail: zeros there
+                zc = col0 + tl.arange(0, BN2)
+                for z0 in range(tl.minimum(s + tl.cdiv(ee - s, BM2) * BM2, en), en, ZM):
+                    zero_rows(out_ptr, z0 + tl.arange(0, ZM), en, zc, H, stride_om, ZM, BN2)
         t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
     left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")

@@ -292,6 +292,7 @@ def _down_kernel(
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
+    ZT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -340,17 +341,18 @@ def _down_kernel(
                         acc += _sk_get(ws_ptr, _sk_slot(q, p0), 0, 1, BM, BN)
                     down_store(acc, out_ptr, rows, ee, pick(sel, end), cols, N, stride_om)
             it += kk1 - kk0
-    # then the zero tiles, round robin over programs
-    for t in range(first_z, total + ztotal, nprog):
-        tz = t - total
-        zg = tl.sum((zcum <= tz).to(tl.int32), 0)
-        zsel = gidx == zg
-        zlocal = tz - pick(zsel, zcum - ztiles)
-        nzm = (pick(zsel, zrows) + ZM - 1) // ZM
-        zn = zlocal // nzm
-        zm = zlocal - zn * nzm
-        zr = pick(zsel, zstart) + zm * ZM + tl.arange(0, ZM)
-        zero_rows(out_ptr, zr, pick(zsel, end), zn * BN + tl.arange(0, BN), N, stride_om, ZM, BN)
+    # then the zero tiles, round robin over programs (ZT: the caller reads the segments' tails)
+    if ZT:
+        for t in range(first_z, total + ztotal, nprog):
+            tz = t - total
+            zg = tl.sum((zcum <= tz).to(tl.int32), 0)
+            zsel = gidx == zg
+            zlocal = tz - pick(zsel, zcum - ztiles)
+            nzm = (pick(zsel, zrows) + ZM - 1) // ZM
+            zn = zlocal // nzm
+            zm = zlocal - zn * nzm
+            zr = pick(zsel, zstart) + zm * ZM + tl.arange(0, ZM)
+            zero_rows(out_ptr, zr, pick(zsel, end), zn * BN + tl.arange(0, BN), N, stride_om, ZM, BN)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -673,7 +675,7 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     )
 
 
-def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
+def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False, zero_tail=True):
     I, H = act.shape[1], dst.shape[1]
     G = int(cu.numel())
     s_dn, s_dk = prep.strides[2]
@@ -687,11 +689,11 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False):
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
         EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, SWAP=_swap(c), num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, SWAP=_swap(c), ZT=zero_tail, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
-def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False):
+def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero_tail=True):
     """The whole compute in one launch (``triton_fused``): ``cfg``'s gate_up and down tiles, its
     ``fused`` entry's warps, stages and programs per SM."""
     I, H = act.shape[1], x.shape[1]
@@ -719,7 +721,7 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False):
         GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
         BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
         BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
-        DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu), SWAP2=_swap(dn),
+        DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu), SWAP2=_swap(dn), ZT=zero_tail,
         num_warps=f["num_warps"], num_stages=f["num_stages"],
     )
 
@@ -736,6 +738,7 @@ def expert_ffn_triton(
     tokens: int | None = None,
     padded: bool = True,
     row_ends: torch.Tensor | None = None,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
     """The fused expert compute (see the module doc). ``config`` overrides the tile configs
     (``{"gate_up": {...}, "down": {...}}``); ``act`` is an optional ``[NvS, I]`` scratch;
@@ -743,7 +746,8 @@ def expert_ffn_triton(
     ``padded``: the step may hold padding entries (weight-0 rows inside segments), whose tiles
     are then skipped (``triton_tiles.live``); ``False`` for rows that have none. ``row_ends``: ``[G]``
     int32, the end of each group's rows that may be live (``expert_ffn``): the three launches become
-    two (no trim launch); the one launch scans for them itself (one block per item) and ignores them."""
+    two (no trim launch); the one launch scans for them itself (one block per item) and ignores them.
+    ``zero_tail=False``: the segments' padding tails are not written (``expert_ffn``)."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -766,7 +770,7 @@ def expert_ffn_triton(
     cfg = config or select_config(H, I, NvS, G, tokens=tokens)
     dot_f32 = interpreting() or x.dtype == torch.float32
     if cfg.get("fused"):
-        _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, padded)
+        _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, padded, zero_tail)
         if dst is not out:
             out.copy_(dst)
         return out
@@ -776,7 +780,7 @@ def expert_ffn_triton(
         eff = torch.empty(G, dtype=torch.int32, device=dev)
         _launch_trim(cu, route_w, eff)
     _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32, padded)
-    _launch_down(act, route_w, cu, eff, prep, dst, cfg["down"], dot_f32, padded)
+    _launch_down(act, route_w, cu, eff, prep, dst, cfg["down"], dot_f32, padded, zero_tail)
     if dst is not out:
         out.copy_(dst)
     return out
