@@ -184,15 +184,23 @@ def test_buffer_heap_bytes_are_its_receive_and_landing_areas():
 def test_padding_tails_written_unless_the_engine_never_reads_them():
     """The expert compute leaving the segments' padding tails unwritten (``zero_tail=False``) behind an
     engine whose combine might read them (any engine but the built-in one, which says it reads entry
-    rows only), or writing them for the built-in one (2-8 MB per decode step for nothing)."""
+    rows only) or without the plan's ends of entries (a weight-0 entry, which combine reads, would pass
+    for tail); or writing them where both hold (2-80 MB per step for nothing)."""
+    from types import SimpleNamespace
+
     from vllm_moonep.common.moe_step import DispatchState
 
     cu = torch.tensor([4], dtype=torch.int32)
-    ours = DispatchState(Buffer(16, 8, 2, 8, 1, device="cpu"), None, 4, 4, 1, cu)  # type: ignore[arg-type]
-    assert not ours.tails_read
+    with_ends = SimpleNamespace(live_ends=torch.tensor([3], dtype=torch.int32))
+    without = SimpleNamespace(live_ends=None)  # the built-in engine's plan off the GPU symmetric transport
+    ours = Buffer(16, 8, 2, 8, 1, device="cpu")
+    try:
+        assert not DispatchState(ours, with_ends, 4, 4, 1, cu).tails_read  # type: ignore[arg-type]
+        assert DispatchState(ours, without, 4, 4, 1, cu).tails_read  # type: ignore[arg-type]
+    finally:
+        ours.destroy()
 
     class OtherEngine:  # a contract engine that says nothing about what its combine reads
         pass
 
-    theirs = DispatchState(OtherEngine(), None, 4, 4, 1, cu)  # type: ignore[arg-type]
-    assert theirs.tails_read
+    assert DispatchState(OtherEngine(), with_ends, 4, 4, 1, cu).tails_read  # type: ignore[arg-type]

@@ -86,6 +86,9 @@ def test_expert_ffn_validation():
     for bad in (cu[:2], cu.to(torch.int64), cu.reshape(3, 1)):
         with pytest.raises(MoonEPInputError, match="row_ends must be"):
             expert_ffn(x, torch.rand(8), cu, w, row_ends=bad)
+    # zero_tail=False without the ends: a weight-0 entry (which combine reads) would pass for padding tail
+    with pytest.raises(MoonEPInputError, match="zero_tail=False needs row_ends"):
+        expert_ffn(x, torch.rand(8), cu, w, zero_tail=False)
 
 
 def test_grouped_mm_path_on_cpu_matches_float64():

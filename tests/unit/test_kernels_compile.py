@@ -67,12 +67,13 @@ def _kernels():
                   stride_am=i32, s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32)
     dn_sig = dict(act_ptr=bf16, rw_ptr="*fp32", cu_ptr="*i32", eff_ptr="*i32", tab_ptr="*i64", out_ptr=bf16, **sk_ptrs,
                   **gemm_dims, stride_am=i32, stride_om=i32, s_dn=i32, s_dk=i32)
-    fused_sig = dict(gemm_ptrs, tab_ptr="*i64", act_ptr=bf16, out_ptr=bf16, sync_ptr="*i32", M=i32, G=i32, I=i32, H=i32,
+    fused_sig = dict(gemm_ptrs, ends_ptr="*i32", tab_ptr="*i64", act_ptr=bf16, out_ptr=bf16, sync_ptr="*i32", M=i32, G=i32, I=i32, H=i32,
                      stride_xm=i32, stride_am=i32, stride_om=i32, s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32, s_dn=i32,
                      s_dk=i32)
     flags = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True)
     fused_cx = dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128,
-                    BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, SWAP1=False, SWAP2=False, ZT=True)
+                    BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, SWAP1=False, SWAP2=False, ZT=True,
+                    HAS_ENDS=False)
     cases += [
         ("gate_up(decode tiles)", gk._gate_up_kernel, gu_sig,
          dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=False)),
@@ -101,7 +102,8 @@ def _kernels():
         ("trim", gk._trim_kernel, dict(cu_ptr="*i32", rw_ptr="*fp32", eff_ptr="*i32"), dict(BLK=256)),
         ("fused(one launch)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False)),
         ("fused(one launch, TMA gate/up)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=True)),
-        ("fused(one launch, tails left)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False, ZT=False)),
+        ("fused(one launch, the engine's ends, tails left)", triton_fused.fused_kernel, fused_sig,
+         dict(fused_cx, TMA1=False, ZT=False, HAS_ENDS=True)),
         ("fused(one launch, swapped tiles)", triton_fused.fused_kernel, fused_sig,
          dict(fused_cx, BN1=64, TMA1=True, SWAP1=True, SWAP2=True)),
     ]

@@ -67,9 +67,12 @@ class DispatchState:
 
     @property
     def tails_read(self) -> bool:
-        """Whether the engine's combine may read the segments' padding tails, so that the expert compute
-        must write them (as zeros): not the built-in engine's, which reads each token's entry rows only."""
-        return not getattr(self.buffer, "combine_reads_entry_rows_only", False)
+        """Whether the expert compute must write the segments' padding tails (as zeros): unless the engine's
+        combine reads each token's entry rows only (the built-in engine's) and the plan says where each
+        segment's entries end (``live_ends``: without it a weight-0 entry, which combine reads, cannot be
+        told from the tail)."""
+        reads_entries = getattr(self.buffer, "combine_reads_entry_rows_only", False)
+        return not (reads_entries and live_ends(self.plan) is not None)
 
     def info(self) -> StepInfo:
         return StepInfo(self.capacity, self.num_tokens, self.cu_seqlens, self.plan.experts_to_copy,

@@ -279,10 +279,11 @@ def expert_ffn(
     from there to the segment's end has weight 0: the padding tail; the built-in engine's dispatch
     writes them, ``Plan.live_ends``): the Triton kernels then skip the launch that finds them (the
     same outputs; an end past the segment's counts as the segment's end, one short of a live row
-    drops that row's output to 0). ``zero_tail=False``: the Triton kernels leave the rows of each
-    segment's padding tail (past its last live row) as they were instead of writing zeros there, for
-    a caller whose combine reads each token's entry rows only (the built-in engine's: 2-8 MB less to
-    write at a decode step, 1-4% of the compute); every other row is written as with ``True``."""
+    loses that row's output). ``zero_tail=False`` (needs ``row_ends``): the Triton kernels leave the
+    rows from ``row_ends`` to each segment's end, its padding tail, as they were instead of writing
+    zeros there, for a caller whose combine reads each token's entry rows only (the built-in
+    engine's: 2-80 MB less to write per step, 1-4% of the compute at decode); every entry row, weight 0
+    or not, is written as with ``True``."""
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise MoonEPInputError(f"expert_ffn: x must be [NvS, H={weights.hidden}], got {list(x.shape)}")
     if route_w.shape != (x.shape[0],):
@@ -303,6 +304,9 @@ def expert_ffn(
                                  or row_ends.device != x.device):
         raise MoonEPInputError(f"expert_ffn: row_ends must be [{weights.num_groups}] int32 on {x.device}, got "
                                f"{list(row_ends.shape)} {row_ends.dtype} on {row_ends.device}")
+    if not zero_tail and row_ends is None:
+        raise MoonEPInputError("expert_ffn: zero_tail=False needs row_ends (each segment's end of entries): without "
+                               "them an entry row of weight 0, which combine reads, cannot be told from the padding tail")
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype:

@@ -10,8 +10,9 @@ for 66 MB of weights, 2.5x the copy-rate floor). This kernel runs the same tiles
       [ B(g, j): down of group g, out columns j     for every busy g, j < cdiv(H, BN2) ]
 
     program:  t = next++ (atomic)  while t < items:
-        A: trim g's rows (its own scan), gate/up tiles over them -> act; barrier; ready[g] += 1 (release)
-        B: trim g's rows; wait ready[g] == cdiv(I, BN1) (acquire); down tiles -> out; zeros to the tail
+        A: g's rows to compute (the caller's ends, or its own scan), gate/up tiles over them -> act;
+           barrier; ready[g] += 1 (release)
+        B: g's rows; wait ready[g] == cdiv(I, BN1) (acquire); down tiles -> out; zeros to the tail (ZT)
     last program to leave: ready[:] = 0, next = 0 (the launch leaves its counters as it found them)
 
 Items are taken from one counter in list order, so every A item is taken before any B item,
@@ -33,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_moonep.common.grouped_gemm.triton_tiles import down_tile, gate_up_tile, pick, tile_index, trim_end, zero_rows
+from vllm_moonep.common.grouped_gemm.triton_tiles import down_tile, gate_up_tile, pick, rows_end, tile_index, zero_rows
 
 __all__ = ["fused_kernel", "SYNC_WORDS"]
 
@@ -43,14 +44,14 @@ SYNC_WORDS = 2
 
 @triton.jit
 def fused_kernel(
-    x_ptr, rw_ptr, cu_ptr, tab_ptr, act_ptr, out_ptr, sync_ptr,
+    x_ptr, rw_ptr, cu_ptr, ends_ptr, tab_ptr, act_ptr, out_ptr, sync_ptr,
     M, G, I, H, stride_xm, stride_am, stride_om,
     s_gn, s_gk, s_un, s_uk, s_dn, s_dk,
     GP2: tl.constexpr, TB: tl.constexpr, ZM: tl.constexpr,
     BM1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N1: tl.constexpr,
     BM2: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, EVEN_K2: tl.constexpr, EVEN_N2: tl.constexpr,
     DOT_F32: tl.constexpr, SKIP: tl.constexpr, TMA1: tl.constexpr, SWAP1: tl.constexpr, SWAP2: tl.constexpr,
-    ZT: tl.constexpr,
+    ZT: tl.constexpr, HAS_ENDS: tl.constexpr,
 ):
     nprog = tl.num_programs(0)
     gidx = tl.arange(0, GP2)
@@ -78,7 +79,7 @@ def fused_kernel(
             sel = gidx == g
             col0 = (t - pick(sel, cum1 - items1)) * BN1
             s = pick(sel, start)
-            ee = trim_end(rw_ptr, s, pick(sel, end), TB)
+            ee = rows_end(rw_ptr, ends_ptr, g, s, pick(sel, end), TB, HAS_ENDS)
             wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
             wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
             for row0 in range(s, ee, BM1):
@@ -95,7 +96,7 @@ def fused_kernel(
             col0 = (u - pick(sel, cum2 - items2)) * BN2
             s = pick(sel, start)
             en = pick(sel, end)
-            ee = trim_end(rw_ptr, s, en, TB)
+            ee = rows_end(rw_ptr, ends_ptr, g, s, en, TB, HAS_ENDS)
             wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
             if ee > s:  # the group's act columns, all of them, written by A items
                 seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")

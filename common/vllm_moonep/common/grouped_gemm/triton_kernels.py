@@ -693,7 +693,7 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False, zero_
     )
 
 
-def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero_tail=True):
+def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero_tail=True, row_ends=None):
     """The whole compute in one launch (``triton_fused``): ``cfg``'s gate_up and down tiles, its
     ``fused`` entry's warps, stages and programs per SM."""
     I, H = act.shape[1], x.shape[1]
@@ -715,13 +715,14 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
     tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
     grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)
     return fused_kernel[grid](
-        x, route_w, cu, prep.table, act, dst, prep.sync,
+        x, route_w, cu, cu if row_ends is None else row_ends, prep.table, act, dst, prep.sync,
         x.shape[0], G, I, H, x.stride(0), act.stride(0), dst.stride(0),
         s_gn, s_gk, s_un, s_uk, s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
         BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
         BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
         DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu), SWAP2=_swap(dn), ZT=zero_tail,
+        HAS_ENDS=row_ends is not None,
         num_warps=f["num_warps"], num_stages=f["num_stages"],
     )
 
@@ -746,8 +747,8 @@ def expert_ffn_triton(
     ``padded``: the step may hold padding entries (weight-0 rows inside segments), whose tiles
     are then skipped (``triton_tiles.live``); ``False`` for rows that have none. ``row_ends``: ``[G]``
     int32, the end of each group's rows that may be live (``expert_ffn``): the three launches become
-    two (no trim launch); the one launch scans for them itself (one block per item) and ignores them.
-    ``zero_tail=False``: the segments' padding tails are not written (``expert_ffn``)."""
+    two (no trim launch), and the one launch reads them instead of scanning. ``zero_tail=False`` (only with
+    ``row_ends``): the rows past them, the segments' padding tails, are not written (``expert_ffn``)."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -768,14 +769,21 @@ def expert_ffn_triton(
     if act is None or act.shape != (NvS, I) or act.dtype != x.dtype or act.stride(1) != 1:
         act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
     cfg = config or select_config(H, I, NvS, G, tokens=tokens)
+    ends = None
+    if row_ends is not None:
+        ends = row_ends if row_ends.is_contiguous() else row_ends.contiguous()
+    elif not zero_tail:
+        raise MoonEPInputError("expert_ffn_triton: zero_tail=False needs row_ends (each segment's end of entries): "
+                               "without them the kernels cannot tell an entry row of weight 0, which combine reads, "
+                               "from the padding tail")
     dot_f32 = interpreting() or x.dtype == torch.float32
     if cfg.get("fused"):
-        _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, padded, zero_tail)
+        _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, padded, zero_tail, ends)
         if dst is not out:
             out.copy_(dst)
         return out
-    if row_ends is not None:
-        eff = row_ends if row_ends.is_contiguous() else row_ends.contiguous()
+    if ends is not None:
+        eff = ends
     else:
         eff = torch.empty(G, dtype=torch.int32, device=dev)
         _launch_trim(cu, route_w, eff)

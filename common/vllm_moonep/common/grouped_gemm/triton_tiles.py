@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["trim_end", "pick", "live", "tile_index", "load_k", "acc_zeros", "mma", "acc_out", "gate_up_acc",
+__all__ = ["trim_end", "rows_end", "pick", "live", "tile_index", "load_k", "acc_zeros", "mma", "acc_out", "gate_up_acc",
            "gate_up_store", "gate_up_tile", "down_acc", "down_store", "down_tile", "zero_rows"]
 
 
@@ -43,6 +43,17 @@ def trim_end(rw_ptr, start, end, BLK: tl.constexpr):
         last = tl.maximum(last, tl.max(tl.where(v != 0.0, rows + 1, 0), 0))
         hi = lo
     return last
+
+
+@triton.jit
+def rows_end(rw_ptr, ends_ptr, g, start, end, BLK: tl.constexpr, HAS_ENDS: tl.constexpr):
+    """Where group ``g``'s rows to compute end: the caller's end of its entries (``HAS_ENDS``: the engine's,
+    clamped into the segment; rows past it are the padding tail) or the trim scan's (``trim_end``)."""
+    if HAS_ENDS:
+        e = tl.minimum(tl.maximum(tl.load(ends_ptr + g), start), end)
+    else:
+        e = trim_end(rw_ptr, start, end, BLK)
+    return e
 
 
 @triton.jit
