@@ -306,7 +306,8 @@ def expert_ffn(
                                f"{list(row_ends.shape)} {row_ends.dtype} on {row_ends.device}")
     if not zero_tail and row_ends is None:
         raise MoonEPInputError("expert_ffn: zero_tail=False needs row_ends (each segment's end of entries): without "
-                               "them an entry row of weight 0, which combine reads, cannot be told from the padding tail")
+                               "them an entry row of weight 0, which combine reads, cannot be told from the "
+                               "padding tail")
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype:
