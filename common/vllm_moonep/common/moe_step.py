@@ -29,7 +29,6 @@ __all__ = [
     "combine_rows",
     "dispatch_and_prefetch",
     "fold_router_weight_on_input",
-    "live_ends",
     "step_token_count",
 ]
 
@@ -66,25 +65,25 @@ class DispatchState:
         return self.num_tokens < self.capacity
 
     @property
+    def row_ends(self) -> torch.Tensor | None:
+        """Where each segment's entries end (``[E+B]`` int32, the padding tail after), when the engine
+        wrote them on the device (the built-in engine's GPU dispatch, ``Plan.live_ends``): the expert
+        kernels then skip the launch that finds them. ``None`` for any other engine or transport."""
+        ends = getattr(self.plan, "live_ends", None)
+        return ends if isinstance(ends, torch.Tensor) else None
+
+    @property
     def tails_read(self) -> bool:
         """Whether the expert compute must write the segments' padding tails (as zeros): unless the engine's
         combine reads each token's entry rows only (the built-in engine's) and the plan says where each
-        segment's entries end (``live_ends``: without it a weight-0 entry, which combine reads, cannot be
+        segment's entries end (``row_ends``: without them a weight-0 entry, which combine reads, cannot be
         told from the tail)."""
         reads_entries = getattr(self.buffer, "combine_reads_entry_rows_only", False)
-        return not (reads_entries and live_ends(self.plan) is not None)
+        return not (reads_entries and self.row_ends is not None)
 
     def info(self) -> StepInfo:
         return StepInfo(self.capacity, self.num_tokens, self.cu_seqlens, self.plan.experts_to_copy,
                         self.capacity * self.topk)
-
-
-def live_ends(plan: object) -> torch.Tensor | None:
-    """Where each segment's entries end (``[E+B]`` int32, the padding tail after), when the engine
-    wrote them on the device (the built-in engine's GPU dispatch, ``Plan.live_ends``): the expert
-    kernels then skip the launch that finds them. ``None`` for any other engine or transport."""
-    ends = getattr(plan, "live_ends", None)
-    return ends if isinstance(ends, torch.Tensor) else None
 
 
 def check_hidden_states(hidden: torch.Tensor, hidden_size: int | None = None) -> None:
@@ -213,7 +212,7 @@ class MoonEPMoE:
         )
         with self.timer.phase("experts"):
             y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n,
-                           padded=state.padded, row_ends=live_ends(state.plan), zero_tail=state.tails_read)
+                           padded=state.padded, row_ends=state.row_ends, zero_tail=state.tails_read)
         with self.timer.phase("combine"):
             out = combine_rows(state, y)
         self.last = state.info()

@@ -43,7 +43,6 @@ from vllm_moonep.common.moe_step import (
     combine_rows,
     dispatch_and_prefetch,
     fold_router_weight_on_input,
-    live_ends,
     step_token_count,
 )
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, dispatched_rows
@@ -248,7 +247,7 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.last = state.info()
         meta = MoonEPTokensMetadata(expert_num_tokens=_rows_per_group(state.plan, cu), expert_num_tokens_cpu=None,
                                     step_tokens=n, padded=state.padded, cu_seqlens=cu,
-                                    row_ends=live_ends(state.plan), zero_tail=state.tails_read)
+                                    row_ends=state.row_ends, zero_tail=state.tails_read)
         # No per-row top-k ids after dispatch; route weights come back in row order.
         return x_nvsh, None, meta, None, w_nvs
 

@@ -492,7 +492,7 @@ def main(argv=None) -> int:
                 cu_h, real, nvs, mv = rank0_case(shp, tokens, sigma)
                 cu = cu_h.to(dev)
                 x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7 + int(sigma * 10))
-                cases.append((routing, cu_h, cu, real, nvs, mv, x, rw))
+                cases.append((routing, cu_h, cu, real, nvs, mv, x, rw, entry_ends(cu_h, real).to(dev)))
             nvs = cases[0][4]
             cfg = None
 
@@ -500,7 +500,7 @@ def main(argv=None) -> int:
                 """One kernel with tile config ``c``, per routing (ms; inf where it cannot run)."""
                 times = []
                 try:
-                    for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
+                    for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
                         eff = torch.empty(G, dtype=torch.int32, device=dev)
                         tk._launch_trim(cu, rw, eff)
                         act = torch.randn(nvs_, I, device=dev, dtype=torch.bfloat16)
@@ -553,10 +553,9 @@ def main(argv=None) -> int:
                 # the whole compute: three launches with these tiles, against one launch of the same tiles
                 def _whole(conf):  # per routing
                     tot = []
-                    for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
+                    for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
                         o = torch.empty_like(x)
                         act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
-                        ends = entry_ends(cu_h, real).to(dev)
                         replay, _g = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf,
                                                                            act=act, padded=False, row_ends=ends,
                                                                            zero_tail=False))
@@ -594,7 +593,7 @@ def main(argv=None) -> int:
                           f" down {'cut' if cfg['down'].get('streamk') else 'whole'}", flush=True)
                     tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens,
                                           **cfg})
-            for routing, cu_h, cu, real, nvs_, mv, x, rw in cases:
+            for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
                 n = int(cu_h[-1])
                 real_rows = int(real.sum())
                 busy = int((real > 0).sum())
@@ -603,7 +602,6 @@ def main(argv=None) -> int:
                 out_t = torch.full_like(x, float("nan"))
                 act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
                 conf = cfg or tk.select_config(H, I, nvs_, G)
-                ends = entry_ends(cu_h, real).to(dev)
                 tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act, padded=False, row_ends=ends)
                 out_p = torch.empty_like(x)
                 poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)
@@ -660,7 +658,7 @@ def main(argv=None) -> int:
             # resource report of the kernels used at this point
             try:
                 eff = torch.empty(G, dtype=torch.int32, device=dev)
-                routing, cu_h, cu, real, nvs_, mv, x, rw = cases[0]
+                routing, cu_h, cu, real, nvs_, mv, x, rw, ends = cases[0]
                 tk._launch_trim(cu, rw, eff)
                 act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
                 conf = cfg or tk.select_config(H, I, nvs_, G)

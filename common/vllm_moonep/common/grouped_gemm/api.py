@@ -256,6 +256,15 @@ def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights, tokens: int | No
     return impl
 
 
+def check_tail_args(row_ends: torch.Tensor | None, zero_tail: bool, who: str) -> None:
+    """``zero_tail=False`` only with ``row_ends``: without each segment's end of entries an entry row of
+    weight 0 (a sanitized invalid id's), which combine reads, cannot be told from the padding tail."""
+    if not zero_tail and row_ends is None:
+        raise MoonEPInputError(f"{who}: zero_tail=False needs row_ends (each segment's end of entries): without "
+                               "them an entry row of weight 0, which combine reads, cannot be told from the "
+                               "padding tail")
+
+
 def expert_ffn(
     x: torch.Tensor,
     route_w: torch.Tensor,
@@ -304,10 +313,7 @@ def expert_ffn(
                                  or row_ends.device != x.device):
         raise MoonEPInputError(f"expert_ffn: row_ends must be [{weights.num_groups}] int32 on {x.device}, got "
                                f"{list(row_ends.shape)} {row_ends.dtype} on {row_ends.device}")
-    if not zero_tail and row_ends is None:
-        raise MoonEPInputError("expert_ffn: zero_tail=False needs row_ends (each segment's end of entries): without "
-                               "them an entry row of weight 0, which combine reads, cannot be told from the "
-                               "padding tail")
+    check_tail_args(row_ends, zero_tail, "expert_ffn")
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype:

@@ -89,7 +89,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moonep.common.grouped_gemm.api import GroupedWeights
+from vllm_moonep.common.grouped_gemm.api import GroupedWeights, check_tail_args
 from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
 from vllm_moonep.common.grouped_gemm.triton_tiles import (down_acc, down_store, down_tile, gate_up_acc, gate_up_store,
                                                           gate_up_tile, pick, tile_index, trim_end, zero_rows)
@@ -769,13 +769,8 @@ def expert_ffn_triton(
     if act is None or act.shape != (NvS, I) or act.dtype != x.dtype or act.stride(1) != 1:
         act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
     cfg = config or select_config(H, I, NvS, G, tokens=tokens)
-    ends = None
-    if row_ends is not None:
-        ends = row_ends if row_ends.is_contiguous() else row_ends.contiguous()
-    elif not zero_tail:
-        raise MoonEPInputError("expert_ffn_triton: zero_tail=False needs row_ends (each segment's end of entries): "
-                               "without them the kernels cannot tell an entry row of weight 0, which combine reads, "
-                               "from the padding tail")
+    check_tail_args(row_ends, zero_tail, "expert_ffn_triton")
+    ends = None if row_ends is None else row_ends.contiguous()  # no copy when it is already
     dot_f32 = interpreting() or x.dtype == torch.float32
     if cfg.get("fused"):
         _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, padded, zero_tail, ends)
