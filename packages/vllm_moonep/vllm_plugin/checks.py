@@ -259,8 +259,8 @@ def _dummy_weights(device: torch.device, dense: bool, H: int = 128, I: int = 128
 def resolve_kernel(impl: str, device: torch.device, dense: bool = True, shape: tuple[int, int] | None = None) -> str:
     """The grouped GEMM ``impl`` runs as on ``device`` (``dense``: the layer's weights are one
     tensor; ``shape``: its ``(H, I)``). For ``impl="auto"``, where the choice depends on the step's
-    tokens per rank (``api.QUACK_FROM_TOKENS``), each regime: ``"triton below 4096 tokens per
-    rank, quack from 4096"``."""
+    tokens per rank (``api.QUACK_FROM_TOKENS``), each regime: ``"triton below 1024 tokens per
+    rank, quack from 1024"``."""
     from vllm_moonep.common.grouped_gemm import auto_regimes, resolve_impl
 
     probe = _dummy_weights(device, dense, *(shape or (128, 128)))
