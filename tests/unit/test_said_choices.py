@@ -83,7 +83,10 @@ def test_packaged_tile_table_reads_without_warning(triton_kernels, caplog):
 
 def test_expert_impl_choice_is_said_once_and_explicit_triton_says_why(monkeypatch, caplog):
     """impl=auto resolved silently (nobody knew which kernel ran), and impl='triton' where it cannot
-    run said only 'cannot run here' without the reason (no CUDA device, or the import error)."""
+    run said only 'cannot run here' without the reason (no CUDA device, or the import error). On CPU,
+    auto took torch's CPU _grouped_mm wherever the weights were one dense tensor: bf16 matmuls, 5-8x
+    slower than the reference's float32 ones on the CI machine, so the CPU A/B timed the replicated
+    and symmetric layouts with another kernel than symmetric-shared (whose slot pool is not dense)."""
     import torch
 
     from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
@@ -101,6 +104,7 @@ def test_expert_impl_choice_is_said_once_and_explicit_triton_says_why(monkeypatc
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MoonEP expert compute:")]
     assert len(said) == 1, said
     assert "impl=auto ->" in said[0] and "the Triton kernels need a CUDA device" in said[0], said[0]
+    assert "impl=auto -> reference on cpu" in said[0] and "float32" in said[0], said[0]  # dense weights, still reference
     with pytest.raises(MoonEPInputError, match="impl='triton' cannot run here: the Triton kernels need a CUDA device"):
         expert_ffn(x, rw, cu, w, impl="triton")
 

@@ -207,9 +207,18 @@ def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:
 QUACK_FROM_TOKENS: dict[tuple[int, int], int] = {(2048, 768): 1024}
 
 
+#: Why ``auto`` takes the reference path on every CPU, even where torch runs ``_grouped_mm`` there: a
+#: CPU grouped_mm is bf16 matmuls, which ran 5-8x slower than the reference's float32 ones on an
+#: AVX2-only CI machine (docs/PERFORMANCE.md, "A/B on CPU ranks"); one kernel on every CPU keeps the
+#: CPU A/B and the tests on the same bits whatever the machine. ``impl="grouped_mm"`` still runs it.
+_CPU_AUTO_WHY = ("; on CPU the float32 reference path, the same on every CPU (torch's CPU _grouped_mm runs bf16 "
+                 "matmuls, 5-8x slower than float32 ones on CPUs without bf16 instructions; impl='grouped_mm' "
+                 "asks for it)")
+
+
 def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None) -> tuple[str, str]:
     """``(impl, why)`` of ``impl="auto"``: quack where ``QUACK_FROM_TOKENS`` says it was measured
-    faster (and it runs here), else triton, else grouped_mm, else reference."""
+    faster (and it runs here), else triton, else grouped_mm (on CUDA), else reference."""
     note = ""
     start = QUACK_FROM_TOKENS.get((w.hidden, w.intermediate))
     if start is not None and tokens is not None and tokens >= start:
@@ -221,6 +230,8 @@ def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None) -> tup
     why_not_triton = _triton_unusable(x)
     if why_not_triton is None:
         return "triton", "the Triton kernels run here" + note
+    if x.device.type == "cpu":
+        return "reference", why_not_triton + _CPU_AUTO_WHY + note
     if _grouped_mm_usable(x, w):
         return "grouped_mm", why_not_triton + note
     return "reference", why_not_triton + "; torch._grouped_mm cannot take these rows or weights" + note
