@@ -6,7 +6,7 @@ killed rank or a failed collective leaves a process group unusable):
   ``MoonEPCollectiveTimeout`` naming the op, the step and the dead rank, fast;
 - a rank that stops calling (sleeps; here rank 0, which hosts the store): the peer raises within
   the timeout naming it as alive-but-absent; then every rank tears down after the failed step
-  (idempotent, before the process group), rebuilds the process group and a fresh set of
+  (idempotent, before the process group, local: the symmetric layout's heap too), rebuilds the process group and a fresh set of
   buffers/pools/layouts in the same process, and gets bitwise the same output as before;
 - a peer that never loads its weights: the replicated layout's load-time all-gather is bounded;
 - a rank that rejects its input: its peers time out naming it (no hang, no partial output);
@@ -52,11 +52,16 @@ def _fresh(R, fn, *args):
     return run_on_ranks(R, fn, *args, env=ENV, fresh=True, allow_failures=True, timeout_s=120)
 
 
-def _build(seed=0, group=None):
+def _build(seed=0, group=None, layout_kind="replicated"):
     r, R = dist.get_rank(), dist.get_world_size()
     w13, w2 = global_weights(E, H, I, seed)
     lw13, lw2 = local_experts(w13, w2, r, R)
-    layout = ReplicatedWeightLayout(lw13, lw2, E, B, group)
+    if layout_kind == "symmetric":  # on a host heap the layout makes and owns (its own transport on the group)
+        from vllm_moonep.symmetric import SymmetricWeightLayout
+
+        layout = SymmetricWeightLayout(lw13, lw2, E, B, group, heap="host")
+    else:
+        layout = ReplicatedWeightLayout(lw13, lw2, E, B, group)
     pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=TP, device="cpu", group=group),
                             max_tokens_per_rank=MAX_TOKENS, engine="builtin", min_capacity=16)
     return MoonEPMoE(pool, layout, impl="reference"), w13, w2
@@ -204,9 +209,9 @@ def test_rank_exit_mid_step_survivors_name_it():
 
 
 # ------------------------------------------------------------------------------ a rank stops calling
-def rank_stops_calling_then_rebuild(port):
+def rank_stops_calling_then_rebuild(port, layout_kind):
     r = dist.get_rank()
-    moe, w13, w2 = _build()
+    moe, w13, w2 = _build(layout_kind=layout_kind)
     x, ids, w = _step_inputs(0)
     first = moe.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS)
     check_against_dense(first, x, ids, w, w13, w2)
@@ -216,8 +221,12 @@ def rank_stops_calling_then_rebuild(port):
         time.sleep(2 * TIMEOUT_S)  # rank 0 (the store's host) stops calling for a while
     exc, elapsed = _timed(moe.forward, x1, ids1, w1, num_tokens_across_dp=MAX_TOKENS)
     out["fail"] = _describe(exc, elapsed)
-    # teardown after the failed step: idempotent, before the process group, no collective
-    _teardown(moe)
+    # teardown after the failed step: idempotent, before the process group, no collective (the
+    # symmetric layout's heap frees locally: the group's arrival board says it is broken)
+    exc, out["teardown_s"] = _timed(_teardown, moe)
+    out["teardown"] = _describe(exc, out["teardown_s"])
+    heap = getattr(moe.layout, "heap", None)
+    out["heap_released"] = heap is None or (heap.closed and heap.live() == [])
     with pytest.raises(MoonEPStateError):
         moe.pool.get(1)
     with pytest.raises(MoonEPStateError):
@@ -226,7 +235,7 @@ def rank_stops_calling_then_rebuild(port):
     _rebuild_group(port)
     out["rebuild_s"] = time.monotonic() - t_rb
     # a fresh set in the same process: correct, and bitwise what the first set produced
-    moe2, _, _ = _build()
+    moe2, _, _ = _build(layout_kind=layout_kind)
     again = moe2.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS)
     out["bitwise_after_rebuild"] = torch.equal(first, again)
     out2 = moe2.forward(x1, ids1, w1, num_tokens_across_dp=MAX_TOKENS)
@@ -236,11 +245,16 @@ def rank_stops_calling_then_rebuild(port):
     return out
 
 
-def test_rank_stops_calling_then_teardown_and_recreate():
+@pytest.mark.parametrize("layout_kind", ["replicated", "symmetric"])
+def test_rank_stops_calling_then_teardown_and_recreate(layout_kind):
     """A rank that stops calling leaving its peer waiting forever, or a group rebuilt after teardown computing other
-    bits or leaking arrival boards."""
-    res = _fresh(2, rank_stops_calling_then_rebuild, _free_port())
+    bits or leaking arrival boards. Symmetric: the layout's heap frees were collective after the failed step, so
+    its destroy() was refused ("the process group is unusable") and the heap kept every allocation."""
+    res = _fresh(2, rank_stops_calling_then_rebuild, _free_port(), layout_kind)
     assert not any(isinstance(x, RankFailure) for x in res), res
+    for r in res:
+        assert r["teardown"]["type"] is None, r["teardown"]
+        assert r["heap_released"] and r["teardown_s"] < 1.0, r
     o = res[1]["fail"]  # the rank that kept calling
     assert o["type"] == "MoonEPCollectiveTimeout" and o["timed_out"], o
     assert o["op"] == "dispatch: all_gather(tokens_per_expert)" and o["step"] == 1, o

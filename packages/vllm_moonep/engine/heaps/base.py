@@ -115,6 +115,14 @@ class SymmetricHeap:
     def _local_only(self) -> bool:
         return self.world_size == 1 or self.__dict__.get("_teardown_local", False)
 
+    def _teardown_local_if_broken(self) -> None:
+        """Teardown after a failure on the group releases local memory only: the peers may be gone.
+        Any transport's failure counts (they share the group's arrival board), so a failed step
+        makes a layout's frees local as well as the buffer's."""
+        t = self.__dict__.get("_transport_obj")
+        if t is not None and t.broken:
+            self.__dict__["_teardown_local"] = True
+
     def _all_gather_object(self, obj: Any) -> list[Any]:
         if self._local_only():
             return [obj] * self.world_size if self.world_size > 1 else [obj]
@@ -231,6 +239,7 @@ class SymmetricHeap:
         """Collective, LIFO: free the most recent live allocation on every rank."""
         self._check_open("free")
         self._check_handle(handle, "free")
+        self._teardown_local_if_broken()
         mine = (handle.index, handle.tag)
         every = self._all_gather_object(mine)
         if any(o != mine for o in every):
@@ -270,9 +279,8 @@ class SymmetricHeap:
                 f"{type(self).__name__}.close: {len(self._live)} allocation(s) leaked (still live): {tags}; "
                 "destroy their owners first (LIFO) or close(force=True)"
             )
+        self._teardown_local_if_broken()
         t = self.__dict__.get("_transport_obj")
-        if t is not None and t.broken:
-            self.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
         while self._live:
             self.free(self._live[-1])
         self._close()

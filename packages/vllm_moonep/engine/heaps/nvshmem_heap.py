@@ -261,7 +261,8 @@ class NvshmemHeap(SymmetricHeap):
     def _free(self, handle: HeapHandle) -> None:
         torch.cuda.synchronize(self.device)
         self._host_barrier()
-        self._core.free_tensor(handle._impl["base"])
+        if not self.__dict__.get("_teardown_local", False):  # nvshmem_free is collective: not with peers gone
+            self._core.free_tensor(handle._impl["base"])
 
     def _close(self) -> None:
         if self._scratch is not None and not self.__dict__.get("_teardown_local", False):
