@@ -17,18 +17,21 @@ start=$(date +%s)
 # A fresh .venv takes about 10 GiB (vLLM's pinned CUDA build of torch and its libraries). Where the
 # disk has less, pip stops half-way with "No space left on device": say so up front, and again after
 # pip's own error so that it is the last thing a log's tail shows.
+low_space() {  # under 11 GiB free where .venv lives
+  [ "$(df -Pk .venv | awk 'NR==2 {print $4}')" -lt $((11 * 1024 * 1024)) ] 2>/dev/null
+}
 space_note() {
   local free_gib; free_gib=$(df -Pk .venv | awk 'NR==2 {printf "%.1f", $4 / 1048576}')
   echo "setup: $free_gib GiB free on $(df -P .venv | awk 'NR==2 {print $6}') where .venv lives; a fresh" \
        ".venv (torch + vLLM 0.33) takes about 10 GiB: free some space (old clones, pip caches) first" >&2
 }
-if ! .venv/bin/python -c 'import vllm' >/dev/null 2>&1 \
-    && [ "$(df -Pk .venv | awk 'NR==2 {print $4}')" -lt $((11 * 1024 * 1024)) ]; then
+if ! .venv/bin/python -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)' \
+    && low_space; then
   space_note
 fi
 # No pip cache: the wheels come from local indexes, and a cached copy of torch would cost GBs more.
 export PIP_NO_CACHE_DIR=1
 .venv/bin/python -m pip install -q --upgrade pip
 # vLLM 0.33 pins its torch; pip resolves both together.
-.venv/bin/python -m pip install -q -e ".[vllm,dev]" || { rc=$?; space_note; exit "$rc"; }
+.venv/bin/python -m pip install -q -e ".[vllm,dev]" || { rc=$?; if low_space; then space_note; fi; exit "$rc"; }
 echo "setup: done in $(( $(date +%s) - start ))s ($(.venv/bin/python -c 'import torch, vllm; print("torch", torch.__version__, "vllm", vllm.__version__)' 2>/dev/null | tail -1))"
