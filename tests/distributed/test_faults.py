@@ -402,8 +402,9 @@ def test_symmetric_heap_collectives_are_bounded():
 
 
 # ------------------------------------------------------------------------------ symmetric transport
-def symmetric_rank_stops_calling():
-    """Rank 1 skips dispatch #1; rank 0's wait for its counts must give up within the bound and name it."""
+def symmetric_rank_stops_calling(then):
+    """Rank 1 skips dispatch #1; rank 0's wait for its counts must give up within the bound and name it.
+    ``then``: rank 0 tries another dispatch before its teardown, or tears down at once."""
     from vllm_moonep.engine import Buffer
 
     r, R = dist.get_rank(), dist.get_world_size()
@@ -420,25 +421,35 @@ def symmetric_rank_stops_calling():
     if r == 0:
         exc, elapsed = _timed(buf.dispatch, x, w, ids, tpe)  # step 1: rank 1 never comes
         out = _describe(exc, elapsed)
-        exc2, _ = _timed(buf.dispatch, x, w, ids, tpe)  # and the buffer refuses further steps
-        out["after"] = type(exc2).__name__ if exc2 else None
+        if then == "dispatch":
+            exc2, _ = _timed(buf.dispatch, x, w, ids, tpe)  # and the buffer refuses further steps
+            out["after"] = type(exc2).__name__ if exc2 else None
+        heap = buf._sym.heap
+        exc3, out["teardown_s"] = _timed(buf.destroy)  # local after the failure
+        out["teardown"] = type(exc3).__name__ if exc3 else None
+        out["heap_released"] = heap.closed and heap.live() == []
     else:
         time.sleep(TIMEOUT_S + SLACK_S + 1.0)
-    buf.destroy()  # local after the failure on rank 0; rank 1's heap free is collective, bounded
+        _timed(buf.destroy)  # its heap free is collective: bounded, then local (rank 0 is gone from it)
     return out
 
 
-def test_symmetric_transport_wait_is_bounded_and_names_the_peer():
+@pytest.mark.parametrize("then", ["dispatch", "destroy"])
+def test_symmetric_transport_wait_is_bounded_and_names_the_peer(then):
     """A device/host-side signal wait that hangs forever, or reports without naming the peer that
-    never signalled, when a rank stops calling."""
-    res = _fresh(2, symmetric_rank_stops_calling)
+    never signalled, when a rank stops calling. Then teardown: with no call after the failed one,
+    the buffer did not know its group had failed, so destroy() waited on a collective free for the
+    absent peer (until it came, or the bound) instead of releasing its memory at once."""
+    res = _fresh(2, symmetric_rank_stops_calling, then)
     r0 = res[0]
     assert not isinstance(r0, RankFailure), r0
     assert r0["type"] == "MoonEPCollectiveTimeout", r0
     assert r0["missing"] == [1] and "token counts" in r0["op"], r0
     assert "first rank 1" in r0["msg"] and "timed out" in r0["msg"]
     assert TIMEOUT_S <= r0["elapsed"] <= TIMEOUT_S + SLACK_S, r0
-    assert r0["after"] in ("MoonEPStateError", "MoonEPCollectiveTimeout"), r0
+    if then == "dispatch":
+        assert r0["after"] in ("MoonEPStateError", "MoonEPCollectiveTimeout"), r0
+    assert r0["teardown"] is None and r0["heap_released"] and r0["teardown_s"] < 1.0, r0
 
 
 # ------------------------------------------------------------------------------ allocation refused

@@ -190,3 +190,24 @@ def test_slot_pool_validation():
     sp.destroy()
     sp.destroy()
     heap.close()
+
+
+def test_owner_teardown_after_a_forced_close_and_a_retried_destroy_are_no_ops():
+    """After heap.close(force=True) (what the 'leaked' message advises), every owner's destroy()
+    raised 'the heap was closed' for good; and a layout destroy retried after its first free went
+    through freed that allocation again ('double free'), so the layout could never be destroyed."""
+    E, B = 4, 2
+    w13, w2 = global_weights(E, H, I, seed=3)
+    heap = make_heap("host")
+    first = SymmetricWeightLayout(w13.clone(), w2.clone(), E, B, heap=heap)
+    second = SymmetricWeightLayout(w13.clone(), w2.clone(), E, B, heap=heap)
+    heap.free(second._w2)  # a teardown that stopped after its first free (the second raised)
+    second.destroy()  # the retry frees what is left and completes
+    with pytest.raises(MoonEPStateError, match="destroyed"):
+        second.grouped_weights()
+    assert len(heap.live()) == 2
+    heap.close(force=True)
+    first.destroy()  # the heap already released its memory: nothing to do, no error
+    assert heap.closed and heap.live() == []
+    with pytest.raises(MoonEPStateError, match="closed"):
+        heap.allocate((4,), torch.int32, "after_close")

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, make_buffer, resolve_device
 from vllm_moonep.engine.defaults import say_once
+from vllm_moonep.engine.teardown import each
 
 MIN_CAPACITY = 128
 
@@ -131,17 +132,12 @@ class MoonEPBufferPool:
 
     def destroy(self) -> None:
         """Destroy every buffer, newest first; idempotent. With the built-in engine this issues no
-        collective, so it also works after a failed step. Call before the process group is
-        destroyed. Every buffer is destroyed even if one raises (the first error is re-raised)."""
+        collective on the collective transport, and on the symmetric one frees heap memory
+        collectively, locally after a failed step: it works after a failure either way. Call
+        before the process group is destroyed. Every buffer is destroyed even if one raises (the
+        first error is re-raised)."""
         self._destroyed = True
         self._staging = None
         self._staging_views = {}
-        first = None
-        while self.buffers:
-            _, buf = self.buffers.popitem()
-            try:
-                buf.destroy()
-            except Exception as exc:  # keep tearing down; report the first failure
-                first = first or exc
-        if first is not None:
-            raise first
+        newest_first = [self.buffers.popitem()[1] for _ in range(len(self.buffers))]
+        each(lambda buf: buf.destroy(), newest_first)

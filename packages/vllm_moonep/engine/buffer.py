@@ -280,6 +280,14 @@ class Buffer:
                 self.transport.mark_broken(f"symmetric transport: {str(exc).split(':')[0]}")
                 raise
 
+    def _mark_if_recorded(self) -> None:
+        """A failure the symmetric transport's error board recorded (a wait that gave up, an id
+        out of range) makes the group unusable for every MoonEP object on it (the arrival board
+        carries it): later steps are refused and teardown frees locally."""
+        sym = self._sym
+        if sym is not None and sym.board.is_set and not self.transport.broken:
+            self.transport.mark_broken(f"symmetric transport: {str(sym.board.error()).split(':')[0]}")
+
     def _alive(self, what: str) -> None:
         if self._destroyed:
             raise MoonEPStateError(f"Buffer.{what}: the buffer was destroyed")
@@ -367,8 +375,12 @@ class Buffer:
                                        or not 0 <= num_tokens <= self.S):
             raise MoonEPInputError(f"dispatch: num_tokens must be an int in [0, S={self.S}], got {num_tokens!r}")
         if self._sym is not None:
-            hidden_nvsh, route_nvs, cu, gp = self._sym.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
-                                                                tokens_per_expert, num_tokens)
+            try:
+                hidden_nvsh, route_nvs, cu, gp = self._sym.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
+                                                                    tokens_per_expert, num_tokens)
+            except BaseException:
+                self._mark_if_recorded()
+                raise
             plan = Plan(experts_to_copy=gp.experts_to_copy, global_plan=gp, owner=id(self), step=self._step,
                         cu_seqlens=cu, rows=self._sym.rows32 if self._sym.on_gpu else None,
                         live_ends=self._sym.ends32 if self._sym.on_gpu else None)
@@ -491,7 +503,11 @@ class Buffer:
             raise MoonEPInputError(
                 f"combine: route_weights_nvs must be contiguous float32 [NvS={self.NvS}] on {self.device}, got {desc}")
         if self._sym is not None:
-            out, rw = self._sym.combine(hidden_nvsh, route_weights_nvs)
+            try:
+                out, rw = self._sym.combine(hidden_nvsh, route_weights_nvs)
+            except BaseException:
+                self._mark_if_recorded()
+                raise
             return out, rw, None
         tr = self.transport
         tr.step = mine.step
@@ -522,15 +538,18 @@ class Buffer:
         if self._destroyed:
             return
         self._destroyed = True
+        self._mark_if_recorded()  # a failed wait not raised yet (GPU steps record; nothing re-checked)
         sym, self._sym = getattr(self, "_sym", None), None
         try:
             if sym is not None:
                 heap = sym.heap
                 if self.transport.broken:
                     heap.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
-                sym.close()
-                if self._owns_heap:
-                    heap.close(force=True)
+                try:
+                    sym.close()
+                finally:
+                    if self._owns_heap:
+                        heap.close(force=True)
         finally:
             self.transport.close()
 

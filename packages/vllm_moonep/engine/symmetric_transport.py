@@ -94,6 +94,14 @@ class SymmetricTransport:
 
     def __init__(self, heap, *, R: int, rank: int, S: int, K: int, H: int, E: int, B: int, NvS: int,
                  token_padding: int, dtype: torch.dtype, timeout_s: float, num_sms: int | None = None):
+        self._handles: list = []
+        try:
+            self._setup(heap, R, rank, S, K, H, E, B, NvS, token_padding, dtype, timeout_s, num_sms)
+        except BaseException:  # any step after the first allocation: free what was allocated (LIFO)
+            heap.free_all(*self._handles[::-1])
+            raise
+
+    def _setup(self, heap, R, rank, S, K, H, E, B, NvS, token_padding, dtype, timeout_s, num_sms) -> None:
         if not heap.peers_addressable:
             raise MoonEPUnavailableError(
                 f"the symmetric transport needs every peer's memory addressable, and this {type(heap).__name__} "
@@ -117,14 +125,8 @@ class SymmetricTransport:
             ("comb_w", (SK,), torch.float32),
             ("sig", (3, R), torch.int64),
         ]
-        self._handles = []
-        try:
-            for name, shape, dt in specs:
-                self._handles.append(heap.allocate(shape, dt, f"{tag}.{name}"))
-        except BaseException:
-            for h in reversed(self._handles):
-                heap.free(h)
-            raise
+        for name, shape, dt in specs:
+            self._handles.append(heap.allocate(shape, dt, f"{tag}.{name}"))
         self.buf = {name: h.tensor for (name, _, _), h in zip(specs, self._handles)}
         self.buf["sig"].zero_()
         self.buf["counts"].zero_()
@@ -384,7 +386,6 @@ class SymmetricTransport:
             self.inplace.clear()
         self.peer.clear()
         self.buf.clear()
-        for h in reversed(self._handles):
-            self.heap.free(h)
-        self._handles.clear()
+        handles, self._handles = self._handles[::-1], []
+        self.heap.free_all(*handles)
 

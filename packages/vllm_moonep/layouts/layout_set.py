@@ -25,6 +25,7 @@ import torch
 from vllm_moonep.common.memory import MemoryReport
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.heaps import HEAP_KINDS, SymmetricHeap, make_heap
+from vllm_moonep.engine.teardown import each
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout
 
@@ -175,16 +176,13 @@ class LayoutSet:
         if self.destroyed:
             return
         self.destroyed = True
-        try:
-            if self.symmetric:
-                for obj in reversed(self._created):
-                    obj.destroy()
-            else:
-                for layout in reversed(self.layouts):
-                    layout.destroy()
+        failed = True
+        try:  # every object is tried (after a failed step the frees are local), then the first error
+            each(lambda obj: obj.destroy(), reversed(self._created if self.symmetric else self.layouts))
+            failed = False
         finally:
             if self.owns_heap and self.heap is not None:
-                self.heap.close()
+                self.heap.close(force=failed)
 
 
 def build_layouts(kind: str, local: list[tuple[torch.Tensor, torch.Tensor]], num_experts: int, num_slots: int,

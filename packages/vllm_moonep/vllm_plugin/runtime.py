@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_moonep.engine import MoonEPStateError
+from vllm_moonep.engine.teardown import each
 from vllm_moonep.vllm_plugin.checks import check_worker, resolve_heap, resolve_kernel
 from vllm_moonep.vllm_plugin.cudagraphs import check_worker_graphs, graphs_mode
 from vllm_moonep.vllm_plugin.options import MoonEPOptions, options_from_vllm_config
@@ -113,9 +114,11 @@ class _PluginState:
         self.stats = StepStats()
 
     def reset(self) -> None:
-        if self.layouts is not None:
-            self.layouts.destroy()  # layouts and slot pools newest first, then the heap (collective)
-        self.__init__()  # type: ignore[misc]  # reset in place: other modules hold STATE itself
+        try:
+            if self.layouts is not None:
+                self.layouts.destroy()  # layouts and slot pools newest first, then the heap (collective)
+        finally:
+            self.__init__()  # type: ignore[misc]  # reset in place: other modules hold STATE itself
 
     def built_layouts(self) -> list:
         """The layouts built so far in this process (in layer order)."""
@@ -283,14 +286,15 @@ def make_manager_class():
             return self.handle_cache.get_or_create(dict(buffer_kwargs, S=S), make_pool)
 
         def destroy(self):
-            with self.handle_cache._lock:
-                for pool in self._pools:
-                    pool.destroy()
-                self._pools.clear()
-                self.handle_cache._cache.clear()
-            # vLLM destroys the all2all manager before the process group: the layouts, slot pools
-            # and heaps (collective, LIFO) go with it
-            STATE.reset()
+            # vLLM destroys the all2all manager before the process group: the buffers, then the
+            # layouts, slot pools and heaps (collective, LIFO) go with it; each is tried after an error
+            try:
+                with self.handle_cache._lock:
+                    pools, self._pools = self._pools, []
+                    self.handle_cache._cache.clear()
+                    each(lambda pool: pool.destroy(), pools)
+            finally:
+                STATE.reset()
 
     return MoonEPAll2AllManager
 

@@ -50,6 +50,7 @@ from vllm_moonep.engine import (
 )
 from vllm_moonep.engine.row_copy import address_table, copy_rows, live_slot_ids
 from vllm_moonep.engine.heaps import HeapHandle, SymmetricHeap, make_heap
+from vllm_moonep.engine.teardown import each
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -85,6 +86,23 @@ def _rows(handle: HeapHandle) -> torch.Tensor:
 def _check_device(heap: SymmetricHeap, device: torch.device, what: str) -> None:
     if heap.device.type != device.type or (device.type == "cuda" and heap.device.index != device.index):
         raise MoonEPInputError(f"{what}: the weights are on {device}, the {type(heap).__name__} allocates on {heap.device}")
+
+
+def _free_weights(owner: SharedSlotPool | SymmetricWeightLayout) -> None:
+    """Teardown of a pool or layout: its two allocations, newest first. Once both are released
+    (also after an error: the group failed, so released locally) it is destroyed and a heap it
+    made is closed; a retry after an error frees only what is left."""
+    try:
+        owner.heap.free_all(owner._w2, owner._w13)
+    finally:
+        if owner._w2.freed and owner._w13.freed:
+            owner._destroyed = True
+            if isinstance(owner, SharedSlotPool):
+                owner.holder = None
+            else:
+                owner._weights = None
+            if owner._owns_heap:
+                owner.heap.close()
 
 
 class SharedSlotPool:
@@ -164,12 +182,7 @@ class SharedSlotPool:
         """Collective, idempotent; after every layout that uses the pool (LIFO heap)."""
         if self._destroyed:
             return
-        self.heap.free(self._w2)
-        self.heap.free(self._w13)
-        self._destroyed = True
-        self.holder = None
-        if self._owns_heap:
-            self.heap.close()
+        _free_weights(self)
 
 
 class SymmetricWeightLayout:
@@ -497,12 +510,7 @@ class SymmetricWeightLayout:
             return
         if self.slot_pool is not None and self.slot_pool.holder is self:
             self.slot_pool.holder = None
-        self.heap.free(self._w2)
-        self.heap.free(self._w13)
-        self._destroyed = True
-        self._weights = None
-        if self._owns_heap:
-            self.heap.close()
+        _free_weights(self)
 
     def __repr__(self) -> str:
         return (
@@ -515,8 +523,7 @@ class SymmetricWeightLayout:
 def destroy_in_order(*objs: SymmetricWeightLayout | SharedSlotPool) -> None:
     """Destroy layouts and slot pools newest-first (what the LIFO heap needs); collective."""
     alive = [o for o in objs if not getattr(o, "_destroyed", True)]
-    for o in sorted(alive, key=lambda o: o.first_index, reverse=True):
-        o.destroy()
+    each(lambda o: o.destroy(), sorted(alive, key=lambda o: o.first_index, reverse=True))
 
 
 if TYPE_CHECKING:  # the type checker verifies the class honours the protocol it is used through

@@ -37,6 +37,7 @@ import torch
 from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.defaults import group_rank_world, resolve_device
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
+from vllm_moonep.engine.teardown import each
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -236,12 +237,23 @@ class SymmetricHeap:
         self._barrier()
 
     def free(self, handle: HeapHandle) -> None:
-        """Collective, LIFO: free the most recent live allocation on every rank."""
+        """Collective, LIFO: free the most recent live allocation on every rank. A free that fails
+        because the group failed (a peer gone) still releases this rank's memory, then raises; so
+        do the frees after it, locally. An allocation the heap's ``close(force=True)`` already
+        released is not freed again (its owner's teardown after the forced close is a no-op)."""
+        if self._closed and isinstance(handle, HeapHandle) and handle.freed and handle.heap_id == self._id:
+            return
         self._check_open("free")
         self._check_handle(handle, "free")
         self._teardown_local_if_broken()
         mine = (handle.index, handle.tag)
-        every = self._all_gather_object(mine)
+        try:
+            every = self._all_gather_object(mine)
+        except BaseException:
+            self._teardown_local_if_broken()
+            if self._local_only() and not handle.freed and self._live and self._live[-1] is handle:
+                self._release(handle)
+            raise
         if any(o != mine for o in every):
             rows = "; ".join(f"rank {r}: #{o[0]} {o[1]!r}" for r, o in enumerate(every))
             raise MoonEPStateError(f"heap.free is collective: every rank must free the same allocation in the same call; got {rows}")
@@ -254,6 +266,16 @@ class SymmetricHeap:
                 f"heap.free: out-of-order free of {handle.describe()}; this heap frees in LIFO order, so the next "
                 f"allocation to free is {top.describe() if top else '(none)'} (live, oldest first: {live})"
             )
+        self._release(handle)
+
+    def free_all(self, *handles: HeapHandle) -> None:
+        """Teardown's free: ``handles`` in the order given (newest first), skipping those already
+        freed (a retried teardown). After an error the rest are still freed (locally, where the
+        group failed), then the first error is raised."""
+        each(lambda h: None if h.freed else self.free(h), handles)
+
+    def _release(self, handle: HeapHandle) -> None:
+        """Free ``handle``, the top of the LIFO stack, and forget it (the checks are the caller's)."""
         self._free(handle)
         self._live.pop()
         handle.freed = True

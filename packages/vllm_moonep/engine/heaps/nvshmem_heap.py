@@ -270,7 +270,9 @@ class NvshmemHeap(SymmetricHeap):
             self._core.free_tensor(self._scratch)
         self._scratch = None
         _STATE["users"] -= 1
-        if _STATE["users"] == 0 and _STATE["initialised_by_us"]:
+        # finalize is collective too: not after a failure (peers may be gone); NVSHMEM then stays
+        # initialised until the process ends (a fresh set after a failure needs a fresh process)
+        if _STATE["users"] == 0 and _STATE["initialised_by_us"] and not self.__dict__.get("_teardown_local", False):
             try:
                 self._core.finalize()
             finally:
