@@ -401,6 +401,43 @@ def test_symmetric_heap_collectives_are_bounded():
     assert res[0]["closed"] and res[0]["rebuilt"] and res[1]["rebuilt"]
 
 
+def layout_set_peer_leaves_mid_teardown():
+    """Both ranks build a symmetric-shared LayoutSet; rank 1 then stops (never tears down) while
+    rank 0 destroys its set: the first free's collective gives up within the bound, and the rest of
+    the set still goes (locally)."""
+    from vllm_moonep.layouts import build_layouts
+
+    r = dist.get_rank()
+    local = []
+    for n in range(2):
+        w13, w2 = global_weights(E, H, I, 30 + n)
+        local.append(local_experts(w13, w2, r, 2))
+    layouts = build_layouts("symmetric-shared", local, E, B, heap_kind="host")
+    heap = layouts.heap
+    if r == 1:
+        time.sleep(TIMEOUT_S + SLACK_S + 1.0)
+        return {}
+    exc, elapsed = _timed(layouts.destroy)
+    out = _describe(exc, elapsed)
+    out["heap_released"] = heap.closed and heap.live() == []
+    out["layers_destroyed"] = [lay._destroyed for lay in layouts.layouts]
+    exc2, _ = _timed(layouts.destroy)  # the retry after the error: nothing left, no error
+    out["retry"] = type(exc2).__name__ if exc2 else None
+    return out
+
+
+def test_layout_set_teardown_finishes_when_a_peer_leaves_mid_teardown():
+    """A peer gone during teardown: the first heap free timed out and the set's teardown stopped there,
+    keeping every later layer's and slot pool's memory; its heap.close() then raised 'leaked' over the
+    real error."""
+    res = _fresh(2, layout_set_peer_leaves_mid_teardown)
+    r0 = res[0]
+    assert not isinstance(r0, RankFailure), r0
+    assert r0["type"] == "MoonEPCollectiveTimeout" and r0["missing"] == [1], r0
+    assert r0["elapsed"] < TIMEOUT_S + SLACK_S, r0
+    assert r0["heap_released"] and r0["layers_destroyed"] == [True, True] and r0["retry"] is None, r0
+
+
 # ------------------------------------------------------------------------------ symmetric transport
 def symmetric_rank_stops_calling(then):
     """Rank 1 skips dispatch #1; rank 0's wait for its counts must give up within the bound and name it.
@@ -430,7 +467,9 @@ def symmetric_rank_stops_calling(then):
         out["heap_released"] = heap.closed and heap.live() == []
     else:
         time.sleep(TIMEOUT_S + SLACK_S + 1.0)
-        _timed(buf.destroy)  # its heap free is collective: bounded, then local (rank 0 is gone from it)
+        heap = buf._sym.heap
+        exc, elapsed = _timed(buf.destroy)  # its heap free is collective: bounded, then local (rank 0 left)
+        out = {"teardown": _describe(exc, elapsed), "heap_released": heap.closed and heap.live() == []}
     return out
 
 
@@ -450,6 +489,12 @@ def test_symmetric_transport_wait_is_bounded_and_names_the_peer(then):
     if then == "dispatch":
         assert r0["after"] in ("MoonEPStateError", "MoonEPCollectiveTimeout"), r0
     assert r0["teardown"] is None and r0["heap_released"] and r0["teardown_s"] < 1.0, r0
+    # rank 1 never saw a failure: its first free waits for rank 0 (gone), gives up within the bound,
+    # and still releases its memory
+    r1 = res[1]
+    assert not isinstance(r1, RankFailure), r1
+    assert r1["teardown"]["type"] == "MoonEPCollectiveTimeout" and r1["teardown"]["missing"] == [0], r1
+    assert r1["teardown"]["elapsed"] < TIMEOUT_S + SLACK_S and r1["heap_released"], r1
 
 
 # ------------------------------------------------------------------------------ allocation refused

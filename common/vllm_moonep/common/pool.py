@@ -140,4 +140,4 @@ class MoonEPBufferPool:
         self._staging = None
         self._staging_views = {}
         newest_first = [self.buffers.popitem()[1] for _ in range(len(self.buffers))]
-        each(lambda buf: buf.destroy(), newest_first)
+        each(lambda buf: buf.destroy(), newest_first, Exception)  # as it always did: every buffer is tried

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_moonep.engine.defaults import default_num_slots, resolve_device, say_once
-from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 from vllm_moonep.engine.row_copy import MAX_PLANES, copy_rows
 from vllm_moonep.engine.collective import CollectiveTransport
@@ -281,12 +281,16 @@ class Buffer:
                 raise
 
     def _mark_if_recorded(self) -> None:
-        """A failure the symmetric transport's error board recorded (a wait that gave up, an id
-        out of range) makes the group unusable for every MoonEP object on it (the arrival board
-        carries it): later steps are refused and teardown frees locally."""
+        """A wait of the symmetric transport that gave up (its error board recorded it) makes the
+        group unusable for every MoonEP object on it (the arrival board carries it): later steps
+        are refused and teardown frees locally. (A bad expert id is this rank's input error: the
+        step completed on every rank, so teardown stays collective.)"""
         sym = self._sym
-        if sym is not None and sym.board.is_set and not self.transport.broken:
-            self.transport.mark_broken(f"symmetric transport: {str(sym.board.error()).split(':')[0]}")
+        if sym is None or not sym.board.is_set or self.transport.broken:
+            return
+        err = sym.board.error()
+        if isinstance(err, MoonEPCollectiveTimeout):
+            self.transport.mark_broken(f"symmetric transport: {str(err).split(':')[0]}")
 
     def _alive(self, what: str) -> None:
         if self._destroyed:

@@ -97,8 +97,11 @@ class SymmetricTransport:
         self._handles: list = []
         try:
             self._setup(heap, R, rank, S, K, H, E, B, NvS, token_padding, dtype, timeout_s, num_sms)
-        except BaseException:  # any step after the first allocation: free what was allocated (LIFO)
-            heap.free_all(*self._handles[::-1])
+        except BaseException as exc:  # any step after the first allocation: free what was allocated (LIFO)
+            try:
+                heap.free_all(*self._handles[::-1])
+            except Exception as cleanup:  # the set-up's error is the one to see
+                exc.add_note(f"freeing what the set-up had allocated failed too: {type(cleanup).__name__}: {cleanup}")
             raise
 
     def _setup(self, heap, R, rank, S, K, H, E, B, NvS, token_padding, dtype, timeout_s, num_sms) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vllm_moonep.common.memory import MemoryReport
-from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.heaps import HEAP_KINDS, SymmetricHeap, make_heap
 from vllm_moonep.engine.teardown import each
 from vllm_moonep.replicated import ReplicatedWeightLayout
@@ -171,18 +171,18 @@ class LayoutSet:
     # ------------------------------------------------------------------ teardown
     def destroy(self) -> None:
         """Free everything the set holds; idempotent. Symmetric sets: collective, the layouts and
-        slot pools newest first (LIFO heap frees), then the heap if the set made it. Replicated:
+        slot pools newest first (LIFO heap frees), then the heap if the set made it; after a failed
+        collective every object is still tried (locally), then that error is raised. Replicated:
         local. Run before the process group is destroyed."""
         if self.destroyed:
             return
-        self.destroyed = True
-        failed = True
-        try:  # every object is tried (after a failed step the frees are local), then the first error
-            each(lambda obj: obj.destroy(), reversed(self._created if self.symmetric else self.layouts))
-            failed = False
+        try:  # after a collective failed, every object is still tried (its frees go local)
+            each(lambda obj: obj.destroy(), reversed(self._created if self.symmetric else self.layouts),
+                 MoonEPCollectiveTimeout)
         finally:
-            if self.owns_heap and self.heap is not None:
-                self.heap.close(force=failed)
+            if self.owns_heap and self.heap is not None and not self.heap.live():
+                self.heap.close()  # everything released (also after a failure); else the error says why
+        self.destroyed = True  # not after an error: a retry destroys what is left
 
 
 def build_layouts(kind: str, local: list[tuple[torch.Tensor, torch.Tensor]], num_experts: int, num_slots: int,

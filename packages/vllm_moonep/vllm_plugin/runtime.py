@@ -292,7 +292,7 @@ def make_manager_class():
                 with self.handle_cache._lock:
                     pools, self._pools = self._pools, []
                     self.handle_cache._cache.clear()
-                    each(lambda pool: pool.destroy(), pools)
+                    each(lambda pool: pool.destroy(), pools, Exception)  # each pool tries every buffer too
             finally:
                 STATE.reset()
 

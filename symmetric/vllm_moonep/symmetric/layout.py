@@ -41,6 +41,7 @@ from vllm_moonep.common.layout import WEIGHT_TILE, check_local_experts
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, symmetric_accounting
 from vllm_moonep.engine import (
     MoonEPBuffer,
+    MoonEPCollectiveTimeout,
     MoonEPInputError,
     MoonEPPlan,
     MoonEPStateError,
@@ -523,7 +524,8 @@ class SymmetricWeightLayout:
 def destroy_in_order(*objs: SymmetricWeightLayout | SharedSlotPool) -> None:
     """Destroy layouts and slot pools newest-first (what the LIFO heap needs); collective."""
     alive = [o for o in objs if not getattr(o, "_destroyed", True)]
-    each(lambda o: o.destroy(), sorted(alive, key=lambda o: o.first_index, reverse=True))
+    newest_first = sorted(alive, key=lambda o: o.first_index, reverse=True)
+    each(lambda o: o.destroy(), newest_first, MoonEPCollectiveTimeout)
 
 
 if TYPE_CHECKING:  # the type checker verifies the class honours the protocol it is used through

@@ -24,7 +24,9 @@ for each collective ``allocate`` call, and lets every rank address its peers' al
   what is still allocated, in allocation order; ``close()`` refuses (naming the leaked tags)
   while anything is live unless ``force=True``, which frees everything in LIFO order.
 
-Errors leave the heap usable: every check runs before anything changes.
+Errors leave the heap usable: every check runs before anything changes. The one exception is a
+free whose collective failed (a peer gone): the group is unusable then, and the free still
+releases this rank's memory before it raises, so that teardown after a failure finishes.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ import torch
 
 from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.defaults import group_rank_world, resolve_device
-from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
+from vllm_moonep.engine.errors import (
+    MoonEPCollectiveTimeout,
+    MoonEPInputError,
+    MoonEPStateError,
+    MoonEPUnavailableError,
+)
 from vllm_moonep.engine.teardown import each
 
 if TYPE_CHECKING:
@@ -239,10 +246,7 @@ class SymmetricHeap:
     def free(self, handle: HeapHandle) -> None:
         """Collective, LIFO: free the most recent live allocation on every rank. A free that fails
         because the group failed (a peer gone) still releases this rank's memory, then raises; so
-        do the frees after it, locally. An allocation the heap's ``close(force=True)`` already
-        released is not freed again (its owner's teardown after the forced close is a no-op)."""
-        if self._closed and isinstance(handle, HeapHandle) and handle.freed and handle.heap_id == self._id:
-            return
+        do the frees after it, locally."""
         self._check_open("free")
         self._check_handle(handle, "free")
         self._teardown_local_if_broken()
@@ -270,9 +274,9 @@ class SymmetricHeap:
 
     def free_all(self, *handles: HeapHandle) -> None:
         """Teardown's free: ``handles`` in the order given (newest first), skipping those already
-        freed (a retried teardown). After an error the rest are still freed (locally, where the
-        group failed), then the first error is raised."""
-        each(lambda h: None if h.freed else self.free(h), handles)
+        freed (a retried teardown). After a failed collective the rest are still freed (locally:
+        the group failed), then that error is raised; any other error stops at once."""
+        each(lambda h: None if h.freed else self.free(h), handles, MoonEPCollectiveTimeout)
 
     def _release(self, handle: HeapHandle) -> None:
         """Free ``handle``, the top of the LIFO stack, and forget it (the checks are the caller's)."""

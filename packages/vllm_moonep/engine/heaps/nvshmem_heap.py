@@ -49,7 +49,7 @@ FORCE_RMA_ENV = "VLLM_MOONEP_NVSHMEM_FORCE_RMA"
 RMA_SCRATCH_BYTES = 16 * 2**20
 
 #: processes initialise NVSHMEM once; heaps share it
-_STATE = {"initialised_by_us": False, "users": 0}
+_STATE = {"initialised_by_us": False, "users": 0, "stale": False}
 
 
 def nvshmem_status() -> tuple[ModuleType | None, str]:
@@ -155,6 +155,10 @@ class NvshmemHeap(SymmetricHeap):
             torch.cuda.synchronize(self.device)
 
     def _init_nvshmem(self) -> None:
+        if _STATE.get("stale", False):
+            raise MoonEPUnavailableError(
+                "NvshmemHeap: NVSHMEM in this process was left initialised by a teardown after a failed step "
+                "(finalize is collective and peers may be gone); a new NVSHMEM heap needs a fresh process")
         core = self._core
         n_pes = getattr(core, "n_pes", None)
         already = False
@@ -271,8 +275,10 @@ class NvshmemHeap(SymmetricHeap):
         self._scratch = None
         _STATE["users"] -= 1
         # finalize is collective too: not after a failure (peers may be gone); NVSHMEM then stays
-        # initialised until the process ends (a fresh set after a failure needs a fresh process)
-        if _STATE["users"] == 0 and _STATE["initialised_by_us"] and not self.__dict__.get("_teardown_local", False):
+        # initialised, with the failed peers in it, until the process ends (_init_nvshmem refuses it)
+        if self.__dict__.get("_teardown_local", False) and _STATE["initialised_by_us"]:
+            _STATE["stale"] = True
+        if _STATE["users"] == 0 and _STATE["initialised_by_us"] and not _STATE.get("stale", False):
             try:
                 self._core.finalize()
             finally:
