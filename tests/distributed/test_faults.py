@@ -438,6 +438,32 @@ def test_layout_set_teardown_finishes_when_a_peer_leaves_mid_teardown():
     assert r0["heap_released"] and r0["layers_destroyed"] == [True, True] and r0["retry"] is None, r0
 
 
+def heap_force_close_peer_leaves():
+    """Rank 1 stops after both ranks allocated; rank 0 force-closes its heap: the first free's
+    collective gives up within the bound, and the rest is released and the heap closed anyway."""
+    from vllm_moonep.engine.heaps import make_heap
+
+    heap = make_heap("host")
+    for n in range(3):
+        heap.allocate((16,), torch.int32, f"a{n}")
+    if dist.get_rank() == 1:
+        time.sleep(TIMEOUT_S + SLACK_S + 1.0)
+        return {}
+    exc, elapsed = _timed(heap.close, force=True)
+    out = _describe(exc, elapsed)
+    out["closed"] = heap.closed and heap.live() == []
+    return out
+
+
+def test_heap_force_close_finishes_when_a_peer_leaves():
+    """heap.close(force=True) with a peer gone stopped at its first free: the heap stayed open holding
+    the later allocations (a buffer's teardown force-closes the heap it made this way)."""
+    r0 = _fresh(2, heap_force_close_peer_leaves)[0]
+    assert not isinstance(r0, RankFailure), r0
+    assert r0["type"] == "MoonEPCollectiveTimeout" and r0["missing"] == [1], r0
+    assert r0["elapsed"] < TIMEOUT_S + SLACK_S and r0["closed"], r0
+
+
 # ------------------------------------------------------------------------------ symmetric transport
 def symmetric_rank_stops_calling(then):
     """Rank 1 skips dispatch #1; rank 0's wait for its counts must give up within the bound and name it.

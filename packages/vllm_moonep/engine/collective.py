@@ -36,8 +36,9 @@ After a failure the group is unusable (the failed collective may still be pendin
 backend, and a late peer would be matched against it): every transport on that group then
 refuses further collectives with ``MoonEPStateError``. Destroy the buffers, pools and layouts
 (their heap frees turn local once the group failed, so it works after a failure), then the
-process group, then build a fresh set. Note that ``dist.destroy_process_group()`` waits for a pending gloo operation until it
-fails (when the peers tear their group down, or after the group's own timeout).
+process group, then build a fresh set. Note that ``dist.destroy_process_group()`` waits for a
+pending gloo operation until it fails (when the peers tear their group down, or after the
+group's own timeout).
 
 On NCCL, ``work.wait(timeout)`` blocks the host until the collective completes or the bound
 expires (it is a host synchronization, which the built-in engine's dispatch needs anyway for its

@@ -13,18 +13,20 @@ are others, with no copies. Implementations (``impl=``):
 - ``reference``: plain torch, one matmul per non-empty group (CPU or GPU; reads
   ``cu_seqlens`` on the host). The oracle.
 - ``grouped_mm``: three ``torch._grouped_mm`` calls plus elementwise ops, as vLLM 0.33's
-  proof of concept does (bf16 on sm90+, or on CPU where torch runs it), over a source whose used groups are the rows of one
-  dense tensor.
+  proof of concept does (bf16 on sm90+, or on CPU where torch runs it), over a source whose
+  used groups are the rows of one dense tensor.
 - ``triton``: the fused Triton kernels in ``triton_kernels.py`` (any source, pointer table; tile
   bodies in ``triton_tiles.py``; at decode the tiles may run as one launch, ``triton_fused.py``).
 - ``quack``: quack-kernels' varlen grouped GEMM (``quack_impl.py``; an optional extra,
   ``vllm-moonep[quack]``), bf16 on sm90+, over a dense source like ``grouped_mm``.
 - ``auto``: quack where ``api.QUACK_FROM_TOKENS`` says it was measured faster than triton (per
-  shape, from a number of tokens per rank on; the caller passes ``tokens``) and it runs, else triton on CUDA when it is importable, else grouped_mm where it applies on
-  CUDA, else reference (always on CPU: torch's CPU ``_grouped_mm`` is bf16 matmuls, slower there
-  than the reference's float32 ones; ``impl="grouped_mm"`` still runs it on CPU). Said once per process (per outcome), with the reason. An explicit ``impl`` that
-  cannot run raises ``MoonEPInputError`` with why (the import error, the device); its compile and
-  launch errors propagate: no explicit choice falls back to another.
+  shape, from a number of tokens per rank on; the caller passes ``tokens``) and it runs, else
+  triton on CUDA when it is importable, else grouped_mm where it applies on CUDA, else reference
+  (always on CPU: torch's CPU ``_grouped_mm`` is bf16 matmuls, slower there than the reference's
+  float32 ones; ``impl="grouped_mm"`` still runs it on CPU). Said once per process (per
+  outcome), with the reason. An explicit ``impl`` that cannot run raises ``MoonEPInputError``
+  with why (the import error, the device); its compile and launch errors propagate: no explicit
+  choice falls back to another.
 
 Rows past ``cu_seqlens[-1]`` are not computed: the output there is unspecified (zero in the
 reference), and nothing downstream reads them. The rows of each segment's padding tail are written

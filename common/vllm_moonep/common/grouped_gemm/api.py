@@ -211,7 +211,7 @@ QUACK_FROM_TOKENS: dict[tuple[int, int], int] = {(2048, 768): 1024}
 #: CPU grouped_mm is bf16 matmuls, which ran 5-8x slower than the reference's float32 ones on an
 #: AVX2-only CI machine (docs/PERFORMANCE.md, "A/B on CPU ranks"); one kernel on every CPU keeps the
 #: CPU A/B and the tests on the same bits whatever the machine. ``impl="grouped_mm"`` still runs it.
-_CPU_AUTO_WHY = ("; on CPU the float32 reference path, the same on every CPU (torch's CPU _grouped_mm runs bf16 "
+_CPU_AUTO_WHY = ("on CPU the float32 reference path, the same on every CPU: torch's CPU _grouped_mm runs bf16 "
                  "matmuls, 5-8x slower than float32 ones on CPUs without bf16 instructions")
 
 
@@ -230,8 +230,8 @@ def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None) -> tup
     if why_not_triton is None:
         return "triton", "the Triton kernels run here" + note
     if x.device.type == "cpu":
-        ask = "; impl='grouped_mm' asks for it)" if _grouped_mm_usable(x, w) else ")"
-        return "reference", why_not_triton + _CPU_AUTO_WHY + ask + note
+        ask = " (impl='grouped_mm' asks for it)" if _grouped_mm_usable(x, w) else ""
+        return "reference", f"{why_not_triton}; {_CPU_AUTO_WHY}{ask}{note}"
     if _grouped_mm_usable(x, w):
         return "grouped_mm", why_not_triton + note
     return "reference", why_not_triton + "; torch._grouped_mm cannot take these rows or weights" + note

@@ -296,7 +296,9 @@ class SymmetricHeap:
         return sum(h.nbytes for h in self._live)
 
     def close(self, force: bool = False) -> None:
-        """Collective and idempotent. Raises (heap unchanged) while allocations are live, unless ``force``."""
+        """Collective and idempotent. Raises (heap unchanged) while allocations are live, unless ``force``
+        (then they are freed like a teardown's ``free_all``: a collective that fails on the way
+        still leaves every allocation released and the heap closed, then raises)."""
         if self._closed:
             return
         if self._live and not force:
@@ -307,12 +309,17 @@ class SymmetricHeap:
             )
         self._teardown_local_if_broken()
         t = self.__dict__.get("_transport_obj")
-        while self._live:
-            self.free(self._live[-1])
+        failed: MoonEPCollectiveTimeout | None = None
+        try:
+            self.free_all(*self._live[::-1])
+        except MoonEPCollectiveTimeout as exc:  # every allocation was released (locally): close too
+            failed = exc
         self._close()
         self._closed = True
         if t is not None:
             t.close()
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> Self:
         return self

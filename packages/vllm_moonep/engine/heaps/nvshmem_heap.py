@@ -155,7 +155,7 @@ class NvshmemHeap(SymmetricHeap):
             torch.cuda.synchronize(self.device)
 
     def _init_nvshmem(self) -> None:
-        if _STATE.get("stale", False):
+        if _STATE["stale"]:
             raise MoonEPUnavailableError(
                 "NvshmemHeap: NVSHMEM in this process was left initialised by a teardown after a failed step "
                 "(finalize is collective and peers may be gone); a new NVSHMEM heap needs a fresh process")
@@ -278,7 +278,7 @@ class NvshmemHeap(SymmetricHeap):
         # initialised, with the failed peers in it, until the process ends (_init_nvshmem refuses it)
         if self.__dict__.get("_teardown_local", False) and _STATE["initialised_by_us"]:
             _STATE["stale"] = True
-        if _STATE["users"] == 0 and _STATE["initialised_by_us"] and not _STATE.get("stale", False):
+        if _STATE["users"] == 0 and _STATE["initialised_by_us"] and not _STATE["stale"]:
             try:
                 self._core.finalize()
             finally:
