@@ -62,7 +62,7 @@ TEST_DEVICE = os.environ.get("VLLM_MOONEP_TEST_DEVICE", "cpu")
 
 def ranks(world_size: int, fn, *args, **kwargs):
     """Run ``fn(*args)`` on ``world_size`` ranks; skip when launched with another world size. With
-    ``VLLM_MOONEP_TEST_DEVICE=cuda``: ``backend="nccl"``, ``device="cuda"`` unless given, and spawned
+    ``VLLM_MOONEP_TEST_DEVICE=cuda``: ``backend="nccl"``, ``device="cuda"`` unless given. Spawned NCCL
     ranks skip when there are fewer GPUs than ranks."""
     from vllm_moonep.testing.launch import launched_world_size, run_on_ranks
 
@@ -72,7 +72,8 @@ def ranks(world_size: int, fn, *args, **kwargs):
     if TEST_DEVICE == "cuda":
         kwargs.setdefault("backend", "nccl")
         kwargs.setdefault("device", "cuda")
+    if launched is None and kwargs.get("backend") == "nccl":
         n_gpu = _cuda_count()
-        if launched is None and kwargs["backend"] == "nccl" and world_size > n_gpu:
-            pytest.skip(f"VLLM_MOONEP_TEST_DEVICE=cuda: {world_size} NCCL ranks need a GPU each (have {n_gpu})")
+        if world_size > n_gpu:
+            pytest.skip(f"{world_size} NCCL ranks need a GPU each (have {n_gpu})")
     return run_on_ranks(world_size, fn, *args, **kwargs)

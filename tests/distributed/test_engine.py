@@ -37,10 +37,23 @@ def _transport():
 
 
 GPU_ENV = {"VLLM_MOONEP_TEST_DEVICE": "cuda"}
-#: the same checks over the symmetric transport (CPU ranks: the host heap) and, on GPUs, over
-#: the collective one (auto picks symmetric there)
+#: the same checks over the symmetric transport (CPU ranks: the host heap)
 SYM_ENV = {"VLLM_MOONEP_TEST_TRANSPORT": "symmetric"}
-GPU_COLL_ENV = {**GPU_ENV, "VLLM_MOONEP_TEST_TRANSPORT": "collective"}
+
+
+def cuda_params(transports=("symmetric", "collective")):
+    """``(env, launch)`` of every CUDA case: each transport on both placements, every rank process on
+    the one GPU (gloo moving CUDA tensors; the symmetric transport on PyTorch symmetric memory across
+    them) and one GPU per rank (NCCL; skipped with fewer GPUs than ranks). The collective transport
+    once wrote unused prefetch slots on CUDA only, while the CUDA cases ran the default (symmetric)."""
+    placements = (("shared-gpu", {}, pytest.mark.gpu),
+                  ("gpu-per-rank", {"backend": "nccl", "device": "cuda"}, pytest.mark.multi_gpu))
+    return [pytest.param({**GPU_ENV, "VLLM_MOONEP_TEST_TRANSPORT": t}, launch, marks=mark, id=f"{t}-{where}")
+            for t in transports for where, launch, mark in placements]
+
+
+#: the CPU cases of tests that also run on CUDA: ``(env, launch)`` as ``cuda_params``
+CPU_PARAMS = [pytest.param(None, {}, id="collective"), pytest.param(SYM_ENV, {}, id="host-heap")]
 
 
 def traceable_rows(S, H, K, E, B, tp, sigma, seed, uncombined_first=False, num_tokens=None):
@@ -129,30 +142,27 @@ def test_rows_land_where_the_plan_says(R, sigma, env):
         assert slots[0] > 0, "skewed routing must use prefetch slots"
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("env", [GPU_ENV, GPU_COLL_ENV], ids=["symmetric", "collective"])
+@pytest.mark.parametrize("env,launch", cuda_params())
 @pytest.mark.parametrize("R", [2, 4])
-def test_rows_land_where_the_plan_says_cuda(R, env):
-    """The same on CUDA: the symmetric transport's kernels (auto) and the collective one."""
-    slots = ranks(R, traceable_rows, 24, 16, 4, 16, 16 // R, 8, 2.5, 7 + R, env=env)
+def test_rows_land_where_the_plan_says_cuda(R, env, launch):
+    """The same on CUDA: the symmetric transport's kernels and the collective one."""
+    slots = ranks(R, traceable_rows, 24, 16, 4, 16, 16 // R, 8, 2.5, 7 + R, env=env, **launch)
     assert len(set(slots)) == 1 and slots[0] > 0, "skewed routing must use prefetch slots"
 
 
-@pytest.mark.parametrize("env", [pytest.param(GPU_ENV, marks=pytest.mark.gpu, id="cuda"),
-                                 pytest.param(SYM_ENV, id="host-heap"), pytest.param(None, id="collective")])
+@pytest.mark.parametrize("env,launch", CPU_PARAMS + cuda_params())
 @pytest.mark.parametrize("num_tokens", [None, 0, 5, 24])
-def test_padding_tokens_stay_put(num_tokens, env):
+def test_padding_tokens_stay_put(num_tokens, env, launch):
     """Buffer.dispatch(num_tokens=n): rows of tokens at or past n that moved anyway on the GPU path
     (or real tokens' rows that did not), or real tokens' outputs that changed with it."""
-    ranks(2, traceable_rows, 24, 16, 4, 16, 8, 8, 2.5, 11, False, num_tokens, env=env)
+    ranks(2, traceable_rows, 24, 16, 4, 16, 8, 8, 2.5, 11, False, num_tokens, env=env, **launch)
 
 
-@pytest.mark.parametrize("env", [pytest.param(GPU_ENV, marks=pytest.mark.gpu, id="cuda"),
-                                 pytest.param(SYM_ENV, id="host-heap")])
-def test_padding_reads_zero_after_a_dispatch_with_no_combine(env):
+@pytest.mark.parametrize("env,launch", CPU_PARAMS + cuda_params())
+def test_padding_reads_zero_after_a_dispatch_with_no_combine(env, launch):
     """Combine turns the rows it reads back into padding; a dispatch that follows a dispatch with
     no combine must clear that dispatch's rows itself, else they show through as padding."""
-    ranks(2, traceable_rows, 24, 16, 4, 16, 8, 8, 2.5, 9, True, env=env)
+    ranks(2, traceable_rows, 24, 16, 4, 16, 8, 8, 2.5, 9, True, env=env, **launch)
 
 
 def per_expert_scale(S, H, K, E, B, tp, sigma, seed):
@@ -189,57 +199,74 @@ def test_per_expert_scale_matches_dense(R, env):
     assert slots[0] > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("env", [GPU_ENV, GPU_COLL_ENV], ids=["symmetric", "collective"])
+@pytest.mark.parametrize("env,launch", cuda_params())
 @pytest.mark.parametrize("R", [2, 4])
-def test_per_expert_scale_matches_dense_cuda(R, env):
+def test_per_expert_scale_matches_dense_cuda(R, env, launch):
     """The same on CUDA: an output row combined into the wrong token, or an expert applied to another's rows."""
-    slots = ranks(R, per_expert_scale, 40, 32, 3, 16, 16 // R, 16, 3.0, 5, env=env)
+    slots = ranks(R, per_expert_scale, 40, 32, 3, 16, 16 // R, 16, 3.0, 5, env=env, **launch)
     assert slots[0] > 0
 
 
-def prefetch_slots(R_unused, sigma):
+def prefetch_slots(epr, K, S, B, tp, sigma, seed):
+    """Dispatch skewed routing, then prefetch ``[E+B, 128, 128]`` bf16 weights (16K elements a row,
+    four of the copy kernel's blocks) whose slot rows hold a sentinel: every used slot must become
+    its expert's row, byte for byte, and every unused (-1) slot and home row must stay as it was."""
     r, R = dist.get_rank(), dist.get_world_size()
-    S, H, K, E, B = 32, 8, 4, 4 * R, 4
-    buf = Buffer(S, H, K, E, R, B=B, token_padding=4, device=_device(), transport=_transport())
-    x, w, ids, tpe = _inputs(S, E, K, H, sigma, 21, r, torch.bfloat16)
+    E, H, dev = epr * R, 128, _device()
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=tp, device=dev, transport=_transport())
+    x, w, ids, tpe = _inputs(S, E, K, H, sigma, seed, r, torch.bfloat16)
     _, _, _, plan = buf.dispatch(x, w, ids, tpe)
     g = torch.Generator().manual_seed(99)
-    dev = _device()
-    gate = torch.randn(E + B, 6, H, generator=g).to(torch.bfloat16).to(dev)
-    up = torch.randn(E + B, 6, H, generator=g).to(torch.bfloat16).to(dev)
-    down = torch.randn(E + B, H, 6, generator=g).to(torch.bfloat16).to(dev)
+    # distinct bytes per expert and position: a row copied from the wrong expert or offset differs
+    gate, up, down = (torch.randn(E + B, 128, 128, generator=g).to(torch.bfloat16).to(dev) for _ in range(3))
     sentinel = torch.tensor(-7.0, dtype=torch.bfloat16, device=dev)
     for t in (gate, up, down):
         t[E:] = sentinel
     before = [t.clone() for t in (gate, up, down)]
     buf.prefetch_weight(plan=plan, full_gate_weight=gate, full_up_weight=up, full_down_weight=down)
     etc = plan.experts_to_copy[r].tolist()
-    assert isinstance(etc, list)
-    for t, t0 in zip((gate, up, down), before):
-        assert torch.equal(t[:E], t0[:E])
+    assert isinstance(etc, list) and len(etc) == B
+    for name, t, t0 in zip(("gate", "up", "down"), (gate, up, down), before):
+        assert torch.equal(t[:E].view(torch.int16), t0[:E].view(torch.int16)), f"{name}: a home row was written"
         for b, e in enumerate(etc):
             if e >= 0:
-                assert torch.equal(t[E + b], t0[e])
+                assert torch.equal(t[E + b].view(torch.int16), t0[e].view(torch.int16)), \
+                    f"{name}: slot {b} is not a copy of expert {e} (slots {etc})"
             else:
-                assert bool((t[E + b] == sentinel).all())
-    return sum(e >= 0 for e in etc)
+                assert bool((t[E + b] == sentinel).all()), f"{name}: unused slot {b} was written (slots {etc})"
+    buf.destroy()
+    return [e >= 0 for e in etc]
 
 
-@pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "symmetric"])
-@pytest.mark.parametrize("R", [2, 4])
-def test_prefetch_copies_used_slots_and_leaves_unused(R, env):
+#: (R, experts per rank, K, S, B, token_padding): the shapes on which the collective transport's
+#: prefetch wrote unused slots on CUDA (the host plan's experts_to_copy was a transposed view, and
+#: the copy kernel read a rank's row of it as contiguous ids); the last, B=1, passed even then
+PREFETCH_SHAPES = [(2, 4, 4, 16, 2, 8), (3, 3, 3, 17, 2, 16), (4, 4, 8, 32, 4, 16), (3, 5, 4, 11, 3, 1),
+                   (4, 2, 2, 9, 1, 4)]
+
+
+def _check_prefetch(shape, env, launch):
+    R, epr, K, S, B, tp = shape
+    used = ranks(R, prefetch_slots, epr, K, S, B, tp, 3.0, 21 + R, env=env, **launch)
+    flat = [u for rank in used for u in rank]
+    assert any(flat), "skewed routing must use some slot"
+    if B > 1:
+        assert not all(flat), "some slot must stay unused to check the sentinel"
+
+
+@pytest.mark.parametrize("env,launch", CPU_PARAMS)
+@pytest.mark.parametrize("shape", PREFETCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_prefetch_copies_used_slots_and_leaves_unused(shape, env, launch):
     """prefetch_weight copying the wrong expert into a slot, or writing an unused (-1) slot or a home row."""
-    used = ranks(R, prefetch_slots, R, 3.0, env=env)
-    assert sum(used) > 0
-    assert any(u < 4 for u in used), "some slot must stay unused to check the sentinel"
+    _check_prefetch(shape, env, launch)
 
 
-@pytest.mark.gpu
-def test_prefetch_copies_used_slots_and_leaves_unused_cuda():
-    """The same on CUDA: a slot filled with the wrong expert, or an unused slot or a home row written."""
-    used = ranks(2, prefetch_slots, 2, 3.0, env=GPU_ENV)
-    assert sum(used) > 0
+@pytest.mark.parametrize("env,launch", cuda_params())
+@pytest.mark.parametrize("shape", PREFETCH_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_prefetch_copies_used_slots_and_leaves_unused_cuda(shape, env, launch):
+    """The same on CUDA, where the copy is a Triton kernel reading the plan's slot ids by pointer:
+    a slot filled with the wrong expert, or an unused slot or a home row written."""
+    _check_prefetch(shape, env, launch)
 
 
 def bad_inputs_then_valid():

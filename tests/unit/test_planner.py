@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -74,6 +76,23 @@ def test_invariants_and_reference_agreement(R, sigma):
         d, row = place_entries(gp, r, ids[r])
         assert d.tolist() == dests[r]
         assert row.tolist() == rows[r]
+
+
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_plan_tables_are_dense_row_major(B):
+    """A plan table laid out as a transposed view: values compare equal, but a kernel that reads a
+    rank's row of ``experts_to_copy`` by pointer (the prefetch's copy on CUDA) read other ranks' slot
+    ids, and wrote slots that are unused (-1) on this rank. Every table, here and after ``to()``."""
+    R, E, K, S, tp = 4, 16, 4, 24, 8
+    _, tpe = _routing(R, S, E, K, 2.5, seed=5)
+    gp = plan_global(tpe, S, K, B, tp)
+    for where, plan in (("plan_global", gp), ("GlobalPlan.to", gp.to(torch.device("cpu")))):
+        for f in fields(plan):
+            t = getattr(plan, f.name)
+            assert t.is_contiguous(), f"{where}: {f.name} {list(t.shape)} has strides {t.stride()}"
+    row = gp.experts_to_copy[R - 1]
+    flat = torch.as_strided(gp.experts_to_copy, (B,), (1,), row.storage_offset())
+    assert flat.tolist() == row.tolist(), "rank R-1's slot ids, read as B contiguous values from its row's start"
 
 
 def test_skew_uses_slots_and_balances():

@@ -89,7 +89,8 @@ def split_quotas(count: torch.Tensor, z: torch.Tensor, epn: int, early_exit: boo
 
 @dataclass(frozen=True)
 class GlobalPlan:
-    """The part of the plan every rank computes identically (all tensors on one device).
+    """The part of the plan every rank computes identically (all tensors on one device, each
+    contiguous: kernels read them by raw pointer).
 
     Attributes:
         tpe: ``[R, E]`` all-gathered tokens per expert (int64).
@@ -113,7 +114,7 @@ class GlobalPlan:
 
     def to(self, device: torch.device) -> "GlobalPlan":
         """The same plan with every table on ``device``."""
-        return GlobalPlan(*(getattr(self, f.name).to(device) for f in fields(self)))
+        return GlobalPlan(*(getattr(self, f.name).to(device).contiguous() for f in fields(self)))
 
     def flows(self) -> torch.Tensor:
         """``[R_src, R_dst]`` rows each rank sends to each rank (from the tables alone)."""
@@ -153,7 +154,9 @@ def plan_global(tpe: torch.Tensor, S: int, K: int, B: int, token_padding: int) -
     key = torch.where(remote, alloc * E + e_ids[:, None], torch.full_like(alloc, -1))
     nb = min(B, E)
     top_key, top_e = key.topk(nb, dim=0, largest=True, sorted=True)  # [nb, R]
-    etc = torch.where(top_key >= 0, top_e, torch.full_like(top_e, -1)).T  # [R, nb]
+    # [R, nb], laid out row-major: a transposed view here stayed column-major through .to(int32)
+    # and .to(device), and the prefetch kernel reads ``experts_to_copy[rank]`` as contiguous ids
+    etc = torch.where(top_key >= 0, top_e, torch.full_like(top_e, -1)).T.contiguous()
     if nb < B:
         etc = torch.cat([etc, torch.full((R, B - nb), -1, dtype=etc.dtype, device=dev)], dim=1)
     # slot_of[e, d]: the slot holding e on d, or -1

@@ -145,6 +145,12 @@ def copy_rows(slot_ids: torch.Tensor, dst, *, src=None, table=None, rows_per_sou
     if planes[0][0].device.type == "cuda":
         import triton
 
+        # the kernel reads the slot ids (and the live rule's tables) by raw pointer as dense
+        # vectors: a strided view (a column of a transposed plan) would be read as other slots' ids
+        slot_ids = slot_ids.contiguous()
+        if live is not None:
+            live = (live[0].contiguous(), live[1].contiguous(), live[2])
+
         from vllm_moonep.engine.launch import sm_count
 
         elems = [d[0].numel() for d, _, _ in planes]
