@@ -523,6 +523,65 @@ def test_symmetric_transport_wait_is_bounded_and_names_the_peer(then):
     assert r1["teardown"]["elapsed"] < TIMEOUT_S + SLACK_S and r1["heap_released"], r1
 
 
+# ------------------------------------------------------------------------------ on CUDA, both transports
+def cuda_rank_stops_calling(transport):
+    """Both ranks run step 0 on CUDA tensors; then rank 1 stops calling. Rank 0's step 1 must give
+    up within the bound naming rank 1 (the collective transport raises from the collective; the
+    symmetric one's device-side wait records, and ``check_errors(sync=True)`` raises), and both
+    ranks' teardown must release their memory within the bound."""
+    from vllm_moonep.engine import Buffer
+    from vllm_moonep.testing.routing import route
+
+    r, R = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    S, Hs, Ks, Es = 16, 128, 2, 8
+    buf = Buffer(S, Hs, Ks, Es, R, B=2, token_padding=8, device=dev, transport=transport, timeout_s=TIMEOUT_S)
+    ids, w = route(S, Es, Ks, sigma=1.0, seed=3, rank=r)
+    x = torch.randn(S, Hs, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=Es).to(torch.int32)
+    x, w, ids, tpe = x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev)
+    xn, _, _, plan = buf.dispatch(x, w, ids, tpe)
+    buf.combine(plan, xn)
+    torch.cuda.synchronize()
+    if r == 0:
+        def step():
+            buf.dispatch(x, w, ids, tpe)
+            buf.check_errors(sync=True)
+
+        exc, elapsed = _timed(step)
+        out = _describe(exc, elapsed)
+        exc2, out["teardown_s"] = _timed(buf.destroy)
+        out["teardown"] = type(exc2).__name__ if exc2 else None
+    else:
+        time.sleep(TIMEOUT_S + SLACK_S + 1.0)
+        exc, elapsed = _timed(buf.destroy)
+        out = {"teardown": _describe(exc, elapsed)}
+    return out
+
+
+def _cuda_fault_params():
+    placements = (("shared-gpu", {}, pytest.mark.gpu),
+                  ("gpu-per-rank", {"backend": "nccl", "device": "cuda"}, pytest.mark.multi_gpu))
+    return [pytest.param(t, launch, marks=mark, id=f"{t}-{where}")
+            for t in ("symmetric", "collective") for where, launch, mark in placements]
+
+
+@pytest.mark.parametrize("transport,launch", _cuda_fault_params())
+def test_rank_stops_calling_on_cuda_is_bounded_and_names_the_peer(transport, launch):
+    """On CUDA (every CUDA engine case runs both transports): a wait that hangs when a rank stops
+    calling, one that reports without naming it, or a teardown that then waits on the absent peer."""
+    res = run_on_ranks(2, cuda_rank_stops_calling, transport, env=ENV, fresh=True, allow_failures=True,
+                       timeout_s=120, **launch)
+    r0 = res[0]
+    assert not isinstance(r0, RankFailure), r0
+    assert r0["type"] == "MoonEPCollectiveTimeout" and r0["missing"] == [1], r0
+    assert TIMEOUT_S - 0.2 <= r0["elapsed"] < TIMEOUT_S + SLACK_S, r0
+    assert r0["teardown"] is None and r0["teardown_s"] < 1.0, r0
+    r1 = res[1]
+    assert not isinstance(r1, RankFailure), r1
+    assert r1["teardown"]["elapsed"] < TIMEOUT_S + SLACK_S, r1
+
+
 # ------------------------------------------------------------------------------ allocation refused
 def heap_allocation_refused_on_one_rank():
     """Rank 1 runs under a real address-space limit, so its allocator refuses a 1 GiB allocation

@@ -20,7 +20,8 @@ import logging
 import pytest
 
 from tests.conftest import ranks
-from tests.vllm.test_plugin_options import CPU_ENV, MOONEP_ARGS, TINY_MOE, _configure_vllm_logging, _engine_config
+from tests.vllm import workers as W
+from tests.vllm.test_plugin_options import MOONEP_ARGS, TINY_MOE, _configure_vllm_logging, _engine_config
 
 pytestmark = pytest.mark.vllm
 
@@ -145,7 +146,7 @@ def test_graphs_kept_as_vllm_chooses_for_a_graph_capable_backend(model_dir):
     """vLLM 0.33 forced eager for every moonep run, though the built-in engine's one-node step is capturable;
     or the plugin restored a mode or capture sizes other than vLLM's own for a graph-capable backend."""
     cases = [(_argv(moonep, extra), _argv(moonep, extra, REFERENCE_BACKEND), {}) for moonep, extra in KEPT_CASES.values()]
-    res = ranks(2, rk_graph_configs, model_dir, cases, env=CPU_ENV)[0]
+    res = ranks(2, rk_graph_configs, model_dir, cases, **W.PLATFORM)[0]
     modes = set()
     for name, (ref, ours, lines) in zip(KEPT_CASES, res):
         assert ref["cudagraph_mode"] != "NONE" and ref["capture_sizes"], (name, ref)  # the comparison means something
@@ -176,7 +177,7 @@ def test_graphs_stay_off_where_the_step_is_not_graph_safe(model_dir):
     graph test does not capture), or despite cuda_graphs='off'."""
     cases = [(_argv(moonep, extra), _argv(moonep, extra, REFERENCE_BACKEND), env)
              for moonep, extra, env, _ in OFF_CASES.values()]
-    res = ranks(2, rk_graph_configs, model_dir, cases, env=CPU_ENV)[0]
+    res = ranks(2, rk_graph_configs, model_dir, cases, **W.PLATFORM)[0]
     for (name, (_, _, _, why)), (ref, ours, lines) in zip(OFF_CASES.items(), res):
         assert ref["cudagraph_mode"] != "NONE", (name, ref)  # vLLM would capture with a graph-capable backend
         assert ours["cudagraph_mode"] == "NONE", (name, ours)  # vLLM's switch to eager stands
@@ -187,14 +188,14 @@ def test_enforce_eager_stays_eager_without_a_graph_line(model_dir):
     """--enforce-eager with moonep got graphs back (or a 'kept' line) because the plugin restored a mode vLLM
     never chose."""
     cases = [(_argv(None, ["--enforce-eager"]), _argv(None, ["--enforce-eager"], REFERENCE_BACKEND), {})]
-    (ref, ours, lines), = ranks(2, rk_graph_configs, model_dir, cases, env=CPU_ENV)[0]
+    (ref, ours, lines), = ranks(2, rk_graph_configs, model_dir, cases, **W.PLATFORM)[0]
     assert ref["cudagraph_mode"] == "NONE" and ours == ref and lines == [], (ref, ours, lines)
 
 
 def test_graph_seam_mismatch_leaves_vllm_eager(model_dir):
     """A vLLM whose __post_init__ no longer frames the moonep switch as 0.33 does got its cudagraph mode
     rewritten blindly, or lost the MoonEP seams with it."""
-    res = ranks(2, rk_graph_seam_mismatch, model_dir, env=CPU_ENV)[0]
+    res = ranks(2, rk_graph_seam_mismatch, model_dir, **W.PLATFORM)[0]
     assert res["patched"] is True and len(res["hooked"]) == 10, res["hooked"]  # the MoonEP and config seams stand
     assert any("seam vllm.config.vllm.VllmConfig._set_compile_ranges" in w and "switch to eager for --all2all-backend "
                "moonep then stands" in w for w in res["warnings"]), res["warnings"]

@@ -10,7 +10,8 @@
   warning at load and an error only when moonep is asked for.
 
 The front-end cases run on rank 0 of the 2-rank vLLM CPU pool the other vLLM tests use (building
-vLLM's parser needs a platform: ``VLLM_TARGET_DEVICE=cpu`` there); rank 1 returns ``None``. The
+vLLM's parser needs a platform: ``VLLM_TARGET_DEVICE=cpu`` there; vLLM's own, CUDA, with
+``VLLM_MOONEP_TEST_DEVICE=cuda``: ``workers.PLATFORM``); rank 1 returns ``None``. The
 model is a local ``config.json`` (no weights are needed to make an engine config).
 """
 
@@ -23,10 +24,9 @@ import os
 import pytest
 
 from tests.conftest import ranks
+from tests.vllm import workers as W
 
 pytestmark = pytest.mark.vllm
-
-CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
 
 #: a tiny Qwen3-MoE: E=32 experts, top-4, H=256
 TINY_MOE = {
@@ -315,7 +315,7 @@ def rk_parse_once(model_dir: str, extra: dict):
 # ---------------------------------------------------------------------------- tests
 def test_env_vars_registered_with_vllm_validation():
     """VLLM_MOONEP_* made vLLM warn 'Unknown vLLM environment variable' and fail --fail-on-environ-validation."""
-    res = ranks(2, rk_env_registration, env=CPU_ENV)[0]
+    res = ranks(2, rk_env_registration, **W.PLATFORM)[0]
     assert res["registered"] == sorted(["VLLM_MOONEP_WEIGHT_LAYOUT", "VLLM_MOONEP_TRANSPORT", "VLLM_MOONEP_PLUGIN",
                                         "VLLM_MOONEP_HEAP", "VLLM_MOONEP_COLLECTIVE_TIMEOUT_S"]), res
     assert res["patched_when_disabled"] is False and res["getter"] == "symmetric"
@@ -329,7 +329,7 @@ def test_frontend_accepts_env_options_under_strict_validation(model_dir):
     """SERVING.md's VLLM_MOONEP_WEIGHT_LAYOUT=symmetric stopped `--fail-on-environ-validation` runs."""
     env = {"VLLM_MOONEP_WEIGHT_LAYOUT": "symmetric", "VLLM_MOONEP_TRANSPORT": "collective", "VLLM_MOONEP_PLUGIN": "1"}
     (status, warnings, infos, _), = ranks(2, rk_frontend, model_dir, [(MOONEP_ARGS + ["--fail-on-environ-validation"],
-                                                                       env)], env=CPU_ENV)[0]
+                                                                       env)], **W.PLATFORM)[0]
     assert status == "ok" and warnings == [], warnings
     line = [m for m in infos if "--all2all-backend moonep for" in m]
     assert line, infos
@@ -360,7 +360,7 @@ def test_frontend_rejects_bad_options_when_config_is_made(model_dir):
             a[a.index("--data-parallel-size") + 1] = argv[1]
             argv = []
         cases.append((a + argv + ["--additional-config", json.dumps(extra)], {}))
-    res = ranks(2, rk_frontend, model_dir, cases, env=CPU_ENV)[0]
+    res = ranks(2, rk_frontend, model_dir, cases, **W.PLATFORM)[0]
     for (extra, _, etype, needles), r in zip(BAD, res):
         assert r[0] == "error" and r[1] == etype, (extra, r)
         for n in needles:
@@ -378,7 +378,7 @@ def test_frontend_warns_for_settings_without_effect(model_dir):
         (MOONEP_ARGS + ["--additional-config", json.dumps({"moonep": {"heap": "nvshmem"}})], {}),
         (MOONEP_ARGS + ["--additional-config", json.dumps({"moonep": {"weight_layout": "symmetric"}})], {}),
     ]
-    res = ranks(2, rk_frontend, model_dir, cases, env=CPU_ENV)[0]
+    res = ranks(2, rk_frontend, model_dir, cases, **W.PLATFORM)[0]
     assert all(r[0] == "ok" for r in res), res
     w = [r[1] for r in res]
     assert any("key 'weight_layout' has no effect" in m and '{"moonep": {"weight_layout"' in m for m in w[0]), w[0]
@@ -397,7 +397,7 @@ def test_frontend_warns_for_settings_without_effect(model_dir):
 ], ids=["nvshmem-heap", "torch-heap", "triton"])
 def test_worker_checks_when_ep_group_is_built(extra, needles):
     """heap=nvshmem / impl=triton where they cannot run failed only at the first layer or forward."""
-    res = ranks(2, rk_worker_checks, {"moonep": dict(extra, engine="builtin")}, env=CPU_ENV)
+    res = ranks(2, rk_worker_checks, {"moonep": dict(extra, engine="builtin")}, **W.PLATFORM)
     for r in res:
         assert "error" in r and "MoonEPUnavailableError" in r["error"], r
         for n in needles:
@@ -406,7 +406,7 @@ def test_worker_checks_when_ep_group_is_built(extra, needles):
 
 def test_manager_attached_with_ep_group_and_fallback_explained():
     """vLLM logs 'moonep not supported on CPU, falling back' and our manager was used anyway, unexplained."""
-    res = ranks(2, rk_worker_checks, {"moonep": {"engine": "builtin"}}, env=CPU_ENV)
+    res = ranks(2, rk_worker_checks, {"moonep": {"engine": "builtin"}}, **W.PLATFORM)
     for r in res:
         assert r.get("ours") is True and r["manager"] == "MoonEPAll2AllManager" and r["engine"] == "builtin", r
         assert any("CpuCommunicator has no MoonEP all2all manager" in m and "fallback is replaced" in m
@@ -417,7 +417,7 @@ def test_plugin_load_lines_and_seam_mismatch(model_dir):
     """Silent load, no untested-version warning, and one differing seam broke every vLLM command."""
     import vllm
 
-    res = ranks(2, rk_load_lines, model_dir, env=CPU_ENV)[0]
+    res = ranks(2, rk_load_lines, model_dir, **W.PLATFORM)[0]
     assert len(res["hooked"]) == 12, res["hooked"]
     assert any(m.startswith(f"vllm-moonep 0.1.0 hooked vLLM {vllm.__version__} (12 seams:")
                and "VllmConfig._set_compile_ranges, CompilationConfig.set_splitting_ops_for_v1)" in m
@@ -438,7 +438,7 @@ def test_options_parsed_once_per_config(model_dir):
     manager, each layer's experts, P/F and layout, the start-up line): five and more parses per config."""
     extra = {"moonep": {"weight_layout": "symmetric", "heap": "host", "engine": "builtin", "impl": "reference",
                         "num_prefetch_slots": 4}}
-    for r in ranks(2, rk_parse_once, model_dir, extra, env=CPU_ENV):
+    for r in ranks(2, rk_parse_once, model_dir, extra, **W.PLATFORM):
         assert r["manager"] == "MoonEPAll2AllManager", r
         # the worker used the parsed options: not a count of 1 because nothing read them
         assert "weight_layout=symmetric" in r["summary"] and "heap=host (requested)" in r["summary"], r["summary"]

@@ -34,6 +34,13 @@ ATOL = RTOL = 2e-2
 ON_CUDA = os.environ.get("VLLM_MOONEP_TEST_DEVICE", "cpu") == "cuda"
 
 
+#: how the config-level cases (options, front end, CUDA-graph config builds) launch their ranks:
+#: under vLLM's CPU platform on CPU gloo ranks; with ``VLLM_MOONEP_TEST_DEVICE=cuda``, under vLLM's
+#: own platform choice (CUDA there) on gloo ranks sharing the GPU (they build configs and parse
+#: options: vLLM's platform matters to them, one GPU per rank does not)
+PLATFORM: dict = dict(env={}, backend="gloo") if ON_CUDA else dict(env={"VLLM_TARGET_DEVICE": "cpu"})
+
+
 def device() -> torch.device:
     """This rank's device: its current GPU (with the index) under ``ON_CUDA``, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if ON_CUDA else torch.device("cpu")
