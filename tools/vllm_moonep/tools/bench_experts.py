@@ -23,6 +23,17 @@ before each run by ``triton.testing.do_bench``:
   GEMM with the fused ``silu(gate) * up * route_w`` epilogue, then down), on the same rows; where
   quack cannot run (not installed, compile error) the column reads ``-`` and the reason is printed.
   quack's own tiles unless ``--quack-tuned`` (its autotuner: minutes per new shape);
+- ``vllm``: vLLM 0.33's own ``fused_experts`` (its Triton fused-MoE path: what a user gets without
+  our backend; ``vllm_moonep.testing.vllm_fused.vllm_fused_experts`` says how it is called), on the
+  same rows and weights: the point's real rows as top-1 tokens (``topk_ids`` = the row's group,
+  ``topk_weights`` = its route weight) over ``w13 [E+B, 2I, H]`` (gate rows first, the same values)
+  and ``w_down``, so both compute the same ``sum of route_w * FFN_group(row)``; padding rows are not
+  given to it. Its time includes what it does beyond our kernels: grouping its rows by expert
+  (``moe_align_block_size``; skipped where rows x 4 <= groups, as at decode: vLLM then reads
+  weights per row) and the top-1 K-sum (``moe_sum``), which dispatch and combine do for ours. Its tiles are vLLM's choice for ``E+B``
+  groups (vLLM ships no tuned file for these group counts: its default tiles; the JSON records them).
+  Where vLLM cannot run here (not installed, compiled ops missing, ``--no-vllm``) the column reads
+  ``-`` and the reason is printed;
 - ``floor`` = max(useful FLOP / measured matmul rate, touched weight bytes / measured copy rate),
   useful FLOP = ``6*H*I`` per real row (never padding), touched bytes = ``3*H*I*2`` per non-empty
   group;
@@ -293,6 +304,8 @@ def set_floor(row: dict, ceil: dict) -> None:
                triton_over_floor_launch=row["triton_us"] / (row["floor_us"] + ceil.get("launch_us", 0.0)))
     if row.get("quack_us") is not None:
         row["quack_over_floor"] = row["quack_us"] / row["floor_us"]
+    if row.get("vllm_us") is not None:
+        row["vllm_over_floor"] = row["vllm_us"] / row["floor_us"]
 
 
 def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args):
@@ -321,6 +334,55 @@ def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args):
         del g_q
     except Exception as e:
         fields["quack_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return fields, None
+
+
+def real_rows_as_tokens(x, rw, cu_h, real, dev):
+    """A point's real rows as vLLM's top-1 tokens: ``(hidden [n, H], topk_weights [n, 1] float32,
+    topk_ids [n, 1] int32 = the row's group, row index [n] into the buffer)``; padding rows left out."""
+    idx, gid = [], []
+    start = 0
+    for g, (end, r) in enumerate(zip(cu_h.tolist(), real.tolist())):
+        idx.extend(range(start, start + r))
+        gid.extend([g] * r)
+        start = end
+    rows = torch.tensor(idx, dtype=torch.int64, device=dev)
+    return (x[rows].contiguous(), rw[rows].float().unsqueeze(1).contiguous(),
+            torch.tensor(gid, dtype=torch.int32, device=dev).unsqueeze(1), rows)
+
+
+def _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args):
+    """The vLLM column at one point: ``(fields, error)``. ``error`` (the exception text) when vLLM's
+    fused_experts failed to compile or run here (then no further vLLM runs); a CUDA-graph capture that
+    fails leaves ``vllm_us`` empty with the reason and keeps the eager time. ``err_vllm_vs_triton``:
+    its output against the Triton rows of the same point."""
+    from vllm_moonep.testing.vllm_fused import vllm_moe_config_used
+
+    hv, tw, tid, rows = real_rows_as_tokens(x, rw, cu_h, real, x.device)
+    if hv.shape[0] == 0:
+        return {"vllm_us": None, "vllm_note": "no real rows"}, None
+
+    def f_v():
+        return vllm_fn(hv, w13, w_down, tw, tid)
+
+    try:
+        out_v = f_v()  # the first call compiles
+        torch.cuda.synchronize()
+    except Exception as e:
+        return {"vllm_us": None}, f"{type(e).__name__}: {str(e)[:300]}"
+    fields = {
+        "err_vllm_vs_triton": relative_error(out_v, out_t[rows]),
+        "vllm_eager_us": _bench(f_v, rep=args.rep) * 1e3,
+        "vllm_us": None,
+        "vllm_rows": int(hv.shape[0]),
+        "vllm_config": vllm_moe_config_used(w13, w_down, 1, int(hv.shape[0])),
+    }
+    try:
+        r_v, g_v = _graphed(f_v)
+        fields["vllm_us"] = _bench(r_v, rep=args.rep) * 1e3
+        del g_v
+    except Exception as e:
+        fields["vllm_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return fields, None
 
 
@@ -386,6 +448,14 @@ def _quack_note(row: dict) -> str:
     return f" x{row['quack_over_floor']:.2f} err {row['err_quack_vs_poc']:.1e} unw {row['quack_unwritten']}"
 
 
+def _vllm_note(row: dict) -> str:
+    if row.get("vllm_graph_error"):
+        return f" (eager {row['vllm_eager_us']:.1f} us; graph capture failed: {row['vllm_graph_error'][:120]})"
+    if row.get("vllm_us") is None:
+        return ""
+    return f" x{row['vllm_over_floor']:.2f} err {row['err_vllm_vs_triton']:.1e}"
+
+
 def _quack_version() -> str | None:
     from importlib import metadata
 
@@ -433,6 +503,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
     ap.add_argument("--quack-tuned", action="store_true",
                     help="quack column: quack's autotuner (compiles and times its config space per new shape: minutes)")
+    ap.add_argument("--no-vllm", action="store_true",
+                    help="leave out the vLLM column (vLLM's own fused_experts on the same rows and weights)")
     ap.add_argument("--profile-case", metavar="SHAPE:TOKENS", default=None,
                     help="only run that point's Triton kernels (balanced routing) four times, untimed, and exit: "
                          "the program a profiler wraps (ncu -k regex:_gate_up_kernel|_down_kernel --launch-skip 3 ...)")
@@ -460,6 +532,20 @@ def main(argv=None) -> int:
     ceil = measure_ceilings(dev)
     print(f"# device {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}")
     print("# " + _ceiling_line(ceil, "measured first"), flush=True)
+    # vLLM's own fused_experts (the vllm column), imported after the ceilings are measured
+    vllm_info: dict = {}
+    vllm_fn, vllm_error = None, None  # vllm_error: why the column is empty (then no vLLM runs)
+    if args.no_vllm:
+        vllm_error = "left out (--no-vllm)"
+    else:
+        from vllm_moonep.testing.vllm_fused import VllmFusedUnavailable, vllm_fused_experts
+
+        try:
+            vllm_fn, vllm_info = vllm_fused_experts(dev)
+        except VllmFusedUnavailable as e:
+            vllm_error = str(e)
+    print(f"# vllm: {vllm_info.get('call')} (vLLM {vllm_info.get('vllm')}, platform {vllm_info.get('platform')})"
+          if vllm_error is None else f"# vllm: - ({vllm_error})", flush=True)
 
     rows = []
     tuned_entries = []
@@ -477,10 +563,12 @@ def main(argv=None) -> int:
         prep = tk.prepare_weights(weights, dev)
         q_weights = w13 = None
         why_q = quack_error or quack_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights)
-        if why_q is None:
+        if why_q is None or vllm_error is None:  # quack and vLLM read gate and up as one w13 (gate rows first)
             w13 = torch.empty(G, 2 * I, H, device=dev, dtype=torch.bfloat16)
             w13[:, :I].copy_(w_gate)
             w13[:, I:].copy_(w_up)
+        if why_q is None:
+            assert w13 is not None  # made just above
             q_weights = GroupedWeights([w13[:, :I]], [w13[:, I:]], [w_down], weights.group_pool, weights.group_row,
                                        weights.dense_groups)
         else:
@@ -633,6 +721,11 @@ def main(argv=None) -> int:
                     if quack_error is not None:
                         quack_absent[sname] = quack_error
                         print(f"# quack: - ({quack_error}); no further quack runs", flush=True)
+                vrow: dict = {"vllm_us": None}
+                if vllm_fn is not None and vllm_error is None:
+                    vrow, vllm_error = _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args)
+                    if vllm_error is not None:
+                        print(f"# vllm: - ({vllm_error}); no further vLLM runs", flush=True)
                 row = {
                     "shape": sname, "tokens": tokens, "routing": routing, "maxvio": mv, "NvS": nvs_,
                     "rows": n, "real_rows": real_rows, "busy_groups": busy,
@@ -643,7 +736,7 @@ def main(argv=None) -> int:
                     "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
                     "err_vs_poc": err_tp, "unwritten": unwritten, "config": conf,
                     "groups": G, "rows_per_group": nvs_ / G,
-                    **qrow,
+                    **qrow, **vrow,
                 }
                 set_floor(row, ceil)
                 rows.append(row)
@@ -652,7 +745,7 @@ def main(argv=None) -> int:
                     f"# {sname:14s} t={tokens:5d} {routing:8s} rows={n:6d} real={real_rows:6d} busy={busy:3d} "
                     f"triton {t_tri:9.1f} us  poc {t_poc:9.1f} us  floor {floor_us:9.1f} us ({row['floor_kind']}) "
                     f"x{row['triton_over_floor']:.2f}{_three_note(t_three)}  {row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
-                    f"quack {_us(row['quack_us'])} us{_quack_note(row)}",
+                    f"quack {_us(row['quack_us'])} us{_quack_note(row)}  vllm {_us(row['vllm_us'])} us{_vllm_note(row)}",
                     flush=True,
                 )
             # resource report of the kernels used at this point
@@ -689,17 +782,24 @@ def main(argv=None) -> int:
     print()
     print("Triton us: one launch where the tiles say so (then its tiles as three launches beside it, same run).")
     print()
-    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | floor us | Triton/floor | Triton/(floor+launch) | PoC/floor | quack/floor | useful TFLOP/s | weight GB/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("vLLM us: vLLM's own fused_experts on the same real rows and weights (rows as top-1 tokens; its time includes "
+          "its grouping of rows by expert and the K-sum).")
+    print()
+    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | vLLM us | floor us | Triton/floor | Triton/(floor+launch) | PoC/floor | quack/floor | vLLM/floor | vLLM/Triton | useful TFLOP/s | weight GB/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        v_t = None if r.get("vllm_us") is None else r["vllm_us"] / r["triton_us"]
         print(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['rows']} ({r['real_rows']}) | {r['busy_groups']} | "
-            f"{r['triton_us']:.1f} | {_us(r.get('triton_three_launches_us'))} | {r['poc_us']:.1f} | {_us(r['quack_us'])} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
+            f"{r['triton_us']:.1f} | {_us(r.get('triton_three_launches_us'))} | {r['poc_us']:.1f} | {_us(r['quack_us'])} | "
+            f"{_us(r.get('vllm_us'))} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
             f"{r['triton_over_floor']:.2f} | {r['triton_over_floor_launch']:.2f} | {r['poc_over_floor']:.2f} | "
-            f"{_ratio(r.get('quack_over_floor'))} | "
+            f"{_ratio(r.get('quack_over_floor'))} | {_ratio(r.get('vllm_over_floor'))} | {_ratio(v_t)} | "
             f"{r['triton_tflops_useful']:.0f} | {r['triton_weight_gbs']:.0f} |"
         )
     print()
+    if vllm_error is not None:
+        print(f"# vllm column: - ({vllm_error})")
     for sname, why in quack_absent.items():
         print(f"# quack column for {sname}: - ({why})")
     faster = quack_from_tokens(rows)
@@ -712,6 +812,9 @@ def main(argv=None) -> int:
         "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(), "ceilings": ceil,
         "rows": rows, "resources": resources, "argv": sys.argv,
+        "vllm": {**vllm_info, "absent": vllm_error,
+                 "method": "vLLM's fused_experts on the point's real rows as top-1 tokens over w13 [E+B, 2I, H] and "
+                           "w_down: the same weights and route weights as the Triton column"},
         "quack": {"version": _quack_version(), "tuned": args.quack_tuned, "absent": quack_absent,
                   "faster_regimes": sorted(faster)},
     }
