@@ -1,29 +1,88 @@
 #!/bin/bash
-# Builds .device/vllm/ (git-ignored) for tools/gpu_vllm.sh, on this machine (PyPI reachable, vLLM
-# 0.33 installed in .venv): vllm-py.tar.gz = the installed vllm package's Python (.py, .json,
-# .jinja, py.typed; no compiled extensions) with its dist-info, and wheels/ = cp312 manylinux
-# x86_64 wheels of what the imports of vLLM's config, engine args, fused-MoE layer and modular
-# kernel need and the GPU image lacks (versions as in .venv; the list and the import that needs
-# each: .device/vllm/README.txt after a run, and docs/TESTING.md). About 29 MB; carry it with
-# run(carry=[".device/vllm", ".whl"]).
-# Usage (repo root): bash tools/prepare_vllm_device.sh
+# Builds .device/vllm/ (git-ignored): everything vLLM 0.33 needs on a lent GPU machine that has
+# torch but no vLLM and no network, packed into parts that each travel in one device call.
+# Run here, where PyPI is reachable and `bash scripts/setup.sh` installed vLLM into .venv.
+#
+# The bundle (one tar, xz -9e) holds:
+#   src/       the installed vllm package's Python (.py, .json, .jinja, py.typed; no tests) and its
+#              dist-info (version and entry points: platform detection and plugin loading read them),
+#              plus its compiled extensions that the CUDA path loads: _C_stable_libtorch (92 MB) and
+#              _moe_C_stable_libtorch (45 MB), both built on PyTorch's stable C ABI so they load on
+#              the device's torch 2.11 although vLLM pins 2.14, and the small cumem_allocator,
+#              fs_io_C and spinloop (no PyTorch symbols). Not FlashAttention (_vllm_fa2_C 308 MB,
+#              _vllm_fa3_C 172 MB): the runs use vLLM's Triton attention backend.
+#   wheels/    cp312 manylinux x86_64 wheels of what vLLM's import closure, its engine core and its
+#              OpenAI server need and the device image lacks (versions as in .venv; WHEELS below)
+# then split into parts of PART_MIB (default 58) MiB, one folder each: .device/vllm/part-<k>/ holds
+# bundle.<k> and MANIFEST (the bundle's and every part's sha256, the part count). A call carries one
+# folder (run's carry=[".device/vllm/part-<k>"]); `bash tools/gpu_vllm.sh stage` there keeps the
+# part in the machine's /tmp, and once every part is there joins, checks and unpacks them, so the
+# parts travel in consecutive calls while the machine stays warm (30 s idle). A part plus the
+# working tree must stay under one call's 64 MiB: the script says if it does not.
+#
+# Usage (repo root): bash tools/prepare_vllm_device.sh        (about 3 minutes on 2 cores)
+#   PART_MIB     part size in MiB (default 58)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=.venv/bin/python
 DEST=.device/vllm
-SITE=$(.venv/bin/python -c "import vllm, os; print(os.path.dirname(os.path.dirname(vllm.__file__)))")
-VER=$(.venv/bin/python -c "import vllm; print(vllm.__version__)")
-mkdir -p "$DEST/wheels"
-tar czf "$DEST/vllm-py.tar.gz" -C "$SITE" --exclude='__pycache__' --exclude='*.so' --exclude='*.cu' --exclude='*.cuh' \
-  --exclude='*.cpp' --exclude='*.h' --exclude='vllm-rs' \
-  $(cd "$SITE" && find vllm -type f \( -name '*.py' -o -name '*.json' -o -name '*.jinja' -o -name 'py.typed' \) | sort) \
-  "vllm-$VER.dist-info"
-# name==version as installed in .venv (one version of each)
-PKGS="pyzmq pydantic pydantic_core annotated-types typing-inspection typing_extensions cbor2 oss-harmony openai
-      httpx2 sniffio msgspec pybase64 cachetools xgrammar apache-tvm-ffi fastapi starlette partial-json-parser llguidance"
-for p in $PKGS; do
-  v=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p" 2>/dev/null) || { echo "prepare: $p is not installed in .venv" >&2; exit 1; }
-  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 -d "$DEST/wheels" "$p==$v"
+PART_MIB=${PART_MIB:-58}
+# name as pip knows it; the import that needs each is in docs/TESTING.md ("vLLM on the GPU machine")
+WHEELS="pyzmq pydantic pydantic_core annotated-types typing-inspection typing_extensions cbor2 oss-harmony openai
+        httpx2 sniffio msgspec pybase64 cachetools xgrammar apache-tvm-ffi fastapi starlette partial-json-parser
+        llguidance compressed-tensors uvicorn prometheus-fastapi-instrumentator blake3 lm-format-enforcer
+        outlines_core python-json-logger setproctitle watchfiles python-multipart"
+# the compiled extensions the CUDA path needs (the rest of vllm/*.so is for other kernels)
+SOS="_C_stable_libtorch.abi3.so _moe_C_stable_libtorch.abi3.so cumem_allocator.abi3.so fs_io_C.abi3.so spinloop.abi3.so"
+
+SITE=$($PY -c "import vllm, os; print(os.path.dirname(os.path.dirname(vllm.__file__)))")
+VER=$($PY -c "import vllm; print(vllm.__version__)")
+WORK=$(mktemp -d /tmp/prepare_vllm.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+mkdir -p "$WORK/src" "$WORK/wheels"
+echo "prepare: vLLM $VER from $SITE"
+(cd "$SITE" && find vllm -type f \( -name '*.py' -o -name '*.json' -o -name '*.jinja' -o -name 'py.typed' \) \
+   -not -path '*/__pycache__/*' | sort >"$WORK/files")
+(cd "$SITE" && tar cf - -T "$WORK/files" "vllm-$VER.dist-info" $(printf 'vllm/%s ' $SOS)) | tar xf - -C "$WORK/src"
+for p in $WHEELS; do
+  v=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p" 2>/dev/null) \
+    || { echo "prepare: $p is not installed in .venv (vLLM $VER no longer needs it? drop it from WHEELS)" >&2; exit 1; }
+  if ! $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_35_x86_64 -d "$WORK/wheels" "$p==$v" >"$WORK/pip.log" 2>&1; then
+    grep -v "^WARNING: Location" "$WORK/pip.log" >&2
+    echo "prepare: no cp312 manylinux x86_64 wheel of $p==$v" >&2; exit 1
+  fi
 done
-du -sh "$DEST"
+echo "prepare: $(find "$WORK/src/vllm" -name '*.py' | wc -l) .py files, $(ls "$WORK/wheels" | wc -l) wheels," \
+     "extensions $(cd "$WORK/src/vllm" && du -ch $SOS | tail -1 | cut -f1)"
+echo "prepare: compressing (xz -9e)..."
+tar cf - -C "$WORK" src wheels | xz -9e -T2 -c >"$WORK/bundle.tar.xz"
+rm -rf "$DEST"; mkdir -p "$DEST"
+SHA=$(sha256sum "$WORK/bundle.tar.xz" | cut -d' ' -f1)
+split -b "${PART_MIB}M" -d -a 1 "$WORK/bundle.tar.xz" "$WORK/part."
+N=$(ls "$WORK"/part.* | wc -l)
+{
+  echo "vllm $VER"
+  echo "bundle $SHA $(stat -c %s "$WORK/bundle.tar.xz")"
+  echo "parts $N"
+  k=1; for f in "$WORK"/part.*; do echo "part $k $(sha256sum "$f" | cut -d' ' -f1) $(stat -c %s "$f")"; k=$((k + 1)); done
+  echo "wheels $(cd "$WORK/wheels" && ls | tr '\n' ' ')"
+} >"$WORK/MANIFEST"
+k=1
+for f in "$WORK"/part.*; do
+  mkdir -p "$DEST/part-$k"; mv "$f" "$DEST/part-$k/bundle.$k"; cp "$WORK/MANIFEST" "$DEST/part-$k/"; k=$((k + 1))
+done
+cat "$WORK/MANIFEST" | sed 's/^wheels .*/wheels: see MANIFEST/'
+# what else travels with a part: tracked files and untracked ones that git does not ignore
+TREE=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
+LIMIT=$((64 * 1024 * 1024))
+for d in "$DEST"/part-*; do
+  SZ=$(du -cb "$d" | tail -1 | cut -f1)
+  if (( SZ + TREE > LIMIT )); then
+    echo "prepare: WARNING: $d ($SZ B) + working tree ($TREE B) exceed one call's 64 MiB: lower PART_MIB" >&2
+  fi
+done
+echo "prepare: $N parts in $DEST (working tree $((TREE / 1024 / 1024)) MiB beside each); carry one per call:"
+for k in $(seq 1 "$N"); do echo "  call $k: run(carry=[\"$DEST/part-$k\"], command=\"bash tools/gpu_vllm.sh stage ...\")"; done
