@@ -21,8 +21,9 @@
 #             fused_experts time beside ours (EXPERTS_BENCH_ARGS) -> experts.json, bench_experts.json
 #   model     a bf16 Qwen3-30B-A3B-architecture model (dummy weights) generating through vllm.LLM,
 #             eager and with CUDA graphs, with and without the plugin, and through the OpenAI
-#             server on loopback (vllm_moonep.tools.vllm_model_check; MODEL_ARGS adds options,
-#             e.g. "--dp 2 --moonep" on two GPUs) -> model.json
+#             server on loopback (vllm_moonep.tools.vllm_model_check; MODEL_ARGS adds options, e.g.
+#             "--dp 2 --plugin on --compare-backend allgather_reducescatter" on two GPUs)
+#             -> model.json, summary.txt, model-logs.tar.gz
 #
 # Device-side workarounds (never in the product; docs/TESTING.md lists them):
 #   - vllm/vllm_flash_attn/__init__.py raises ImportError at import unless _vllm_fa2_C or _vllm_fa3_C
@@ -196,11 +197,12 @@ step_tests() {
 step_experts() {
   local rc r2
   echo "=== our layer vs vLLM's fused_experts, then bench_experts with its column ==="
-  VLLM_MOONEP_COMPARE_JSON="$OUT/experts.json" SIG=INT bounded "${EXPERTS_TIMEOUT:-200}" "$PYTHON" -m pytest \
+  VLLM_MOONEP_TEST_COMPARE_JSON="$OUT/experts.json" SIG=INT bounded "${EXPERTS_TIMEOUT:-200}" "$PYTHON" -m pytest \
     tests/gpu/test_vs_vllm_fused_experts.py -q -s -rfEs -p no:cacheprovider 2>&1 | tail -40
   rc=${PIPESTATUS[0]}
   # shellcheck disable=SC2086
-  OUT=$OUT bounded "${BENCH_TIMEOUT:-200}" "$PYTHON" -m vllm_moonep.tools.bench_experts ${EXPERTS_BENCH_ARGS:-} 2>&1 | tail -40
+  OUT=$OUT bounded "${BENCH_TIMEOUT:-200}" "$PYTHON" -m vllm_moonep.tools.bench_experts \
+    ${EXPERTS_BENCH_ARGS:---shapes qwen3-30b-a3b,kimi-k2 --tokens 1,128,4096 --rep 20} 2>&1 | tail -40
   r2=${PIPESTATUS[0]}
   echo "gpu_vllm: experts test exit $rc, bench exit $r2"
   (( rc == 0 )) && rc=$r2
@@ -209,9 +211,14 @@ step_experts() {
 
 step_model() {
   echo "=== a Qwen3-30B-A3B-architecture model through vLLM (vllm_moonep.tools.vllm_model_check ${MODEL_ARGS:-}) ==="
+  local rc
+  # the runs' logs go to one archive: 8 files at most come back from the device
   # shellcheck disable=SC2086
-  bounded "${MODEL_TIMEOUT:-520}" "$PYTHON" -m vllm_moonep.tools.vllm_model_check --out "$OUT" ${MODEL_ARGS:-} 2>&1 | tail -60
-  return "${PIPESTATUS[0]}"
+  bounded "${MODEL_TIMEOUT:-520}" "$PYTHON" -m vllm_moonep.tools.vllm_model_check --out "$OUT" --json model.json \
+    --logs "$ROOT/model-logs" ${MODEL_ARGS:-} 2>&1 | tail -60
+  rc=${PIPESTATUS[0]}
+  tar czf "$OUT/model-logs.tar.gz" -C "$ROOT" model-logs 2>/dev/null
+  return "$rc"
 }
 
 main() {

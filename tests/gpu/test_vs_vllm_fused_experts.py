@@ -12,7 +12,7 @@ I=768, E=128) and Kimi-K2 (H=7168, I=2048, E=384), top-8, 1, 128 and 4096 tokens
 weights (std 1/sqrt(fan_in)) and seeded skewed routing (``vllm_moonep.testing.routing.route``,
 sigma 1). Both outputs are compared with each other and with the float32 dense MoE
 (``vllm_moonep.testing.reference.dense_moe``, used experts only), one line per shape and token count
-(``-s`` shows them), and a JSON (``$VLLM_MOONEP_COMPARE_JSON``, else ``$OUT/vs_vllm_fused_experts.json``
+(``-s`` shows them), and a JSON (``$VLLM_MOONEP_TEST_COMPARE_JSON``, else ``$OUT/vs_vllm_fused_experts.json``
 where ``$OUT`` is set).
 
 Bounds (``vllm_fused.check``): relative Frobenius difference below ``REL_TOL`` (1e-2) and every
@@ -62,7 +62,7 @@ def _has_cuda() -> bool:
 
 
 def _write_report() -> str | None:
-    path = os.environ.get("VLLM_MOONEP_COMPARE_JSON")
+    path = os.environ.get("VLLM_MOONEP_TEST_COMPARE_JSON")
     if not path and os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "vs_vllm_fused_experts.json")
     if not path:
