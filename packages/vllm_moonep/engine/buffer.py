@@ -7,8 +7,6 @@ plan gives it, and returns the expert-grouped shard; ``prefetch_weight`` fills s
 
 from __future__ import annotations
 
-import socket
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,6 +18,7 @@ from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError,
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 from vllm_moonep.engine.row_copy import MAX_PLANES, copy_rows
 from vllm_moonep.engine.collective import CollectiveTransport
+from vllm_moonep.engine.nodes import NodeMap, host_id, ranks_per_node_from_env, resolve_nodes
 from vllm_moonep.engine.protocol import MoonEPPlan
 from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
 
@@ -27,14 +26,11 @@ if TYPE_CHECKING:  # imported where used: the transport loads the Triton kernels
     from torch.distributed import ProcessGroup
 
     from vllm_moonep.engine.heaps.base import SymmetricHeap
+    from vllm_moonep.engine.hybrid_transport import HybridTransport
     from vllm_moonep.engine.symmetric_transport import SymmetricTransport
 
 __all__ = ["Buffer", "Plan", "nvs_rows", "resolve_device", "validate_config"]
 
-
-def _host_id() -> int:
-    """A number that differs between hosts (peers on another host are not addressable)."""
-    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
 
 #: upstream bounds (contract, "Buffer")
 MAX_RANKS = 128
@@ -140,13 +136,18 @@ class Buffer:
     process group; ``None``: the default group), ``explicitly_destroy`` (accepted for upstream
     compatibility: this buffer is always destroyed explicitly). Keywords of this engine:
 
-    - ``transport``: ``"auto"`` | ``"symmetric"`` | ``"collective"`` (``vllm_moonep.engine.select``).
-      ``symmetric``: one-sided writes into peers' buffers on a symmetric heap with device-side
-      signals, no host synchronization and CUDA-graph capturable on GPUs (CPU ranks run the same
-      protocol over the host heap). ``collective``: all-gather + all-to-all (gloo/NCCL). ``auto``
-      takes ``symmetric`` on CUDA when every peer is on this node, else ``collective``.
+    - ``transport``: ``"auto"`` | ``"symmetric"`` | ``"collective"`` | ``"hybrid"``
+      (``vllm_moonep.engine.transports``). ``symmetric``: one-sided writes into peers' buffers on a
+      symmetric heap with device-side signals, no host synchronization and CUDA-graph capturable
+      on GPUs (CPU ranks run the same protocol over the host heap); every peer on this node.
+      ``collective``: all-gather + all-to-all (gloo/NCCL). ``hybrid``: per peer, one-sided writes
+      to peers on this node and one all-to-all to peers on other nodes (host-planned). ``auto``
+      on CUDA: ``symmetric`` on one node, ``hybrid`` across nodes with several ranks on a node,
+      else ``collective``; on CPU ``collective``. Nodes are the hosts, or simulated ones from
+      ``VLLM_MOONEP_RANKS_PER_NODE`` (``engine/nodes.py``; ``buffer.nodes``).
     - ``heap``: the symmetric heap (a ``SymmetricHeap`` spanning the group, or a kind:
       ``"auto"``/``"host"``/``"torch"``/``"nvshmem"``); ``None``: ``auto`` (the buffer owns it).
+      The hybrid transport makes its own heap over this node's ranks and takes a kind only.
     - ``device`` (default: the current CUDA device if available, else CPU), ``dtype`` of the rows
       (bf16 by contract; float32 allowed for exact tests), ``check_inputs`` (validate the values of
       every call on the host: costs a host synchronization on GPU; without it the GPU path still
@@ -158,7 +159,8 @@ class Buffer:
     Faults: when a peer dies or stops calling, the collective transport raises
     ``MoonEPCollectiveTimeout`` within ``timeout_s`` naming the operation, the step and the peer;
     the symmetric transport's device-side waits give up after ``timeout_s`` and the next call (or
-    ``check_errors(sync=True)``) raises the same error. The group is unusable afterwards: every
+    ``check_errors(sync=True)``) raises the same error; the hybrid transport's waits for its node
+    peers raise it at once, naming the late peer. The group is unusable afterwards: every
     call except ``destroy()`` then raises. ``destroy()`` works after a failure (teardown is local
     then); it must run before the process group is destroyed.
     """
@@ -219,31 +221,32 @@ class Buffer:
         self._destroyed = False
         self._step = 0
         self._sym: SymmetricTransport | None = None
-        # Construction is collective: every rank must agree on the shape of the buffer and the
-        # transport; the host each rank runs on tells whether every peer is addressable.
-        asked = TRANSPORTS.index(transport)
-        mine = torch.tensor([S, H, K, E, R, B, token_padding, asked, _host_id()], dtype=torch.int64,
-                            device=self.transport.comm_device)
+        self._hyb: HybridTransport | None = None
+        # Construction is collective: every rank must agree on the shape of the buffer, the
+        # transport and the ranks per simulated node; the host each rank runs on tells which
+        # peers share its node (addressable memory).
         try:
+            rpn = ranks_per_node_from_env()
+            asked = TRANSPORTS.index(transport)
+            mine = torch.tensor([S, H, K, E, R, B, token_padding, asked, rpn or 0, host_id()], dtype=torch.int64,
+                                device=self.transport.comm_device)
             every = self.transport.all_gather(mine, "Buffer.__init__ (config check)").cpu()
+            if not bool((every[:, :9] == mine[:9].cpu()).all()):
+                rows = every[:, :9].tolist()
+                raise MoonEPInputError(
+                    "MoonEP Buffer configuration differs across ranks ([S,H,K,E,R,B,tp,transport,ranks per node "
+                    "(VLLM_MOONEP_RANKS_PER_NODE, 0: unset)] per rank): " + str(rows)
+                )
+            self.nodes: NodeMap = resolve_nodes([int(h) for h in every[:, 9].tolist()], rpn)
+            self.transport_name, why = resolve_transport(transport, self.device.type, nodes=self.nodes)
+            say_once(f"MoonEP built-in engine: transport={self.transport_name} ({why})")
+            if self.transport_name == "symmetric":
+                self._sym = self._make_symmetric(heap, group, num_sms)
+            elif self.transport_name == "hybrid":
+                self._hyb = self._make_hybrid(heap, group)
         except BaseException:
             self.destroy()
             raise
-        if not bool((every[:, :8] == mine[:8].cpu()).all()):
-            self.destroy()
-            rows = every[:, :8].tolist()
-            raise MoonEPInputError(
-                "MoonEP Buffer configuration differs across ranks ([S,H,K,E,R,B,tp,transport] per rank): " + str(rows)
-            )
-        one_node = bool((every[:, 8] == every[0, 8]).all())
-        self.transport_name, why = resolve_transport(transport, self.device.type, one_node)
-        say_once(f"MoonEP built-in engine: transport={self.transport_name} ({why})")
-        if self.transport_name == "symmetric":
-            try:
-                self._sym = self._make_symmetric(heap, group, num_sms)
-            except BaseException:
-                self.destroy()
-                raise
 
     # ------------------------------------------------------------------ helpers
     def _make_symmetric(
@@ -269,6 +272,20 @@ class Buffer:
             raise
         self._owns_heap = owns
         return sym
+
+    def _make_hybrid(self, heap: SymmetricHeap | str | None, group: ProcessGroup | None) -> HybridTransport:
+        from vllm_moonep.engine.heaps import HEAP_KINDS
+        from vllm_moonep.engine.hybrid_transport import HybridTransport
+
+        if heap is not None and not isinstance(heap, str):
+            raise MoonEPInputError(
+                f"transport='hybrid' makes its own heap over this node's ranks; pass a heap kind ({HEAP_KINDS}) or "
+                f"None, not a {type(heap).__name__} spanning the group")
+        if heap is not None and heap not in HEAP_KINDS:
+            raise MoonEPInputError(f"heap kind must be one of {HEAP_KINDS}, got {heap!r}")
+        return HybridTransport(self.transport, self.nodes, group, heap_kind=heap or "auto", S=self.S, K=self.K,
+                               H=self.H, E=self.E, B=self.B, NvS=self.NvS, token_padding=self.token_padding,
+                               dtype=self.dtype, device=self.device)
 
     def check_errors(self, sync: bool = False) -> None:
         """Raise what a device-side wait or check recorded (``sync``: after the stream finished
@@ -392,21 +409,14 @@ class Buffer:
             return hidden_nvsh, route_nvs, cu, plan
         tr = self.transport
         tr.step = self._step
-        tpe_all = tr.all_gather(tokens_per_expert.to(torch.int64), "dispatch: all_gather(tokens_per_expert)")
-        # The plan is made on the host from the small [R, E] table (the one host read of the
-        # step: the transfer sizes come from it too), then its tables go to the device.
-        tpe_host = tpe_all.cpu()
-        # every rank sees the same table, so all refuse together (nothing moved yet): counts that
-        # do not sum to S*K mean ids outside [0, E) were dropped from the count (CUDA counts them
-        # on the device) or a count that is not the ids' bincount
-        short = [r for r, n in enumerate(tpe_host.sum(dim=1).tolist()) if n != self.S * self.K]
-        if short:
-            raise MoonEPInputError(
-                f"dispatch: tokens_per_expert of rank(s) {short} does not sum to S*K = {self.S * self.K} "
-                f"(sums {tpe_host.sum(dim=1).tolist()}): expert ids outside [0, {self.E}) or counts that are not "
-                "the bincount of the ids; sanitize invalid ids first"
-            )
-        gp_host = plan_global(tpe_host, self.S, self.K, self.B, self.token_padding)
+        gp_host = self._plan_on_host(tokens_per_expert)
+        if self._hyb is not None:
+            hidden_nvsh, route_nvs, cu, gp = self._hyb.dispatch(hidden_sh, route_weights_sk, topk_experts_sk, gp_host,
+                                                                self._step)
+            plan = Plan(experts_to_copy=gp.experts_to_copy, global_plan=gp, owner=id(self), step=self._step,
+                        cu_seqlens=cu)
+            self._step += 1
+            return hidden_nvsh, route_nvs, cu, plan
         gp = gp_host if self.device.type == "cpu" else gp_host.to(self.device)
         dest, row = place_entries(gp, self.rank, topk_experts_sk)
         # local entries in (destination, row) order: rows reach each peer already sorted
@@ -444,6 +454,24 @@ class Buffer:
         )
         self._step += 1
         return hidden_nvsh, route_nvs, cu, plan
+
+    def _plan_on_host(self, tokens_per_expert: torch.Tensor) -> GlobalPlan:
+        """All-gather the counts and plan on the host (the collective and hybrid transports): the
+        plan comes from the small [R, E] table, the one host read of the step (the transfer sizes
+        come from it too)."""
+        tpe_all = self.transport.all_gather(tokens_per_expert.to(torch.int64), "dispatch: all_gather(tokens_per_expert)")
+        tpe_host = tpe_all.cpu()
+        # every rank sees the same table, so all refuse together (nothing moved yet): counts that
+        # do not sum to S*K mean ids outside [0, E) were dropped from the count (CUDA counts them
+        # on the device) or a count that is not the ids' bincount
+        short = [r for r, n in enumerate(tpe_host.sum(dim=1).tolist()) if n != self.S * self.K]
+        if short:
+            raise MoonEPInputError(
+                f"dispatch: tokens_per_expert of rank(s) {short} does not sum to S*K = {self.S * self.K} "
+                f"(sums {tpe_host.sum(dim=1).tolist()}): expert ids outside [0, {self.E}) or counts that are not "
+                "the bincount of the ids; sanitize invalid ids first"
+            )
+        return plan_global(tpe_host, self.S, self.K, self.B, self.token_padding)
 
     def _check_plan(self, plan: object, what: str) -> Plan:
         """``plan``, once it is known to be this buffer's latest (else ``MoonEPStateError``)."""
@@ -513,6 +541,9 @@ class Buffer:
                 self._mark_if_recorded()
                 raise
             return out, rw, None
+        if self._hyb is not None:
+            out, rw = self._hyb.combine(hidden_nvsh, route_weights_nvs)
+            return out, rw, None
         tr = self.transport
         tr.step = mine.step
         recv_rows, send_order = mine.recv_rows, mine.send_order
@@ -544,7 +575,10 @@ class Buffer:
         self._destroyed = True
         self._mark_if_recorded()  # a failed wait not raised yet (GPU steps record; nothing re-checked)
         sym, self._sym = getattr(self, "_sym", None), None
+        hyb, self._hyb = getattr(self, "_hyb", None), None
         try:
+            if hyb is not None:
+                hyb.close(local=self.transport.broken is not None)
             if sym is not None:
                 heap = sym.heap
                 if self.transport.broken:
@@ -575,10 +609,11 @@ class Buffer:
 
     @property
     def heap_bytes(self) -> int:
-        """Bytes this buffer holds on its symmetric heap, per rank (the symmetric transport's
-        receive and landing areas, sized once from ``S``; 0 for the collective transport)."""
-        sym = self._sym
-        return 0 if sym is None else sym.nbytes
+        """Bytes this buffer holds on its symmetric heap, per rank (the symmetric or hybrid transport's
+        receive and landing areas, sized once from ``S``; 0 for the collective transport, and for
+        the hybrid one on a rank alone on its node)."""
+        sym, hyb = self._sym, self._hyb
+        return sym.nbytes if sym is not None else hyb.nbytes if hyb is not None else 0
 
     def __repr__(self) -> str:
         if not hasattr(self, "NvS"):

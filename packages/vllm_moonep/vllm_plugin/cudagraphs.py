@@ -13,8 +13,9 @@ graphs it would have chosen for any graph-capable all2all backend.
 - ``cuda_graphs='off'`` (option or ``VLLM_MOONEP_CUDA_GRAPHS``): the user keeps eager;
 - the engine must be the built-in one: ``engine='moonep'``, or ``engine='auto'`` where the real
   ``moonep`` may be taken (``VLLM_MOONEP_ALLOW_MULTICAST=1`` and it is installed), keep eager;
-- the transport must resolve to ``symmetric`` on CUDA: ``transport='collective'`` keeps eager
-  (host-sized collectives), and so does any placement where EP ranks may sit on several nodes
+- the transport must resolve to ``symmetric`` on CUDA: ``transport='collective'`` or ``'hybrid'``
+  keeps eager (host-sized collectives), so does ``VLLM_MOONEP_RANKS_PER_NODE`` (simulated nodes),
+  and so does any placement where EP ranks may sit on several nodes
   (``--nnodes`` > 1, ``--data-parallel-size-local`` below ``--data-parallel-size``: other hosts,
   external or hybrid load balancing, Ray's ``span``; the Ray DP backend; an executor other than
   ``mp``/``uni``, which may place workers anywhere);
@@ -46,12 +47,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_moonep.engine import MoonEPUnavailableError
 from vllm_moonep.engine.defaults import say_once
+from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV
 from vllm_moonep.vllm_plugin.options import MoonEPOptions, MoonEPOptionsError, options_from_vllm_config
 
 log = logging.getLogger("vllm.vllm_moonep")
@@ -105,11 +108,15 @@ def graph_rule(opts: MoonEPOptions, parallel_config) -> tuple[bool, str]:
     if opts.engine == "auto" and _real_moonep_possible():
         return False, (f"engine='auto' may take the real moonep ({OPT_IN_VAR}=1 and it is installed), whose kernels "
                        "are not known to be capturable; engine='builtin' keeps the graphs")
-    if opts.transport == "collective":
-        return False, "transport='collective': its collectives are sized on the host every step"
+    if opts.transport in ("collective", "hybrid"):
+        return False, f"transport={opts.transport!r}: its collectives are sized on the host every step"
     where = one_node(parallel_config)
     if where is not None:
-        return False, f"EP ranks may span nodes ({where}): the transport is then collective, sized on the host"
+        return False, (f"EP ranks may span nodes ({where}): the transport is then hybrid or collective, sized on the "
+                       "host")
+    if os.environ.get(RANKS_PER_NODE_ENV, "").strip():
+        return False, (f"{RANKS_PER_NODE_ENV} simulates nodes: the transport is then hybrid or collective, sized on "
+                       "the host")
     if opts.step_log_interval:
         return False, f"step_log_interval={opts.step_log_interval} reads the plan on the host"
     if opts.impl not in ("auto", "triton"):

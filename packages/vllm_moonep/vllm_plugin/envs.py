@@ -19,6 +19,7 @@ import os
 from vllm_moonep.engine.arrival_board import ARRIVAL_ENV, HEARTBEAT_ENV
 from vllm_moonep.engine.timeouts import TIMEOUT_ENV
 from vllm_moonep.engine.multicast import OPT_IN_VAR
+from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV
 from vllm_moonep.vllm_plugin.options import ENV_VARS, PLUGIN_ENV
 
 log = logging.getLogger("vllm.vllm_moonep")
@@ -35,10 +36,12 @@ LAUNCHER_ENV_VARS = (
     "VLLM_MOONEP_TEST_DEVICE",
     "VLLM_MOONEP_TEST_GROUP_TIMEOUT_S",
     "VLLM_MOONEP_TEST_TRANSPORT",
+    "VLLM_MOONEP_TEST_COMPARE_JSON",  # tests/gpu/test_vs_vllm_fused_experts.py: where its figures go
 )
 
 #: every VLLM_MOONEP_* name this project reads
-KNOWN_ENV_VARS = tuple(ENV_VARS.values()) + (PLUGIN_ENV, TIMEOUT_ENV, ARRIVAL_ENV, HEARTBEAT_ENV, OPT_IN_VAR) \
+KNOWN_ENV_VARS = tuple(ENV_VARS.values()) + (PLUGIN_ENV, TIMEOUT_ENV, ARRIVAL_ENV, HEARTBEAT_ENV, OPT_IN_VAR,
+                                            RANKS_PER_NODE_ENV) \
     + LAUNCHER_ENV_VARS \
     + ("VLLM_MOONEP_NVSHMEM_FORCE_RMA",  # NvshmemHeap: every peer read by RMA (engine/heaps/nvshmem_heap.py)
        "VLLM_MOONEP_FAST_LAUNCH",  # 0: Triton's ordinary launch for every engine kernel (engine/launch.py)

@@ -153,12 +153,14 @@ def _transport_text(opts: MoonEPOptions, engine: str, device: torch.device, buff
         return f"transport=the {engine} engine's own"
     chosen = getattr(buffer, "transport_name", None)
     if chosen is not None:  # what the built-in engine picked (it knows whether every peer is on this host)
-        why = resolve_transport(opts.transport, device.type, peers_addressable=chosen == "symmetric")[1]
+        why = resolve_transport(opts.transport, device.type, peers_addressable=chosen == "symmetric",
+                                nodes=getattr(buffer, "nodes", None))[1]
         return f"transport={chosen} ({'auto: ' if opts.transport == 'auto' else ''}{why})"
     if opts.transport == "auto" and device.type == "cuda":
         heap = STATE.layouts.heap if STATE.layouts is not None else None
         if heap is None:  # addressability is known only to a heap
-            return "transport=symmetric if every EP peer is a GPU of this node, else collective (auto)"
+            return ("transport=symmetric if every EP peer is a GPU of this node, else hybrid (several ranks on a "
+                    "node) or collective (auto)")
         name, why = resolve_transport("auto", "cuda", heap.peers_addressable)
     else:
         name, why = resolve_transport(opts.transport, device.type)

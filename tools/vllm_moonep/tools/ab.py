@@ -44,7 +44,8 @@ from vllm_moonep.common.memory import (EXPLAIN_ABOVE, MemoryReport, expert_bytes
                                        held_tensor_bytes, measured_bytes, peak_rss, release_freed_memory,
                                        replicated_accounting, reset_peak, resident_bytes)
 from vllm_moonep.common.timing import PHASES, NullTimer, PhaseTimer
-from vllm_moonep.engine import Buffer, current_cuda_device, default_num_slots
+from vllm_moonep.engine import TRANSPORTS, Buffer, current_cuda_device, default_num_slots
+from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV
 from vllm_moonep.engine.heaps import HEAP_KINDS, HostHeap, SymmetricHeap
 from vllm_moonep.layouts import LAYOUT_KINDS, build_layouts
 from vllm_moonep.testing.launch import (add_launch_arguments, comm_device, finish_launched_group, init_launched_group,
@@ -120,7 +121,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_steps, device, configs, impl, slots,
-              budget_gb, max_ref_err=MAX_REF_ERR, backend="auto", share_gpus=False, heap="auto", graphs=False) -> None:
+              budget_gb, max_ref_err=MAX_REF_ERR, backend="auto", share_gpus=False, heap="auto", graphs=False,
+              transport="auto", ranks_per_node=None) -> None:
     """Every choice of a run, checked before any rank is spawned; ``ValueError`` names the first problem."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -173,6 +175,18 @@ def check_run(*, preset, ranks, layers, tokens, maxvios, steps, warmup, check_st
         raise ValueError(f"max_ref_err must be > 0, got {max_ref_err}")
     if graphs and device != "cuda":
         raise ValueError("--graphs times CUDA-graph replays of the step: it needs --device cuda")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1
+                                       or ranks % ranks_per_node):
+        raise ValueError(f"--ranks-per-node {ranks_per_node} must be a positive divisor of --ranks {ranks} "
+                         "(simulated nodes are blocks of equal size)")
+    several = ranks_per_node is not None and ranks_per_node < ranks
+    if several and transport == "symmetric":
+        raise ValueError(f"--transport symmetric needs every rank on one node; --ranks-per-node {ranks_per_node} "
+                         "makes several: use hybrid, collective or auto")
+    if several and graphs:
+        raise ValueError("--graphs needs the symmetric transport (one node); --ranks-per-node makes several nodes")
     if graphs and impl not in ("auto", "triton"):
         raise ValueError(f"--graphs needs the Triton expert kernels (--impl auto or triton): --impl {impl} reads "
                          "group sizes on the host, which a CUDA graph cannot capture")
@@ -258,7 +272,8 @@ def build_ours(cfg: str, shape: dict, local: list, device: torch.device, impl: s
     their heap's home rows (their own storage is released), so the home experts are held once."""
     R, E, B = dist.get_world_size(), shape["experts"], shape["slots"]
     pool = MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=E, num_ep_ranks=R, B=B, token_padding=128,
-                                 device=device), max_tokens_per_rank=shape["max_tokens"], engine="builtin")
+                                 device=device, transport=shape.get("transport", "auto")),
+                            max_tokens_per_rank=shape["max_tokens"], engine="builtin")
     heap_options = {"heap_kind": heap_kind, "adopt_parameters": True} if cfg != "replicated" else {}
     layouts = build_layouts(cfg, local, E, B, **heap_options)
     return Built(moes=[MoonEPMoE(pool, lay, impl=impl) for lay in layouts.layouts], pool=pool,
@@ -575,8 +590,11 @@ def _percentile(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def environment(device_kind: str, ranks: int, launch=None, heap: str = "auto") -> dict:
+def environment(device_kind: str, ranks: int, launch=None, heap: str = "auto", transport: str = "auto",
+                ranks_per_node: int | None = None) -> dict:
     env = {
+        "transport": transport,
+        "ranks_per_node": ranks_per_node,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),
@@ -688,7 +706,7 @@ def summarize_point(res: list[dict], *, tokens: int, maxvio: float, sigma: float
 def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=(0.0, 1.0, 2.0), steps=3, warmup=1,
            check_steps=1, device="cpu", seed=0, configs=None, impl="auto", slots=None, budget_gb=None,
            out_dir="moonep-ab-out", plots=True, progress=True, max_ref_err=MAX_REF_ERR, backend="auto",
-           share_gpus=False, heap="auto", graphs=False) -> dict:
+           share_gpus=False, heap="auto", graphs=False, transport="auto", ranks_per_node=None) -> dict:
     """Run the comparison; returns the result dict (also written to ``out_dir/moonep-ab.json``).
     Every argument is checked (``check_run``, ``ValueError``) before any rank is spawned.
 
@@ -697,13 +715,17 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
     symmetric configurations' heap kind (``make_heap``). Each configuration runs in fresh rank
     processes (under torchrun: in the launched ones, which every configuration reuses).
     ``graphs``: each timed step is one CUDA-graph replay of every layer (vLLM's captured decode);
-    the phases are then not timed and ``vllm-poc`` (vLLM's eager-only classes) is skipped."""
+    the phases are then not timed and ``vllm-poc`` (vLLM's eager-only classes) is skipped.
+    ``transport``: the engine's transport for our configurations (``vllm-poc`` builds its own
+    buffers: auto). ``ranks_per_node``: the ranks run as simulated nodes of that many ranks
+    (``VLLM_MOONEP_RANKS_PER_NODE`` in every rank; ``None``: the real hosts)."""
     t_start = time.perf_counter()
     if ranks is None:
         ranks = launched_world_size() or 4
     check_run(preset=preset, ranks=ranks, layers=layers, tokens=tokens, maxvios=maxvios, steps=steps, warmup=warmup,
               check_steps=check_steps, device=device, configs=configs, impl=impl, slots=slots, budget_gb=budget_gb,
-              max_ref_err=max_ref_err, backend=backend, share_gpus=share_gpus, heap=heap, graphs=graphs)
+              max_ref_err=max_ref_err, backend=backend, share_gpus=share_gpus, heap=heap, graphs=graphs,
+              transport=transport, ranks_per_node=ranks_per_node)
     launch = resolve_launch(device, ranks, backend, share_gpus)
     if launch.launched:  # bind this process's GPU before the anchor, and make the group
         init_launched_group(launch.backend, launch.device)
@@ -733,6 +755,9 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
                 f"{' and '.join(ignored)} apply to the other configurations only")
         shape["note"] = f"{shape['note']}; {note}" if shape.get("note") else note
     spawn = spawn_options(launch)
+    if ranks_per_node is not None:
+        spawn["env"][RANKS_PER_NODE_ENV] = str(ranks_per_node)
+    shape["transport"] = transport
     sigmas = {mv: sigma_for_maxvio(mv, shape["experts"], shape["topk"], max(tokens) * ranks, seed=seed) for mv in maxvios}
     points = [(c, t, mv) for c in configs for t in tokens for mv in maxvios]
     bar = None
@@ -744,7 +769,8 @@ def run_ab(*, preset="tiny", ranks=None, layers=None, tokens=(16, 128), maxvios=
         except ImportError:
             bar = None
     results = {"preset": preset, "shape": shape, "configs": {}, "skipped": skipped,
-               "environment": {**environment(device, ranks, launch, heap), "graphs": bool(graphs)},
+               "environment": {**environment(device, ranks, launch, heap, transport, ranks_per_node),
+                               "graphs": bool(graphs)},
                "anchor": measure_anchor(device),
                "sigmas": {str(k): v for k, v in sigmas.items()}}
     failures = []
@@ -871,6 +897,10 @@ def format_table(results: dict) -> str:
     ]
     if env.get("launch_note") and env.get("backend") != "nccl" and env.get("device") == "cuda":
         lines.append(f"NOTE: {env['launch_note']}")
+    if env.get("ranks_per_node") or env.get("transport", "auto") != "auto":
+        k = env.get("ranks_per_node")
+        lines.append(f"transport {env.get('transport', 'auto')}" + (
+            f"; {env['ranks'] // k} simulated nodes of {k} ranks ({RANKS_PER_NODE_ENV}={k})" if k else ""))
     for k in ("note", "reference"):
         if s.get(k):
             lines.append(f"NOTE: {s[k]}")
@@ -979,6 +1009,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heap", default="auto", choices=list(HEAP_KINDS),
                     help="symmetric heap of the symmetric configurations: auto = host on cpu, torch (PyTorch "
                          "symmetric memory) on cuda; nvshmem needs nvshmem4py (default: %(default)s)")
+    ap.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
+                    help="the engine's transport for our configurations: auto = symmetric on one node of GPUs, "
+                         "hybrid across nodes with several ranks each, else collective (gloo on cpu) "
+                         "(default: %(default)s)")
+    ap.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                    help=f"run the ranks as simulated nodes of K ranks each ({RANKS_PER_NODE_ENV}): peers on other "
+                         "blocks are treated as remote (hybrid transport, RMA prefetch) (default: the real hosts)")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, tokens and routing (default: %(default)s)")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), type=config_choice, metavar="CONFIG",
                     help=f"configurations to compare: any of {', '.join(CONFIGS)} "
@@ -1010,7 +1047,7 @@ def main(argv=None) -> int:
     kw = dict(preset=a.preset, ranks=ranks, layers=a.layers, tokens=a.tokens, maxvios=a.maxvio, steps=a.steps,
               warmup=a.warmup, check_steps=a.check_steps, device=a.device, configs=a.configs, impl=a.impl,
               slots=a.slots, budget_gb=a.budget_gb, backend=a.backend, share_gpus=a.share_gpus, heap=a.heap,
-              graphs=a.graphs)
+              graphs=a.graphs, transport=a.transport, ranks_per_node=a.ranks_per_node)
     try:
         check_run(**kw)  # before anything is spawned
     except ValueError as exc:

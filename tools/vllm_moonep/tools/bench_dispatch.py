@@ -2,7 +2,8 @@
 measured in the same run and process group.
 
     python -m vllm_moonep.tools.bench_dispatch --device cuda --backend nccl --ranks 2 --preset kimi-k2 \
-        --tokens 1 128 1024 4096 --maxvio 0 2 [--transport auto|symmetric|collective] [--programs N]
+        --tokens 1 128 1024 4096 --maxvio 0 2 [--transport auto|symmetric|collective|hybrid] [--programs N]
+        [--ranks-per-node K]
     python -m vllm_moonep.tools.bench_dispatch --device cuda --ranks 2 --tokens 1 16 128 --maxvio 0 \
         --programs-sweep 0 16 32
 
@@ -15,6 +16,10 @@ events around the call); ``graph`` is one replay of a CUDA graph holding dispatc
 (symmetric transport). Ratios are engine / anchor (host-timed); the "paired" ratios take an
 ``all_to_all_single`` timed in every iteration right after that iteration's dispatch and combine
 (median of the per-iteration ratios), which cancels the machine's drift over a run.
+``--ranks-per-node K`` runs the ranks as simulated nodes of ``K`` ranks (``VLLM_MOONEP_RANKS_PER_NODE``):
+``auto`` then resolves to the hybrid transport on GPUs (one-sided inside a block, all-to-all
+across blocks); ``--transport collective`` gives the all-collective figure of the same layout (the
+anchors stay the plain all-to-all and the one-node one-sided copies).
 ``--profile`` prints the top kernels of one dispatch on rank 0. ``--programs-sweep`` times, instead,
 buffers of several row-kernel program counts against each other in one process (``rank_programs_sweep``).
 """
@@ -30,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.engine import TRANSPORTS, Buffer, current_cuda_device, default_num_slots
+from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV, NodeMap
 from vllm_moonep.engine.symmetric_transport import DEFAULT_PROGRAMS_PER_SM, PROGRAMS_PER_SM
 from vllm_moonep.testing.launch import (add_launch_arguments, finish_launched_group, is_driver, resolve_launch,
                                         run_on_ranks, shutdown_pools)
@@ -74,7 +80,8 @@ def _anchors(S, K, H, dev, iters, warmup):
     if dev.type == "cuda":
         from vllm_moonep.engine.heaps import make_heap
 
-        heap = make_heap("torch", device=dev)
+        # the one-node anchor, whatever nodes the engine simulates (VLLM_MOONEP_RANKS_PER_NODE)
+        heap = make_heap("torch", device=dev, nodes=NodeMap.one_node(R))
         h = heap.allocate((n, H), torch.bfloat16, "bench.anchor")
         views = [heap.peer_view(h, q) for q in range(R)]
         lo = [sum(splits[:q]) for q in range(R)]
@@ -320,6 +327,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     add_launch_arguments(ap)
     ap.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help="the engine's transport")
+    ap.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                    help=f"simulated nodes of K ranks each ({RANKS_PER_NODE_ENV}); with --transport auto the "
+                         "engine then takes the hybrid transport on GPUs (default: the real hosts)")
     ap.add_argument("--programs", type=int, default=None,
                     help="programs of the symmetric transport's row kernels (the Buffer's num_sms)")
     ap.add_argument("--programs-sweep", type=int, nargs="+", default=None, metavar="N",
@@ -342,6 +352,8 @@ def main(argv=None) -> int:
     H, E, K = SHAPES[a.preset]
     if E % a.ranks:
         ap.error(f"{a.preset} has {E} experts, not divisible by --ranks {a.ranks}")
+    if a.ranks_per_node is not None and (a.ranks_per_node < 1 or a.ranks % a.ranks_per_node):
+        ap.error(f"--ranks-per-node {a.ranks_per_node} must be a positive divisor of --ranks {a.ranks}")
     try:
         launch = resolve_launch(a.device, a.ranks, a.backend, a.share_gpus)
     except ValueError as exc:
@@ -349,6 +361,8 @@ def main(argv=None) -> int:
     env = {"VLLM_MOONEP_THREADS_PER_RANK": "1", **launch.env}
     if launch.ranks_per_gpu > 1:  # processes sharing a GPU map each other's symmetric memory
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    if a.ranks_per_node is not None:
+        env[RANKS_PER_NODE_ENV] = str(a.ranks_per_node)
     if a.programs_sweep:
         return _programs_sweep(a, argv, launch, env, H, E, K)
     rows = []
@@ -384,8 +398,10 @@ def main(argv=None) -> int:
 
     how = (f"eager calls replay private CUDA graphs up to {EAGER_GRAPH_MAX_TOKENS} tokens" if EAGER_GRAPHS
            else "eager calls launch each kernel") + (", fast launch" if FAST_LAUNCH else ", Triton's ordinary launch")
+    nodes = (f" as {a.ranks // a.ranks_per_node} simulated nodes of {a.ranks_per_node}"
+             if a.ranks_per_node is not None else "")
     print(f"built-in engine ({transport} transport; on GPUs {how}), {a.preset} (H={H}, E={E}, K={K}), {a.ranks} "
-          f"ranks on {a.device} over {launch.backend}; us = slowest rank's median, host-timed (device-timed)")
+          f"ranks{nodes} on {a.device} over {launch.backend}; us = slowest rank's median, host-timed (device-timed)")
     print("paired = an all_to_all_single timed in each iteration right after dispatch and combine: median of "
           "the per-iteration ratios (largest over ranks) and of the paired a2a times")
     print("| tokens/rank | maxvio | payload MB | dispatch us | combine us | graph d+c us | all_to_all us | "
@@ -427,6 +443,7 @@ def _run_record(a, argv, backend: str, transport, H: int, E: int, K: int, rows: 
         "host": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
         "device": a.device, "gpus": gpus, "backend": backend, "transport": transport,
         "preset": a.preset, "H": H, "E": E, "K": K, "ranks": a.ranks,
+        "ranks_per_node": getattr(a, "ranks_per_node", None),
         "rows": rows,
     }
 

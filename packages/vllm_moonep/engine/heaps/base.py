@@ -10,7 +10,12 @@ for each collective ``allocate`` call, and lets every rank address its peers' al
   ``handle.tensor`` is this rank's allocation.
 - ``peer_view(handle, rank) -> Tensor``: a tensor aliasing ``rank``'s allocation (``handle.tensor``
   itself for the own rank). Heaps that cannot address a peer raise ``MoonEPUnavailableError``;
-  ``addressable(rank)`` / ``peers_addressable`` say so beforehand.
+  ``addressable(rank)`` / ``peers_addressable`` say so beforehand. Peers on another node
+  (``nodes``, a ``vllm_moonep.engine.nodes.NodeMap``: real hosts, or simulated nodes from
+  ``VLLM_MOONEP_RANKS_PER_NODE``) are never addressable; ``copy_from_peer`` reads their rows by
+  the heap's RMA path (``_rma_read``: NVSHMEM's gets; the host and torch heaps emulate it with a
+  read of the peer's mapping that does not go through ``peer_view``, so code that wrongly takes a
+  peer view across nodes fails on one host too).
 - ``barrier()`` (collective): memory-ordering point. Writes a rank made to its own allocations
   before the barrier are visible through every peer's ``peer_view`` after it; reads of peer
   memory issued before the barrier are complete before any rank passes it (so the owner may
@@ -38,6 +43,7 @@ import torch
 
 from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.defaults import group_rank_world, resolve_device
+from vllm_moonep.engine.nodes import NodeMap, ranks_per_node_from_env
 from vllm_moonep.engine.errors import (
     MoonEPCollectiveTimeout,
     MoonEPInputError,
@@ -99,7 +105,8 @@ class SymmetricHeap:
 
     kind = "abstract"
 
-    def __init__(self, group: ProcessGroup | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(self, group: ProcessGroup | None = None, device: torch.device | str = "cpu",
+                 nodes: NodeMap | None = None) -> None:
         self.group = group
         self.rank, self.world_size = group_rank_world(group)
         self.device = torch.device(device)
@@ -107,6 +114,25 @@ class SymmetricHeap:
         self._next_index = 0
         self._closed = False
         self._id = f"{type(self).__name__}@{id(self):x}"
+        self.nodes = self._agree_on_nodes(nodes)
+
+    def _agree_on_nodes(self, nodes: NodeMap | None) -> NodeMap:
+        """The nodes of the heap's ranks: ``nodes`` when given (the hybrid transport's node heap
+        passes one node), else simulated nodes from ``VLLM_MOONEP_RANKS_PER_NODE``, else one node
+        (each heap kind spans one host: ``/dev/shm``, a node's GPUs; NVSHMEM probes its peers
+        itself). Every rank must see the same setting (one all-gather, refused together)."""
+        if nodes is not None:
+            if nodes.world_size != self.world_size:
+                raise MoonEPInputError(f"{type(self).__name__}: nodes cover {nodes.world_size} ranks, the group has "
+                                       f"{self.world_size}")
+            return nodes
+        k = ranks_per_node_from_env()
+        if self.world_size > 1:
+            every = self._all_gather_object(k)
+            if len(set(every)) != 1:
+                raise MoonEPInputError(f"{type(self).__name__}: ranks disagree on VLLM_MOONEP_RANKS_PER_NODE "
+                                       f"(per rank: {every}); set it to the same value for every rank")
+        return NodeMap.one_node(self.world_size) if k is None else NodeMap.blocks(self.world_size, k)
 
     # ------------------------------------------------------------------ collectives
     # Every heap collective goes through the engine's bounded transport: a dead or stuck peer
@@ -150,8 +176,8 @@ class SymmetricHeap:
             raise MoonEPStateError(f"{type(self).__name__}.{what}: the heap was closed")
 
     def addressable(self, rank: int) -> bool:
-        """Whether ``peer_view(handle, rank)`` works on this heap."""
-        return 0 <= rank < self.world_size
+        """Whether ``peer_view(handle, rank)`` works on this heap: ``rank`` is on this rank's node."""
+        return 0 <= rank < self.world_size and self.nodes.same_node(self.rank, rank)
 
     @property
     def peers_addressable(self) -> bool:
@@ -225,18 +251,34 @@ class SymmetricHeap:
         view = handle._peers.get(rank)
         if view is None:
             if not self.addressable(rank):
+                where = ("another node: " + self.nodes.describe()) if not self.nodes.same_node(self.rank, rank) \
+                    else "no peer-to-peer mapping"
                 raise MoonEPUnavailableError(
-                    f"{type(self).__name__}: rank {rank}'s memory is not addressable from rank {self.rank} "
-                    "(no peer-to-peer mapping, e.g. another node)"
+                    f"{type(self).__name__}: rank {rank}'s memory is not addressable from rank {self.rank} ({where}); "
+                    "read it with copy_from_peer (RMA)"
                 )
             view = self._peer_view(handle, rank)
             handle._peers[rank] = view
         return view
 
     def copy_from_peer(self, dst: torch.Tensor, handle: HeapHandle, rank: int, src_rows: torch.Tensor) -> None:
-        """``dst[i] = peer(rank)[src_rows[i]]`` (rows along dim 0). Default: through ``peer_view``."""
-        src = self.peer_view(handle, rank)
-        dst.copy_(src.index_select(0, src_rows.to(src.device)))
+        """``dst[i] = peer(rank)[src_rows[i]]`` (rows along dim 0): through ``peer_view`` where ``rank``
+        is addressable, else by the heap's RMA path (``_rma_read``). Reads what ``rank`` published
+        (its last ``barrier()``)."""
+        if self.addressable(rank):
+            src = self.peer_view(handle, rank)
+            dst.copy_(src.index_select(0, src_rows.to(src.device)))
+            return
+        self._check_live_peer(handle, rank, "copy_from_peer")
+        n = handle.shape[0] if handle.shape else 0
+        rows = src_rows.to(torch.int64).flatten()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise MoonEPInputError(f"heap.copy_from_peer: rows {rows.tolist()} outside [0, {n}) of {handle.describe()}")
+        if dst.device != self.device or dst.dtype != handle.dtype or tuple(dst.shape) != (rows.numel(), *handle.shape[1:]):
+            raise MoonEPInputError(
+                f"heap.copy_from_peer: dst must be a {handle.dtype} [{rows.numel()}, {', '.join(map(str, handle.shape[1:]))}] "
+                f"tensor on {self.device}, got {dst.dtype} {list(dst.shape)} on {dst.device}")
+        self._rma_read(dst, handle, rank, rows)
 
     def barrier(self) -> None:
         """Collective memory-ordering point (see the module doc)."""
@@ -354,6 +396,12 @@ class SymmetricHeap:
 
     def _peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def _rma_read(self, dst: torch.Tensor, handle: HeapHandle, rank: int, rows: torch.Tensor) -> None:
+        """``dst[i] = rank's rows[i]`` for a peer that is not addressable (checked by the caller)."""
+        raise MoonEPUnavailableError(
+            f"{type(self).__name__} has no RMA path: rank {rank}'s memory is not addressable from rank {self.rank} "
+            f"({self.nodes.describe()})")
 
     def _barrier(self) -> None:
         raise NotImplementedError

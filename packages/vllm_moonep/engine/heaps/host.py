@@ -13,6 +13,12 @@ write therefore returns stale data, so a missing barrier fails tests instead of 
 Peer views are for reading in this mode (a write through one is overwritten at the owner's
 next barrier). ``staging=False`` maps the shared file directly as ``handle.tensor`` (immediate
 visibility; peer writes allowed; half the memory).
+
+Simulated nodes (``VLLM_MOONEP_RANKS_PER_NODE``, ``engine/nodes.py``): peers on another simulated
+node are not addressable (``peer_view`` refuses them), and ``copy_from_peer`` reads their rows
+by an emulated RMA get (``_rma_read``): a copy out of the peer's shared mapping (what it
+published at its last barrier) that never hands out a view of it. Code that takes a peer view
+across nodes therefore fails in CPU tests, as it would across real nodes.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, describe_fa
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from vllm_moonep.engine.nodes import NodeMap
 
 __all__ = ["HostHeap"]
 
@@ -75,15 +83,16 @@ class HostHeap(SymmetricHeap):
         group: the process group (``None``: the default group, or a world of one).
         staging: keep owner writes private until ``barrier()`` (default; see the module doc).
         shm_dir: where the files live (``/dev/shm``).
+        nodes: the ranks' nodes (``None``: simulated nodes from ``VLLM_MOONEP_RANKS_PER_NODE``, else one).
     """
 
     kind = "host"
 
     def __init__(self, group: ProcessGroup | None = None, *, staging: bool = True, shm_dir: str = "/dev/shm",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", nodes: NodeMap | None = None) -> None:
         if torch.device(device).type != "cpu":
             raise MoonEPInputError(f"HostHeap holds host memory; device must be cpu, got {device}")
-        super().__init__(group, "cpu")
+        super().__init__(group, "cpu", nodes)
         if not os.path.isdir(shm_dir):
             raise MoonEPUnavailableError(f"HostHeap: {shm_dir} does not exist (needs a tmpfs such as /dev/shm)")
         self.staging = bool(staging)
@@ -156,6 +165,11 @@ class HostHeap(SymmetricHeap):
     def _peer_view(self, handle: HeapHandle, rank: int) -> torch.Tensor:
         view: torch.Tensor = handle._impl["shared"][rank]
         return view
+
+    def _rma_read(self, dst: torch.Tensor, handle: HeapHandle, rank: int, rows: torch.Tensor) -> None:
+        # the emulated get: rows copied out of the peer's shared mapping (its published state)
+        shared: torch.Tensor = handle._impl["shared"][rank]
+        torch.index_select(shared, 0, rows, out=dst)
 
     def _barrier(self) -> None:
         # 1) every rank finished the reads of the previous epoch; 2) publish; 3) visible to all

@@ -41,6 +41,8 @@ from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_d
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from vllm_moonep.engine.nodes import NodeMap
+
 __all__ = ["FORCE_RMA_ENV", "NvshmemHeap", "nvshmem_status", "rma_chunks"]
 
 #: set to 1 to treat every peer as not addressable (the RMA path of ranks on other nodes)
@@ -107,6 +109,9 @@ class NvshmemHeap(SymmetricHeap):
         device: the CUDA device of this rank (default: the current one).
         force_rma: treat every peer as not addressable, so peer rows are read by RMA gets (what
             ranks on other nodes need), on one node too (``None``: ``$VLLM_MOONEP_NVSHMEM_FORCE_RMA``).
+            Peers on another simulated node (``VLLM_MOONEP_RANKS_PER_NODE``) are read by RMA too.
+        nodes: the ranks' nodes (``None``: simulated nodes from ``VLLM_MOONEP_RANKS_PER_NODE``, else
+            what NVSHMEM can map).
         rma_scratch_bytes: size of the symmetric scratch buffer RMA gets land in (allocated only
             where some rank has a peer it cannot address).
     """
@@ -114,7 +119,8 @@ class NvshmemHeap(SymmetricHeap):
     kind = "nvshmem"
 
     def __init__(self, group: ProcessGroup | None = None, device: torch.device | str | None = None, *,
-                 force_rma: bool | None = None, rma_scratch_bytes: int = RMA_SCRATCH_BYTES) -> None:
+                 force_rma: bool | None = None, rma_scratch_bytes: int = RMA_SCRATCH_BYTES,
+                 nodes: NodeMap | None = None) -> None:
         core, why = nvshmem_status()
         if core is None:
             raise MoonEPUnavailableError(f"NvshmemHeap: {why}")
@@ -124,7 +130,7 @@ class NvshmemHeap(SymmetricHeap):
             force_rma = os.environ.get(FORCE_RMA_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
         if not isinstance(rma_scratch_bytes, int) or rma_scratch_bytes < 1:
             raise MoonEPInputError(f"NvshmemHeap: rma_scratch_bytes must be a positive int, got {rma_scratch_bytes!r}")
-        super().__init__(group, device)
+        super().__init__(group, device, nodes)
         self._core = core
         self.force_rma = bool(force_rma)
         self._scratch: torch.Tensor | None = None
@@ -148,6 +154,7 @@ class NvshmemHeap(SymmetricHeap):
             self._core.free_tensor(probe)
         if self.force_rma:
             self._addressable = [r == self.rank for r in range(self.world_size)]
+        self._addressable = [ok and self.nodes.same_node(self.rank, r) for r, ok in enumerate(self._addressable)]
         # every rank allocates the scratch if any rank needs it (allocation is collective)
         need = self._all_gather_object(not all(self._addressable))
         if any(need):
@@ -214,23 +221,14 @@ class NvshmemHeap(SymmetricHeap):
             raise MoonEPUnavailableError(f"NvshmemHeap: no peer mapping of rank {rank} from rank {self.rank}")
         return view if all(handle.shape) else view[:0].view(handle.shape)
 
-    def copy_from_peer(self, dst: torch.Tensor, handle: HeapHandle, rank: int, src_rows: torch.Tensor) -> None:
-        """``dst[i] = peer(rank)[src_rows[i]]``: through the peer view where ``rank`` is addressable,
-        else by RMA gets into the symmetric scratch buffer, each followed (same stream) by a copy
-        into ``dst``. Stream-ordered; the heap's ``barrier()`` completes it."""
-        if self.addressable(rank):
-            return super().copy_from_peer(dst, handle, rank, src_rows)
-        self._check_live_peer(handle, rank, "copy_from_peer")
+    def _rma_read(self, dst: torch.Tensor, handle: HeapHandle, rank: int, src_rows: torch.Tensor) -> None:
+        """``dst[i] = peer(rank)[src_rows[i]]`` for a peer that is not addressable (``copy_from_peer``
+        checked the rows and ``dst``): RMA gets into the symmetric scratch buffer, each followed
+        (same stream) by a copy into ``dst``. Stream-ordered; the heap's ``barrier()`` completes it."""
         rows = [int(r) for r in src_rows.tolist()]
         n = handle.shape[0] if handle.shape else 0
-        row_shape = tuple(handle.shape[1:])
-        if any(not 0 <= r < n for r in rows):
-            raise MoonEPInputError(f"heap.copy_from_peer: rows {rows} outside [0, {n}) of {handle.describe()}")
-        if (dst.device != self.device or dst.dtype != handle.dtype or tuple(dst.shape) != (len(rows),) + row_shape
-                or not dst.is_contiguous()):
-            raise MoonEPInputError(
-                f"heap.copy_from_peer: dst must be a contiguous {handle.dtype} [{len(rows)}, {', '.join(map(str, row_shape))}] "
-                f"tensor on {self.device}, got {dst.dtype} {list(dst.shape)} on {dst.device}")
+        if not dst.is_contiguous():
+            raise MoonEPInputError(f"heap.copy_from_peer: dst must be contiguous, got strides {dst.stride()}")
         if not rows:
             return
         if self._scratch is None:  # not reachable: the scratch exists wherever a peer is not addressable

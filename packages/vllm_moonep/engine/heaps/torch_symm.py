@@ -13,6 +13,12 @@ the ranks' hosts; peer reads issued afterwards see the writes. It is a load-time
 
 Without an initialised process group (a single process) the heap runs in local mode: plain
 device allocations, no peers.
+
+The heap spans one real node. Across simulated nodes (``VLLM_MOONEP_RANKS_PER_NODE``,
+``engine/nodes.py``) peers on another simulated node are not addressable, and
+``copy_from_peer`` reads their rows by an emulated RMA get (``_rma_read``: a stream-ordered copy
+out of the peer's mapping that never hands out a view), so the layouts' cross-node paths run on
+one GPU host. (The hybrid transport builds its heap on its node's ranks instead.)
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, cuda_heap_d
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+    from vllm_moonep.engine.nodes import NodeMap
 
 __all__ = ["TorchSymmHeap", "device_memory_state"]
 
@@ -65,15 +73,16 @@ class TorchSymmHeap(SymmetricHeap):
         group: process group (``None``: the default group; none initialised: local mode).
         device: CUDA device (default: the current one).
         backend: symmetric-memory backend to select (``"CUDA"``); ``None`` leaves torch's choice.
+        nodes: the ranks' nodes (``None``: simulated nodes from ``VLLM_MOONEP_RANKS_PER_NODE``, else one).
     """
 
     kind = "torch"
 
     def __init__(self, group: ProcessGroup | None = None, device: torch.device | str | None = None, *,
-                 backend: str | None = "CUDA") -> None:
+                 backend: str | None = "CUDA", nodes: NodeMap | None = None) -> None:
         check_multicast_off("TorchSymmHeap")
         device = cuda_heap_device("TorchSymmHeap", device)
-        super().__init__(group, device)
+        super().__init__(group, device, nodes)
         self._local_mode = not (dist.is_available() and dist.is_initialized())
         self._symm: ModuleType | None = None  # torch's symmetric memory; None in local mode
         if not self._local_mode:
@@ -171,6 +180,11 @@ class TorchSymmHeap(SymmetricHeap):
         base = impl["base"]
         view: torch.Tensor = impl["hdl"].get_buffer(rank, tuple(base.shape), handle.dtype, impl["offset"])
         return view if all(handle.shape) else view[:0].view(handle.shape)
+
+    def _rma_read(self, dst: torch.Tensor, handle: HeapHandle, rank: int, rows: torch.Tensor) -> None:
+        # the emulated get (one real node): a copy out of the peer's mapping, no view handed out
+        src = self._peer_view(handle, rank)
+        torch.index_select(src, 0, rows.to(src.device), out=dst)
 
     def _barrier(self) -> None:
         torch.cuda.synchronize(self.device)

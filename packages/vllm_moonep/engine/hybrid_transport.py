@@ -1,0 +1,375 @@
+"""The hybrid transport: per peer, one-sided writes to peers on this node and one all-to-all to
+peers on other nodes, in the same dispatch and combine.
+
+A group that spans nodes (real hosts, or simulated ones: ``engine/nodes.py``) keeps the
+one-sided path for its node-local traffic, which on GPUs of one node matched a plain
+all-to-all, and sends only the rows that cross nodes through ``torch.distributed`` (NCCL, gloo).
+The ``Buffer`` plans each step on the host from the all-gathered counts, as for the collective
+transport (an all-to-all needs its split sizes on the host anyway; the same all-gather lets
+every rank refuse bad counts together before any row moves), and hands the plan here.
+
+One ``HybridTransport`` per ``Buffer`` (its capacity ``S`` fixes every size), allocated once on a
+heap over this node's ``L`` ranks (``nodes.node_subgroup``; plain tensors when ``L == 1``)::
+
+    this rank:   recv_x [NvS, H]    the dispatched shard (returned as hidden_nvsh)
+                 recv_w [NvS] f32   route weight of each row
+                 recv_src [NvS] i32 src_rank * S*K + flat entry of rows from node peers; -1 for
+                                    rows from other nodes and padding
+                 comb_x [S*K, H]    outputs of this rank's entries, pushed by node peers
+                 comb_w [S*K] f32   their route weights
+                 sig [2, L] i64     signal counters per phase (dispatch, combine) and node peer
+
+    dispatch:  place own entries (dest, row), sorted by (dest, row) with the plan's host-known
+               counts as boundaries (no host read of device data)
+               -> entries for node peers (self included): row, weight, source id written into
+                  the destination's recv_* (heap peer views)
+               -> sync the stream (CUDA), signal(dispatch) to every node peer
+               -> entries for other nodes: all_to_all over the EP group (zero splits for node
+                  peers; skipped when the group is one node), written into own recv_* (source -1)
+               -> padding rows of own segments: hidden 0, weight 0, source -1
+               -> wait(dispatch): every node peer signalled (bounded, names the late peer)
+    combine:   own rows sourced on this node, sorted by source id (counts from the plan)
+               -> each output row (and weight) into comb_* of its source, at its entry
+               -> sync, signal(combine); rows of other nodes back by all_to_all; wait(combine)
+               -> acc = comb_x as fp32 with the entries from other nodes put in;
+                  out[t] = bf16(sum_k acc[t, k]): the collective transport's arithmetic, so the
+                  two give bit-identical outputs
+
+Signals are monotonic counters, one writer per slot (the source peer), waited on by polling on
+the host with the buffer's ``timeout_s``; a time-out raises ``MoonEPCollectiveTimeout`` naming
+the late peer and marks the group failed (every MoonEP object on it refuses further steps,
+teardown turns local). On GPUs a signal follows a stream synchronization, so a peer that sees it
+also sees the rows (writes into peer memory have landed once the kernels that made them have
+finished); on CPU ranks the host heap maps the shared pages directly (``staging=False``) and
+x86-64's store order (TSO) makes the rows visible before the signal, as for the symmetric
+transport's host executor.
+
+Ordering between steps needs no extra barrier: a node peer writes into this rank's ``recv_*``
+for step ``t+1`` only after the all-gather of step ``t+1``'s counts, which this rank enters once
+its combine of step ``t`` returned; that combine synchronized the stream after the expert
+compute read the shard. ``comb_*`` of step ``t+1`` is written only after this rank's dispatch
+signal of step ``t+1``, which follows a stream synchronization that covers its reduce of step
+``t``. So one step in flight per buffer, as the contract says.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NoReturn
+
+import torch
+
+from vllm_moonep.engine.collective import CollectiveTransport
+from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
+from vllm_moonep.engine.nodes import NodeMap, node_subgroup
+from vllm_moonep.engine.planner import GlobalPlan, place_entries
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
+
+__all__ = ["HybridTransport", "padding_rows"]
+
+_PHASE = {"dispatch": 0, "combine": 1}
+_WAIT_OP = {"dispatch": "dispatch: wait for node peers' rows", "combine": "combine: wait for node peers' outputs"}
+#: longest pause between two polls of the signal counters (seconds); polls start back to back
+_MAX_PAUSE_S = 1e-3
+
+
+def _live(handle: HeapHandle) -> torch.Tensor:
+    t = handle.tensor
+    assert t is not None  # a live allocation (freeing clears it)
+    return t
+
+
+def padding_rows(gp: GlobalPlan, rank: int, token_padding: int) -> torch.Tensor:
+    """Rows of ``rank``'s shard that are segment padding (each non-empty segment's tail up to a
+    multiple of ``token_padding``), int64, ascending; from the host plan."""
+    seg = gp.seg_len[rank].to(torch.int64).cpu()
+    cu = gp.cu_seqlens[rank].to(torch.int64).cpu()
+    padded = torch.where(seg > 0, (seg + token_padding - 1) // token_padding * token_padding, 0)
+    lens = padded - seg
+    total = int(lens.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    first = torch.repeat_interleave(cu - padded + seg, lens)
+    within = torch.arange(total) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    return first + within
+
+
+@dataclass
+class _Step:
+    """What dispatch leaves for combine (one step in flight per buffer)."""
+
+    step: int
+    used: int  # rows [0, used) of the shard are this step's segments
+    got: list[int]  # rows this rank received from each rank
+    remote_order: torch.Tensor  # own entries sent to other nodes, in the order they went
+    recv_rows: torch.Tensor  # shard rows that came from other nodes, in the order they came
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class HybridTransport:
+    """Buffers, node heap and signals of one engine ``Buffer`` (see the module doc).
+
+    Args: ``coll`` (the buffer's bounded collective transport over the EP group), ``nodes`` (the
+    group's ``NodeMap``), ``group`` (the EP process group), ``heap_kind`` (``"auto"``, ``"host"``,
+    ``"torch"``: the heap made over this node's ranks), the buffer's shape (``S, K, H, E, B,
+    NvS, token_padding``), ``dtype`` of the rows, ``device``.
+    """
+
+    def __init__(self, coll: CollectiveTransport, nodes: NodeMap, group: ProcessGroup | None, *, heap_kind: str,
+                 S: int, K: int, H: int, E: int, B: int, NvS: int, token_padding: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.coll, self.nodes = coll, nodes
+        self.rank, self.R = coll.rank, coll.world_size
+        self.S, self.K, self.H, self.E, self.B, self.NvS, self.tp = S, K, H, E, B, NvS, token_padding
+        self.dtype, self.device = dtype, device
+        self.on_gpu = device.type == "cuda"
+        self.local = nodes.node_ranks(self.rank)  # EP ranks of this node, ascending
+        self.L = len(self.local)
+        self.me = self.local.index(self.rank)  # this rank's index among them
+        self.remote_any = nodes.num_nodes > 1  # every rank agrees: the all-to-alls run or not everywhere
+        self._remote_dest = [not nodes.same_node(self.rank, d) for d in range(self.R)]
+        self._epoch = [0, 0]
+        self._handles: list[HeapHandle] = []
+        self.heap: SymmetricHeap | None = None
+        self.buf: dict[str, torch.Tensor] = {}
+        self.peer: dict[str, list[torch.Tensor]] = {}  # this node's views of each buffer, by node index
+        self._state: _Step | None = None
+        self._closed = False
+        SK = S * K
+        specs = [("recv_x", (NvS, H), dtype), ("recv_w", (NvS,), torch.float32), ("recv_src", (NvS,), torch.int32),
+                 ("comb_x", (SK, H), dtype), ("comb_w", (SK,), torch.float32), ("sig", (2, max(self.L, 1)), torch.int64)]
+        try:
+            if self.L > 1:
+                self.heap = self._make_heap(heap_kind, group)
+                for name, shape, dt in specs:
+                    self._handles.append(self.heap.allocate(shape, dt, f"moonep.hybrid.S{S}.{name}"))
+                self.buf = {name: _live(h) for (name, _, _), h in zip(specs, self._handles)}
+            else:  # alone on its node: nothing is written by a peer, plain tensors
+                self.buf = {name: torch.empty(shape, dtype=dt, device=device) for name, shape, dt in specs}
+            b = self.buf
+            b["recv_x"].zero_()  # padding rows must read 0: zeroed once, then each step clears its padding
+            b["recv_w"].zero_()
+            b["recv_src"].fill_(-1)
+            b["comb_x"].zero_()
+            b["comb_w"].zero_()
+            b["sig"].zero_()
+            if self.heap is not None:
+                heap = self.heap
+                self.peer = {name: [heap.peer_view(h, j) for j in range(self.L)] for (name, _, _), h
+                             in zip(specs, self._handles)}
+                heap.barrier()  # every node peer zeroed its signals before anyone signals
+            else:
+                self.peer = {name: [t] for name, t in self.buf.items()}
+        except BaseException as exc:  # free what was allocated (the set-up's error is the one to see)
+            try:
+                self.close()
+            except Exception as cleanup:
+                exc.add_note(f"freeing what the set-up had allocated failed too: {type(cleanup).__name__}: {cleanup}")
+            raise
+
+    def _make_heap(self, kind: str, group: ProcessGroup | None) -> SymmetricHeap:
+        from vllm_moonep.engine.heaps import make_heap
+
+        if kind == "nvshmem":
+            raise MoonEPInputError(
+                "the hybrid transport allocates its receive buffers on a heap over this node's ranks; NVSHMEM is "
+                "initialised once per process over the whole EP group, so use heap='auto', 'torch' or 'host'")
+        sub = node_subgroup(group, self.nodes, self.rank)
+        # the host heap's staging mode hides owner writes until a barrier; peers write into each
+        # other's buffers here, so it maps the shared pages directly
+        extra = {"staging": False} if self.device.type == "cpu" else {}
+        return make_heap(kind, group=sub, device=self.device, nodes=NodeMap.one_node(self.L), **extra)
+
+    # ------------------------------------------------------------------ signals
+    def _signal(self, phase: str) -> None:
+        """Tell every node peer that this rank's writes of ``phase`` into its memory have landed."""
+        if self.L == 1:
+            return
+        if self.on_gpu:  # the rows' kernels have finished: their writes into peer memory are visible
+            torch.cuda.current_stream(self.device).synchronize()
+        p = _PHASE[phase]
+        value = self._epoch[p] + 1
+        for j in range(self.L):
+            if j != self.me:
+                self.peer["sig"][j][p, self.me] = value
+
+    def _wait(self, phase: str, step: int | None) -> None:
+        """Until every node peer signalled ``phase`` of this step; ``MoonEPCollectiveTimeout``
+        naming the first late peer after ``timeout_s``."""
+        p = _PHASE[phase]
+        target = self._epoch[p] + 1
+        if self.L > 1:
+            sig = self.buf["sig"][p]
+            timeout_s = self.coll.timeout_s
+            t0 = time.monotonic()
+            pause = 0.0
+            while True:
+                seen = sig.tolist()
+                late = [j for j in range(self.L) if j != self.me and seen[j] < target]
+                if not late:
+                    break
+                elapsed = time.monotonic() - t0
+                if elapsed >= timeout_s:
+                    self._timed_out(phase, step, late, seen, target, elapsed)
+                pause = min(_MAX_PAUSE_S, pause + 2e-5)
+                time.sleep(pause)
+        self._epoch[p] = target
+
+    def _timed_out(self, phase: str, step: int | None, late: list[int], seen: list[int], target: int,
+                   elapsed: float) -> NoReturn:
+        op = _WAIT_OP[phase]
+        missing = [self.local[j] for j in late]
+        where = f"step {step}" if step is not None else "a step"
+        summary = f"{op!r} timed out at {where}, node peers {missing} did not signal"
+        self.coll.mark_broken(f"hybrid transport: {summary}")
+        raise MoonEPCollectiveTimeout(
+            f"MoonEP {op!r} timed out after {elapsed:.1f}s (limit {self.coll.timeout_s:g}s) at {where} on rank "
+            f"{self.rank} of {self.R}: peer(s) on this node that did not signal, first rank {missing[0]} (signal "
+            f"{seen[late[0]]} of {target} expected; all late: {missing}); it died, stopped calling, or called another "
+            f"buffer (nodes: {self.nodes.describe()}). The process group is unusable now: destroy the MoonEP buffers, "
+            "pools and layouts, then the process group, and build a fresh set.",
+            op=op, step=step, rank=self.rank, world_size=self.R, missing=missing, timed_out=True, elapsed_s=elapsed,
+            timeout_s=self.coll.timeout_s, seq=target)
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, gp_host: GlobalPlan,
+                 step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GlobalPlan]:
+        """Move this step's rows (``gp_host``: the plan on the host, the same on every rank).
+        Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], plan on the device)``."""
+        rank, K, NvS, n = self.rank, self.K, self.NvS, self.S * self.K
+        b = self.buf
+        gp = gp_host if self.device.type == "cpu" else gp_host.to(self.device)
+        dest, row = place_entries(gp, rank, ids)
+        flows = gp_host.flows()  # [src, dst] rows, on the host
+        sent = [int(v) for v in flows[rank].tolist()]
+        got = [int(v) for v in flows[:, rank].tolist()]
+        # every entry in (dest, row) order: the slices for each destination have host-known bounds
+        order = torch.argsort(dest * NvS + row, stable=True)
+        bounds = [0]
+        for c in sent:
+            bounds.append(bounds[-1] + c)
+        wflat = route_w.reshape(-1)
+        src_id = (rank * n + order).to(torch.int32)
+        # 1) rows for node peers (self included): one-sided, straight into their shards
+        for j, d in enumerate(self.local):
+            lo, hi = bounds[d], bounds[d + 1]
+            if hi > lo:
+                sel, rows = order[lo:hi], row.index_select(0, order[lo:hi])
+                self.peer["recv_x"][j].index_copy_(0, rows, hidden.index_select(0, sel // K))
+                self.peer["recv_w"][j].index_copy_(0, rows, wflat.index_select(0, sel))
+                self.peer["recv_src"][j].index_copy_(0, rows, src_id[lo:hi])
+        self._signal("dispatch")
+        # 2) rows for other nodes: one all-to-all over the group (node peers get zero rows)
+        send_splits = [0 if not self._remote_dest[d] else sent[d] for d in range(self.R)]
+        recv_splits = [0 if not self._remote_dest[s] else got[s] for s in range(self.R)]
+        remote_order = order[:0]
+        recv_rows = row[:0]
+        if self.remote_any:
+            parts = [order[bounds[d]:bounds[d + 1]] for d in range(self.R) if self._remote_dest[d] and sent[d]]
+            remote_order = torch.cat(parts) if parts else order[:0]
+            rrow = row.index_select(0, remote_order)
+            meta = torch.stack([rrow.to(torch.int32), wflat.index_select(0, remote_order).view(torch.int32)], dim=1)
+            coll = self.coll
+            coll.step = step
+            recv_meta = coll.all_to_all(meta, send_splits, recv_splits, "dispatch: all_to_all(meta) across nodes")
+            recv_hidden = coll.all_to_all(hidden.index_select(0, remote_order // K), send_splits, recv_splits,
+                                          "dispatch: all_to_all(hidden) across nodes")
+            recv_rows = recv_meta[:, 0].to(torch.int64)
+            b["recv_x"].index_copy_(0, recv_rows, recv_hidden)
+            b["recv_w"].index_copy_(0, recv_rows, recv_meta[:, 1].contiguous().view(torch.float32))
+            b["recv_src"].index_fill_(0, recv_rows, -1)  # these go back by all-to-all, not by a push
+        # 3) this step's padding rows: read 0, weight 0, no source (rows past cu[-1] are undefined)
+        pad = padding_rows(gp_host, rank, self.tp).to(self.device)
+        if pad.numel():
+            b["recv_x"].index_fill_(0, pad, 0)
+            b["recv_w"].index_fill_(0, pad, 0)
+            b["recv_src"].index_fill_(0, pad, -1)
+        # 4) every node peer's rows have landed
+        self._wait("dispatch", step)
+        self._state = _Step(step=step, used=int(gp_host.cu_seqlens[rank, -1]), got=got, remote_order=remote_order,
+                            recv_rows=recv_rows, send_splits=send_splits, recv_splits=recv_splits)
+        return b["recv_x"], b["recv_w"], gp.cu_seqlens[rank].to(torch.int32), gp
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y: torch.Tensor, y_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Expert outputs of the last dispatch back to their tokens: ``(hidden_sh [S,H], route
+        weights [S,K] or None)``, each token's K rows summed in fp32 and rounded once."""
+        st = self._state
+        if st is None:  # not reachable: the Buffer checks the plan is its latest dispatch's
+            raise MoonEPInputError("combine: no dispatch to combine")
+        S, K, H, n = self.S, self.K, self.H, self.S * self.K
+        b = self.buf
+        step, used, got = st.step, st.used, st.got
+        # 1) rows whose source is on this node: pushed into the source's landing area at the entry.
+        # Sorting the shard's source ids groups them by source rank (others, -1, last), and the
+        # plan says how many each source sent: slices with host-known bounds again.
+        src = b["recv_src"][:used].to(torch.int64)
+        by_src = torch.argsort(torch.where(src >= 0, src, self.R * n), stable=True)
+        lo = 0
+        for j, s in enumerate(self.local):
+            cnt = got[s]
+            if cnt:
+                rows = by_src[lo:lo + cnt]
+                entries = src.index_select(0, rows) - s * n
+                self.peer["comb_x"][j].index_copy_(0, entries, y.index_select(0, rows))
+                if y_w is not None:
+                    self.peer["comb_w"][j].index_copy_(0, entries, y_w.index_select(0, rows))
+                lo += cnt
+        self._signal("combine")
+        # 2) rows of other nodes: back by all-to-all, in the order they came
+        back = wb = None
+        if self.remote_any:
+            recv_rows, send_splits, recv_splits = st.recv_rows, st.send_splits, st.recv_splits
+            coll = self.coll
+            coll.step = step
+            back = coll.all_to_all(y.index_select(0, recv_rows), recv_splits, send_splits,
+                                   "combine: all_to_all(hidden) across nodes")
+            if y_w is not None:
+                wb = coll.all_to_all(y_w.index_select(0, recv_rows), recv_splits, send_splits,
+                                     "combine: all_to_all(route_weights) across nodes")
+        self._wait("combine", step)
+        # 3) every entry's row is here (node peers' in comb_*, the others' in back): the collective
+        # transport's sum, on the same values
+        acc = b["comb_x"].to(torch.float32, copy=True)
+        if back is not None:
+            acc.index_copy_(0, st.remote_order, back.float())
+        out = acc.view(S, K, H).sum(dim=1).to(self.dtype)
+        rw = None
+        if y_w is not None:
+            rw = b["comb_w"].clone()
+            if wb is not None:
+                rw.index_copy_(0, st.remote_order, wb)
+            rw = rw.view(S, K)
+        return out, rw
+
+    # ------------------------------------------------------------------ teardown
+    @property
+    def nbytes(self) -> int:
+        """Heap bytes of this transport's allocations, per rank (0 when alone on its node, or closed)."""
+        return sum(h.nbytes for h in self._handles)
+
+    def close(self, local: bool = False) -> None:
+        """Free the node heap's allocations and the heap (collective over the node's ranks, or
+        ``local`` after the group failed). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        heap, self.heap = self.heap, None
+        self.peer = {}
+        self.buf = {}
+        self._state = None
+        if heap is None:
+            return
+        if local:
+            heap.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
+        handles, self._handles = self._handles[::-1], []
+        try:
+            heap.free_all(*handles)
+        finally:
+            heap.close(force=True)
