@@ -29,6 +29,9 @@
 #   - vllm/vllm_flash_attn/__init__.py raises ImportError at import unless _vllm_fa2_C or _vllm_fa3_C
 #     exists, whichever attention backend is chosen; the runs use TRITON_ATTN, so an empty
 #     vllm_flash_attn/_vllm_fa3_C.py stands in for the 172 MB extension that is not carried.
+#   - VLLM_USE_FLASHINFER_SAMPLER=0: the model runner's sampler imports vLLM's FlashInfer attention
+#     backend to ask whether FlashInfer's sampler applies (vllm/v1/sample/ops/topk_topp_sampler.py,
+#     flashinfer_sampler_supported), and flashinfer is not carried; 0 answers no before that import.
 #   - the image's torch is 2.11 (vLLM pins 2.14): nothing else is patched; where vLLM's Python trips
 #     on it, the step's log shows it.
 #
@@ -144,6 +147,7 @@ vllm_env() {  # the environment every vLLM step runs in
   fi
   # no network: no usage reporting; rank processes of the tests share the GPU's host
   export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1
+  export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer is not carried (see the header)
   export VLLM_MOONEP_THREADS_PER_RANK=${VLLM_MOONEP_THREADS_PER_RANK:-4}
   unset VLLM_TARGET_DEVICE
 }

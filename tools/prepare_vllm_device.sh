@@ -31,7 +31,8 @@ PART_MIB=${PART_MIB:-58}
 WHEELS="pyzmq pydantic pydantic_core annotated-types typing-inspection typing_extensions cbor2 oss-harmony openai
         httpx2 sniffio msgspec pybase64 cachetools xgrammar apache-tvm-ffi fastapi starlette partial-json-parser
         llguidance compressed-tensors loguru uvicorn prometheus-fastapi-instrumentator annotated-doc orjson
-        blake3 lm-format-enforcer outlines_core python-json-logger setproctitle watchfiles"
+        blake3 lm-format-enforcer outlines_core python-json-logger setproctitle watchfiles
+        model-hosting-container-standards jmespath supervisor"
 # the compiled extensions the CUDA path needs (the rest of vllm/*.so is for other kernels)
 SOS="_C_stable_libtorch.abi3.so _moe_C_stable_libtorch.abi3.so cumem_allocator.abi3.so fs_io_C.abi3.so spinloop.abi3.so"
 
