@@ -209,9 +209,10 @@ def _truth(x, ids, w, w13, w2):
     return ref, row_budget(ref, contribution_norms(x, ids, w, w13, w2))
 
 
-def rk_compare(shape: dict, tokens: tuple, dev_kind: str, seed: int) -> dict:
-    """Rank side of the comparison: per token count, the three pairs' ``vllm_fused.compare``."""
-    from vllm_moonep.testing.vllm_fused import compare, draw_expert_weights, vllm_moe_config_used
+def _both_sides(shape: dict, dev_kind: str, seed: int, capacity: int):
+    """Both implementations on one set of seeded weights: ``(device, vllm_fn, info, w13, w2, ours)``
+    with ours sized for ``capacity`` tokens, or a dict saying why vLLM's side cannot run here."""
+    from vllm_moonep.testing.vllm_fused import draw_expert_weights
 
     dev = _device(dev_kind)
     H, I, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
@@ -222,7 +223,18 @@ def rk_compare(shape: dict, tokens: tuple, dev_kind: str, seed: int) -> dict:
     gone = _first_call(vllm_fn, info, w13, w2, K, seed, dev)
     if gone:
         return gone
-    ours = _Ours(w13, w2, E, K, H, I, max(tokens), dev)
+    return dev, vllm_fn, info, w13, w2, _Ours(w13, w2, E, K, H, I, capacity, dev)
+
+
+def rk_compare(shape: dict, tokens: tuple, dev_kind: str, seed: int) -> dict:
+    """Rank side of the comparison: per token count, the three pairs' ``vllm_fused.compare``."""
+    from vllm_moonep.testing.vllm_fused import compare, vllm_moe_config_used
+
+    side = _both_sides(shape, dev_kind, seed, max(tokens))
+    if isinstance(side, dict):
+        return side
+    dev, vllm_fn, info, w13, w2, ours = side
+    H, E, K = shape["H"], shape["E"], shape["K"]
     res: dict = {"vllm": info, "points": {}}
     try:
         for T in tokens:
@@ -249,18 +261,13 @@ def rk_misroute(shape: dict, tokens: tuple, dev_kind: str, seed: int) -> dict:
     """Rank side of the mis-route checks, per token count: ours with the true routing and weights, then
     mis-routed (one token's ids permuted e -> (e+1) % E), then with two experts' weights swapped in our
     copy, then restored; each against vLLM's output with the true routing and against the reference."""
-    from vllm_moonep.testing.vllm_fused import compare, draw_expert_weights
+    from vllm_moonep.testing.vllm_fused import compare
 
-    dev = _device(dev_kind)
-    H, I, E, K = shape["H"], shape["I"], shape["E"], shape["K"]
-    vllm_fn, info = _vllm_side(dev)
-    if vllm_fn is None:
-        return info
-    w13, w2 = draw_expert_weights(E, H, I, seed, dev)
-    gone = _first_call(vllm_fn, info, w13, w2, K, seed, dev)
-    if gone:
-        return gone
-    ours = _Ours(w13, w2, E, K, H, I, max(max(tokens), 128), dev)
+    side = _both_sides(shape, dev_kind, seed, max(max(tokens), 128))
+    if isinstance(side, dict):
+        return side
+    dev, vllm_fn, info, w13, w2, ours = side
+    H, E, K = shape["H"], shape["E"], shape["K"]
     res: dict = {"vllm": info, "points": {}}
     try:
         for T in tokens:

@@ -317,24 +317,38 @@ def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args):
     def f_q():
         return expert_ffn_quack(x, rw, cu, weights, out=out_q, tuned=args.quack_tuned)
 
-    try:
-        f_q()  # the first call compiles
-        torch.cuda.synchronize()
-    except Exception as e:
-        return {"quack_us": None}, f"{type(e).__name__}: {str(e)[:300]}"
+    _, err = _first_call(f_q)
+    if err:
+        return {"quack_us": None}, err
     fields = {
         "quack_unwritten": int(torch.isnan(out_q[:n]).sum()),
         "err_quack_vs_poc": relative_error(out_q[:n], out_p[:n]),
-        "quack_eager_us": _bench(f_q, rep=args.rep) * 1e3,
-        "quack_us": None,
+        **_column_times("quack", f_q, args),
     }
-    try:
-        r_q, g_q = _graphed(f_q)
-        fields["quack_us"] = _bench(r_q, rep=args.rep) * 1e3
-        del g_q
-    except Exception as e:
-        fields["quack_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return fields, None
+
+
+def _first_call(f):
+    """``(output, None)`` after ``f``'s first call (it compiles), or ``(None, why)`` when it failed."""
+    try:
+        out = f()
+        torch.cuda.synchronize()
+    except Exception as e:
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
+    return out, None
+
+
+def _column_times(name: str, f, args) -> dict:
+    """A library's column at one point: ``<name>_eager_us``, and ``<name>_us`` from a CUDA-graph
+    replay (``None`` with ``<name>_graph_error`` when the capture failed: the eager time stays)."""
+    fields = {f"{name}_eager_us": _bench(f, rep=args.rep) * 1e3, f"{name}_us": None}
+    try:
+        r, g = _graphed(f)
+        fields[f"{name}_us"] = _bench(r, rep=args.rep) * 1e3
+        del g
+    except Exception as e:
+        fields[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return fields
 
 
 def real_rows_as_tokens(x, rw, cu_h, real, dev):
@@ -365,24 +379,15 @@ def _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args):
     def f_v():
         return vllm_fn(hv, w13, w_down, tw, tid)
 
-    try:
-        out_v = f_v()  # the first call compiles
-        torch.cuda.synchronize()
-    except Exception as e:
-        return {"vllm_us": None}, f"{type(e).__name__}: {str(e)[:300]}"
+    out_v, err = _first_call(f_v)
+    if err:
+        return {"vllm_us": None}, err
     fields = {
         "err_vllm_vs_triton": relative_error(out_v, out_t[rows]),
-        "vllm_eager_us": _bench(f_v, rep=args.rep) * 1e3,
-        "vllm_us": None,
         "vllm_rows": int(hv.shape[0]),
         "vllm_config": vllm_moe_config_used(w13, w_down, 1, int(hv.shape[0])),
+        **_column_times("vllm", f_v, args),
     }
-    try:
-        r_v, g_v = _graphed(f_v)
-        fields["vllm_us"] = _bench(r_v, rep=args.rep) * 1e3
-        del g_v
-    except Exception as e:
-        fields["vllm_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return fields, None
 
 
