@@ -204,6 +204,136 @@ def test_comparisons_fail_on_any_difference_and_skip_nothing_silently():
     assert "RESULT: FAIL" in text
 
 
+# ------------------------------------------------- the baseline: vLLM's own run-to-run spread
+_ON = [[1, 2, 3], [4, 5, 6]]
+_OFF = [[1, 2, 9], [4, 5, 6]]  # a run without the plugin that differs at (seq 0, pos 2)
+
+
+def _sets(tokens, digest32="d32"):
+    return vmc.pair_sets(_llm_result(tokens, {1: "d1", 32: digest32}))
+
+
+def _graph_runs(on, off, off2=None, **kw):
+    """llm-graphs-plugin, llm-graphs-noplugin (and llm-graphs-noplugin-2 where ``off2``) with these results."""
+    a = _args(modes=["graphs"], serve="none", **kw)
+    runs = vmc.plan_runs(a, "/m")
+    runs[0].result, runs[1].result = on, off
+    if off2 is not None:
+        runs.append(vmc.Run(vmc.baseline_name("graphs"), "llm", "graphs", False, "moonep", list(runs[1].argv), off2))
+    return a, runs
+
+
+def _strict(cs):
+    return {c["check"].split(": ", 1)[1]: c["ok"] for c in cs if c["strict"]}
+
+
+def test_baseline_identical_passes_without_a_baseline_run():
+    """A check that started the extra run (or failed for want of it) when the tokens were already
+    identical: device time spent, or a pass turned into a failure, for nothing."""
+    v = vmc.baseline_verdict(_sets(_ON), _sets(_ON), None, "--baseline-runs 0")
+    assert v["ok"] and v["verdict"] == "identical" and not v["baseline_run"] and "not_run" not in v
+    assert all(s["verdict"] == "identical" for s in v["sets"].values()) and set(v["sets"]) == {"greedy", "batch 1", "batch 32"}
+    a, runs = _graph_runs(_llm_result(_ON, {1: "d1", 32: "d32"}), _llm_result(_ON, {1: "d1", 32: "d32"}))
+    assert vmc.mode_verdicts(a, runs)["graphs"]["verdict"] == "identical"  # check() starts no baseline on this
+    cs = vmc.comparisons(a, runs)
+    assert all(_strict(cs).values()) and all(c.get("verdict") in (None, "identical") for c in cs), cs
+    assert "RESULT: PASS" in vmc.summary_text(a, {"layers": 2, "param_gb": 3.7}, runs, cs, 1.0, vmc.mode_verdicts(a, runs))
+
+
+def test_baseline_equal_to_the_plugin_run_passes_as_run_to_run_spread():
+    """The H200 graphs run: the plugin's tokens differed from one no-plugin run, and a second
+    no-plugin run matched the plugin's token for token; one pairwise comparison called that a
+    plugin failure when it was vLLM's own spread."""
+    v = vmc.baseline_verdict(_sets(_ON, "p32"), _sets(_OFF, "x32"), _sets(_ON, "p32"))
+    assert v["ok"] and v["verdict"] == "spread" and v["why"] == vmc.SPREAD_WHY and v["baseline_run"]
+    assert v["sets"]["greedy"] == {"plugin_vs_noplugin": False, "plugin_vs_noplugin_2": True,
+                                   "noplugin_vs_noplugin_2": False, "verdict": "spread", "why": vmc.SPREAD_WHY, "ok": True}
+    assert v["sets"]["batch 1"]["verdict"] == "identical" and v["sets"]["batch 32"]["verdict"] == "spread"
+    # a set may match either no-plugin run: greedy the first, batch 32 the second
+    v = vmc.baseline_verdict(_sets(_ON, "p32"), _sets(_ON, "x32"), _sets(_OFF, "p32"))
+    assert v["ok"] and v["verdict"] == "spread"
+    a, runs = _graph_runs(_llm_result(_ON, {1: "d1", 32: "p32"}), _llm_result(_OFF, {1: "d1", 32: "x32"}),
+                          _llm_result(_ON, {1: "d1", 32: "p32"}, mode="graphs"))
+    cs = vmc.comparisons(a, runs)
+    assert all(_strict(cs).values()), cs
+    g = next(c for c in cs if c["check"].startswith("graphs: greedy tokens with the plugin"))
+    assert g["verdict"] == "spread" and g["detail"]["first_mismatch"] == [0, 2, 3, 9], "the pairwise mismatch is kept"
+    assert g["baseline"]["run"] == "llm-graphs-noplugin-2" and g["baseline"]["plugin_vs_noplugin_2"]["equal"]
+    assert g["baseline"]["noplugin_vs_noplugin_2"]["equal"] is False
+    text = vmc.summary_text(a, {"layers": 2, "param_gb": 3.7}, runs, cs, 1.0, vmc.mode_verdicts(a, runs))
+    assert vmc.SPREAD_WHY in text and "llm-graphs-noplugin-2" in text
+    assert text.rstrip().endswith("RESULT: PASS (graphs: plugin tokens within vLLM's run-to-run spread)")
+
+
+def test_baseline_identical_to_the_first_noplugin_run_fails():
+    """A spread rule that passed any mismatch once a baseline ran: when the two runs without the
+    plugin agree and the plugin's differs, the plugin changes the tokens."""
+    v = vmc.baseline_verdict(_sets(_ON), _sets(_OFF), _sets(_OFF))
+    assert not v["ok"] and v["verdict"] == "plugin_differs" and "the plugin changes the tokens" in v["why"]
+    assert v["sets"]["greedy"]["noplugin_vs_noplugin_2"] and not v["sets"]["greedy"]["plugin_vs_noplugin_2"]
+    a, runs = _graph_runs(_llm_result(_ON, {1: "d1", 32: "d32"}), _llm_result(_OFF, {1: "d1", 32: "d32"}),
+                          _llm_result(_OFF, {1: "d1", 32: "d32"}))
+    cs = vmc.comparisons(a, runs)
+    assert _strict(cs) == {"greedy tokens with the plugin == with VLLM_MOONEP_PLUGIN=0": False,
+                           "tokens/s runs' tokens with the plugin == without (digests per batch)": True}
+    text = vmc.summary_text(a, {"layers": 2, "param_gb": 3.7}, runs, cs, 1.0, vmc.mode_verdicts(a, runs))
+    assert "FAIL graphs: plugin vs vLLM's own run-to-run spread" in text and "RESULT: FAIL (1 check(s))" in text
+
+
+def test_each_set_needs_its_own_match_within_the_spread():
+    """A whole-run rule ("some set matched the baseline") would have passed the H200 data, where the
+    greedy tokens were within the spread but the batch-32 digest of both no-plugin runs agreed and
+    the plugin's differed."""
+    v = vmc.baseline_verdict(_sets(_ON, "p32"), _sets(_OFF, "x32"), _sets(_ON, "x32"))
+    assert not v["ok"] and v["verdict"] == "plugin_differs"
+    assert v["sets"]["greedy"]["verdict"] == "spread" and v["sets"]["batch 32"]["verdict"] == "plugin_differs"
+    assert v["why"].startswith("batch 32: the two runs without the plugin are identical")
+    a, runs = _graph_runs(_llm_result(_ON, {1: "d1", 32: "p32"}), _llm_result(_OFF, {1: "d1", 32: "x32"}),
+                          _llm_result(_ON, {1: "d1", 32: "x32"}))
+    assert _strict(vmc.comparisons(a, runs)) == {"greedy tokens with the plugin == with VLLM_MOONEP_PLUGIN=0": True,
+                                                 "tokens/s runs' tokens with the plugin == without (digests per batch)": False}
+
+
+def test_baseline_different_from_both_fails_with_both_mismatches():
+    """Passing on "the no-plugin runs differ from each other" alone: the plugin's tokens must equal
+    one of them; and the report must show both mismatches, not only the first pair's."""
+    third = [[1, 7, 3], [4, 5, 6]]
+    v = vmc.baseline_verdict(_sets(_ON), _sets(_OFF), _sets(third))
+    assert not v["ok"] and v["verdict"] == "differs_from_both" and "equal neither" in v["why"]
+    a, runs = _graph_runs(_llm_result(_ON, {1: "d1", 32: "d32"}), _llm_result(_OFF, {1: "d1", 32: "d32"}),
+                          _llm_result(third, {1: "d1", 32: "d32"}))
+    cs = vmc.comparisons(a, runs)
+    g = next(c for c in cs if c["check"].startswith("graphs: greedy tokens with the plugin"))
+    assert g["ok"] is False and g["verdict"] == "differs_from_both"
+    assert g["detail"]["first_mismatch"] == [0, 2, 3, 9] and g["baseline"]["plugin_vs_noplugin_2"]["first_mismatch"] == [0, 1, 2, 7]
+    text = vmc.summary_text(a, {"layers": 2, "param_gb": 3.7}, runs, cs, 1.0, vmc.mode_verdicts(a, runs))
+    assert "[0, 2, 3, 9]" in text and "[0, 1, 2, 7]" in text and "RESULT: FAIL" in text
+
+
+def test_baseline_not_run_fails_and_says_why():
+    """A mismatch with no baseline (budget spent, --baseline-runs 0, or the baseline run failed)
+    must fail as before, and say the baseline was not run rather than leave it unexplained; nor may
+    the baseline start with less than --min-run-s of --budget left."""
+    a = _args(modes=["graphs"], serve="none", budget=470.0, run_timeout=200.0, min_run_s=60.0)
+    assert vmc.baseline_why_not(a, 300.0) is None
+    why = vmc.baseline_why_not(a, 50.0)
+    assert why and why.startswith("budget: 50s of --budget left") and "--min-run-s 60s" in why
+    assert vmc.baseline_why_not(_args(baseline_runs=0), 1000.0) == "--baseline-runs 0"
+    v = vmc.baseline_verdict(_sets(_ON), _sets(_OFF), None, why)
+    assert not v["ok"] and v["verdict"] == "no_baseline" and v["not_run"] == why and why in v["why"]
+    a, runs = _graph_runs(_llm_result(_ON, {1: "d1", 32: "d32"}), _llm_result(_OFF, {1: "d1", 32: "d32"}))
+    cs = vmc.comparisons(a, runs, {"graphs": why})
+    g = next(c for c in cs if c["check"].startswith("graphs: greedy tokens with the plugin"))
+    assert g["ok"] is False and g["verdict"] == "no_baseline" and why in g["why"] and "baseline" not in g
+    text = vmc.summary_text(a, {"layers": 2, "param_gb": 3.7}, runs, cs, 1.0, vmc.mode_verdicts(a, runs, {"graphs": why}))
+    assert f"baseline not run ({why})" in text and "RESULT: FAIL (1 check(s))" in text
+    # a baseline run that failed is no baseline either
+    a, runs = _graph_runs(_llm_result(_ON, {1: "d1", 32: "d32"}), _llm_result(_OFF, {1: "d1", 32: "d32"}),
+                          {"status": "timeout", "error": "no result"})
+    v = vmc.mode_verdicts(a, runs)["graphs"]
+    assert not v["ok"] and v["verdict"] == "no_baseline" and "llm-graphs-noplugin-2 timeout" in v["not_run"]
+
+
 def test_check_lines_uses_the_run_state(tmp_path):
     a = _args(weights="vllm")
     run = vmc.plan_runs(a, "/m")[1]  # llm-eager-noplugin
@@ -412,6 +542,7 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     def parse_args(self, argv=None, namespace=None):
         return self.parse_known_args(argv, namespace)[0]
 plugin = os.environ.get("VLLM_MOONEP_PLUGIN", "1") != "0"
+drift = 0
 dp_rank = int(os.environ.get("VLLM_DP_RANK", "0"))
 
 class EngineArgs:
@@ -442,6 +573,12 @@ class LLM:
         if graphs:
             print("Graph capturing finished in 1 secs, took 0.10 GiB")
         mode = json.loads(ns.compilation_config)["cudagraph_mode"] if graphs else "NONE"
+        global drift
+        drift = int(os.environ.get("FAKE_DRIFT", "0"))
+        once = os.environ.get("FAKE_DRIFT_ONCE")  # the first graphs run without the plugin drifts, later ones not
+        if once and graphs and not plugin and not os.path.exists(once):
+            open(once, "w").close()
+            drift = 1
         cc = types.SimpleNamespace(cudagraph_mode=types.SimpleNamespace(name=mode), mode=0, cudagraph_capture_sizes=[])
         pc = types.SimpleNamespace(all2all_backend=ns.all2all_backend, data_parallel_size=1)
         self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(compilation_config=cc, parallel_config=pc),
@@ -450,23 +587,26 @@ class LLM:
     def generate(self, prompts, sp, use_tqdm=False):
         outs = []
         for p in prompts:
-            ids = [(sum(p["prompt_token_ids"]) * 7 + i + (0 if plugin else int(os.environ.get("FAKE_DRIFT", "0")))) % 151936
-                   for i in range(sp.max_tokens)]
+            ids = [(sum(p["prompt_token_ids"]) * 7 + i + (0 if plugin else drift)) % 151936 for i in range(sp.max_tokens)]
             o = types.SimpleNamespace(token_ids=ids, text=" ".join(f"w{i}" for i in ids if i not in (151643, 151644, 151645)))
             outs.append(types.SimpleNamespace(outputs=[o]))
         return outs
 '''
 
 
-@pytest.mark.parametrize("drift,dp", [(0, 1), (1, 1), (0, 2)])
+@pytest.mark.parametrize("drift,dp", [(0, 1), (1, 1), (0, 2), ("once", 1)])
 def test_llm_runs_end_to_end_with_a_stand_in_engine(tmp_path, monkeypatch, drift, dp):
     """The orchestration of the llm runs (child processes, results, log checks, comparisons, DP
     ranks' prompts back in order, summary, exit status) with a stand-in for vLLM's LLM API: one
-    token that differs without the plugin must fail the run."""
+    token that differs in every run without the plugin must fail the run (after each mode's baseline
+    run agreed with the first no-plugin run); one that differs in the first graphs run without the
+    plugin only is vLLM's run-to-run spread, which the baseline run shows."""
     fake = tmp_path / "fake_vllm.py"
     fake.write_text(_FAKE_VLLM)
     monkeypatch.setenv(vmc.FAKE_VLLM_ENV, str(fake))
-    monkeypatch.setenv("FAKE_DRIFT", str(drift))
+    monkeypatch.setenv("FAKE_DRIFT", "0" if drift == "once" else str(drift))
+    if drift == "once":
+        monkeypatch.setenv("FAKE_DRIFT_ONCE", str(tmp_path / "drifted"))
     monkeypatch.setattr(vmc, "preflight", lambda need_serve: {"python": "x", "missing_llm": [], "missing_serve": [],
                                                               "vllm_C": ["c"], "vllm_moe_C": ["m"], "gpus": ["g"] * dp,
                                                               "moonep_entry_point": True, "flash_attn_ext": ["f"]})
@@ -483,13 +623,24 @@ def test_llm_runs_end_to_end_with_a_stand_in_engine(tmp_path, monkeypatch, drift
     assert on["tokens"] == want, "DP ranks' tokens must come back in prompt order"
     assert [e["batch"] for e in on["bench"]] == [1, 4] and on["bench"][0]["tokens_ids"]
     failed = sorted(c["check"] for c in res["checks"] if c["ok"] is False)
-    if drift:
+    summary = (out / "summary.txt").read_text()
+    if drift == "once":
+        assert rc == 0 and failed == ["noplugin: greedy tokens eager vs CUDA graphs (informational)"], failed
+        assert list(runs)[-1] == "llm-graphs-noplugin-2" and "llm-eager-noplugin-2" not in runs
+        assert runs["llm-graphs-noplugin-2"]["tokens"] == on["tokens"] != runs["llm-graphs-noplugin"]["tokens"]
+        assert res["baseline"]["eager"]["verdict"] == "identical" and res["baseline"]["graphs"]["verdict"] == "spread"
+        assert vmc.SPREAD_WHY in summary and "RESULT: PASS (graphs:" in summary
+    elif drift:
+        assert [n for n in runs if n.endswith("-2")] == ["llm-eager-noplugin-2", "llm-graphs-noplugin-2"]
+        assert {m: v["verdict"] for m, v in res["baseline"].items()} == {"eager": "plugin_differs",
+                                                                         "graphs": "plugin_differs"}
         assert rc == 1 and failed == ["eager: greedy tokens with the plugin == with VLLM_MOONEP_PLUGIN=0",
                                       "eager: tokens/s runs' tokens with the plugin == without (digests per batch)",
                                       "graphs: greedy tokens with the plugin == with VLLM_MOONEP_PLUGIN=0",
                                       "graphs: tokens/s runs' tokens with the plugin == without (digests per batch)"]
     elif dp == 1:
         assert rc == 0 and failed == [], failed
+        assert not [n for n in runs if n.endswith("-2")] and "run-to-run" not in summary
     else:  # the stand-in says "inactive" at --dp 2, which the checks then refuse
         assert rc == 1 and any("plugin_inactive" in c for c in failed) and any("plugin_active" in c for c in failed)
     assert sorted(p.name for p in out.iterdir()) == sorted(["results.json", "summary.txt"] + [f"{n}.log" for n in runs])

@@ -40,7 +40,20 @@ What runs (defaults; every run with ``--enable-expert-parallel --all2all-backend
 - ``serve-graphs-plugin``: ``python -m vllm.entrypoints.cli.main serve`` (what the ``vllm`` console
   script runs) on 127.0.0.1, ``/health`` polled, one ``POST /v1/completions`` with token ids, its
   tokens compared with the batch-1 offline run of the same mode, then the server's process group
-  is terminated.
+  is terminated;
+- ``llm-<mode>-noplugin-2`` (after the others, only where needed): the baseline below.
+
+Baseline of vLLM's own run-to-run spread (``--baseline-runs``, default 1): with unit-scale weights
+the logits of 48 layers are near-tied, and vLLM's CUDA-graph runs are not deterministic run to run
+(on an H200 a second ``llm-graphs-noplugin`` run differed from the first exactly as the plugin run
+did, and matched the plugin run token for token), so one plugin/no-plugin comparison cannot tell
+the plugin's effect from vLLM's spread. When a mode's comparison (greedy tokens, or a tokens/s
+batch's digest) differs, the no-plugin run runs once more (same arguments and environment, its own
+log, within ``--budget``: not started if less than ``--min-run-s`` is left). Each sequence set then
+passes when the plugin's tokens equal either no-plugin run's (vLLM's spread); it fails when the two
+no-plugin runs agree and the plugin's differ (the plugin changes the tokens), when the plugin's
+equal neither, or when the baseline did not run (the check says why). ``results.json`` keeps the
+per-mode verdicts under ``baseline``; the comparison checks add ``verdict``, ``why`` and ``baseline``.
 
 CUDA graphs without torch.compile (``--compile-mode NONE --graph-mode FULL_DECODE_ONLY``, the
 default): vLLM 0.33 captures FULL graphs of the whole forward without Dynamo/Inductor (piecewise
@@ -79,8 +92,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QWEN3_30B_A3B", "build_parser", "compare_tokens", "engine_argv", "expected_lines", "main",
-           "make_prompts", "register_check_plugin", "scan_log", "text_to_ids", "token_text", "write_model_dir"]
+__all__ = ["QWEN3_30B_A3B", "baseline_verdict", "build_parser", "compare_tokens", "engine_argv", "expected_lines",
+           "main", "make_prompts", "register_check_plugin", "scan_log", "text_to_ids", "token_text", "write_model_dir"]
 
 # ------------------------------------------------------------------------------------------ model
 #: Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B, public values), the keys vLLM 0.33's
@@ -378,6 +391,71 @@ def compare_tokens(a: list[list[int]] | None, b: list[list[int]] | None, limit: 
             first = [i, n, x[n] if n < len(x) else None, y[n] if n < len(y) else None]
     return {"equal": first is None, "first_mismatch": first, "common_prefix": prefixes,
             "tokens": sum(len(s) for s in a)}
+
+
+#: what a pass on vLLM's own run-to-run spread says
+SPREAD_WHY = ("plugin tokens equal a run without the plugin; vLLM's runs without the plugin differ from each "
+              "other (run-to-run spread)")
+#: a set's verdicts, mildest first (a mode's verdict is its sets' worst)
+VERDICTS = ("identical", "spread", "no_baseline", "differs_from_both", "plugin_differs")
+
+
+def pair_sets(result: dict[str, Any]) -> dict[str, Any]:
+    """The sequence sets an llm run's tokens are compared by: ``greedy`` (the ``--prompts``' token
+    ids) and ``batch <b>`` (the digest of the tokens/s run's tokens at batch ``b``)."""
+    sets: dict[str, Any] = {"greedy": result.get("tokens")}
+    for e in result.get("bench") or []:
+        sets[f"batch {e['batch']}"] = e.get("digest")
+    return sets
+
+
+def baseline_verdict(on: dict[str, Any], off: dict[str, Any], off2: dict[str, Any] | None,
+                     not_run: str | None = None) -> dict[str, Any]:
+    """The plugin run's sequence sets (``pair_sets``) against the run without the plugin (``off``)
+    and, where given, a second run without it (``off2``, the baseline of vLLM's own run-to-run
+    spread; ``not_run``: why there is none). A set passes when the plugin's tokens equal either
+    run's without the plugin; the mode passes when every set does. Per set and for the mode:
+    ``identical`` (equal to ``off``: no baseline needed), ``spread`` (equal to ``off2`` only: the
+    runs without the plugin differ from each other), ``no_baseline`` (differs from ``off``, no
+    ``off2``), ``plugin_differs`` (``off`` and ``off2`` identical, the plugin's differs),
+    ``differs_from_both`` (equal to neither, which differ from each other too); only the first
+    two pass."""
+    def eq(x: Any, y: Any) -> bool:
+        return x is not None and x == y
+
+    sets: dict[str, dict[str, Any]] = {}
+    for k in dict.fromkeys([*on, *off, *(off2 or {})]):
+        s: dict[str, Any] = {"plugin_vs_noplugin": eq(on.get(k), off.get(k))}
+        if off2 is not None:
+            s["plugin_vs_noplugin_2"] = eq(on.get(k), off2.get(k))
+            s["noplugin_vs_noplugin_2"] = eq(off.get(k), off2.get(k))
+        if s["plugin_vs_noplugin"]:
+            s.update(verdict="identical", why="identical to the run without the plugin")
+        elif off2 is None:
+            s.update(verdict="no_baseline", why="differs from the run without the plugin; the baseline (a second run "
+                                                f"without the plugin) was not run: {not_run or 'no reason given'}")
+        elif s["plugin_vs_noplugin_2"]:
+            s.update(verdict="spread", why=SPREAD_WHY)
+        elif s["noplugin_vs_noplugin_2"]:
+            s.update(verdict="plugin_differs", why="the two runs without the plugin are identical to each other and "
+                                                   "the plugin run differs: the plugin changes the tokens")
+        else:
+            s.update(verdict="differs_from_both", why="plugin tokens equal neither run without the plugin (which "
+                                                      "differ from each other as well)")
+        s["ok"] = s["verdict"] in ("identical", "spread")
+        sets[k] = s
+    verdict = max((s["verdict"] for s in sets.values()), key=VERDICTS.index, default="identical")
+    ok = all(s["ok"] for s in sets.values())
+    if verdict == "identical":
+        why = "plugin tokens identical to the run without the plugin"
+    elif ok:
+        why = SPREAD_WHY
+    else:
+        why = "; ".join(f"{k}: {s['why']}" for k, s in sets.items() if not s["ok"])
+    out = {"ok": ok, "verdict": verdict, "why": why, "baseline_run": off2 is not None, "sets": sets}
+    if off2 is None and verdict != "identical":
+        out["not_run"] = not_run
+    return out
 
 
 # --------------------------------------------------------------------------- subprocess handling
@@ -996,6 +1074,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--run-timeout", type=float, default=200.0, help="seconds per llm run (engine start included)")
     c.add_argument("--serve-timeout", type=float, default=200.0, help="seconds for the serve run (start to stop)")
     c.add_argument("--min-run-s", type=float, default=60.0, help="a run is skipped when less than this is left")
+    c.add_argument("--baseline-runs", type=int, choices=(0, 1), default=1,
+                   help="when a mode's tokens differ with and without the plugin: run the no-plugin run once more "
+                        "(llm-<mode>-noplugin-2, within --budget) to tell the plugin from vLLM's own run-to-run "
+                        "spread (0: no baseline; a mismatch fails)")
     c.add_argument("--dry-run", action="store_true", help="write the model, preflight, print the runs; start nothing")
     llm = sub.add_parser("_llm", help=argparse.SUPPRESS)
     llm.add_argument("--spec", required=True)
@@ -1032,9 +1114,47 @@ def plan_runs(a: argparse.Namespace, model_dir: str) -> list[Run]:
     return runs
 
 
-def comparisons(a: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any]]:
+def baseline_name(mode: str) -> str:
+    """The baseline run of ``mode``: the same run without the plugin, once more."""
+    return f"llm-{mode}-noplugin-2"
+
+
+def baseline_why_not(a: argparse.Namespace, left: float) -> str | None:
+    """Why the baseline run cannot be started (None: it can): ``--baseline-runs 0``, or the budget
+    (the test ``run_llm`` applies: less than ``--min-run-s`` left for it)."""
+    if a.baseline_runs < 1:
+        return "--baseline-runs 0"
+    if min(a.run_timeout, left - 5) < a.min_run_s:
+        return f"budget: {left:.0f}s of --budget left, a run needs --min-run-s {a.min_run_s:.0f}s"
+    return None
+
+
+def mode_verdicts(a: argparse.Namespace, runs: list[Run],
+                  baseline_why: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """``baseline_verdict`` of each mode whose plugin and no-plugin runs both ran (``baseline_why``:
+    mode -> why its baseline run was not started)."""
+    by = {r.name: r for r in runs}
+    out = {}
+    for mode in a.modes:
+        on, off, off2 = by.get(f"llm-{mode}-plugin"), by.get(f"llm-{mode}-noplugin"), by.get(baseline_name(mode))
+        if not (on and off and on.result.get("status") == "ok" and off.result.get("status") == "ok"):
+            continue
+        off2_ok = off2 is not None and off2.result.get("status") == "ok"
+        why = (baseline_why or {}).get(mode)
+        if off2 is not None and not off2_ok:
+            why = f"{off2.name} {off2.result.get('status')}: {off2.result.get('error') or off2.result.get('why')}"
+        out[mode] = baseline_verdict(pair_sets(on.result), pair_sets(off.result),
+                                     pair_sets(off2.result) if off2 is not None and off2_ok else None, why)
+        if off2 is not None:
+            out[mode]["baseline"] = off2.name
+    return out
+
+
+def comparisons(a: argparse.Namespace, runs: list[Run],
+                baseline_why: dict[str, str] | None = None) -> list[dict[str, Any]]:
     by = {r.name: r for r in runs}
     out: list[dict[str, Any]] = []
+    verdicts = mode_verdicts(a, runs, baseline_why)
 
     def bench_digests(r: Run) -> dict[int, str]:
         return {e["batch"]: e["digest"] for e in r.result.get("bench") or []}
@@ -1052,16 +1172,36 @@ def comparisons(a: argparse.Namespace, runs: list[Run]) -> list[dict[str, Any]]:
         on, off = by.get(f"llm-{mode}-plugin"), by.get(f"llm-{mode}-noplugin")
         if on and off:
             add(f"{mode}: greedy tokens with the plugin == with VLLM_MOONEP_PLUGIN=0", on, off, True)
-            if on.result.get("status") == "ok" and off.result.get("status") == "ok":
+            v = verdicts.get(mode)
+            if v is not None:
+                # both ran: a mismatch passes only within vLLM's own run-to-run spread (baseline_verdict)
+                off2 = by.get(baseline_name(mode))
+                off2_ok = off2 is not None and off2.result.get("status") == "ok"
+                greedy, sg = out[-1], v["sets"]["greedy"]
+                greedy.update(ok=sg["ok"], verdict=sg["verdict"], why=sg["why"])
+                if off2 is not None and off2_ok:
+                    t2 = off2.result.get("tokens")
+                    greedy["baseline"] = {"run": off2.name,
+                                          "plugin_vs_noplugin_2": compare_tokens(on.result.get("tokens"), t2),
+                                          "noplugin_vs_noplugin_2": compare_tokens(off.result.get("tokens"), t2)}
                 d_on, d_off = bench_digests(on), bench_digests(off)
                 same = {b: d_on.get(b) == d_off.get(b) for b in d_on}
-                out.append({"check": f"{mode}: tokens/s runs' tokens with the plugin == without (digests per batch)",
-                            "ok": all(same.values()) and set(d_on) == set(d_off), "strict": True, "detail": same})
+                batches = {k: s for k, s in v["sets"].items() if k != "greedy"}
+                bv = max((s["verdict"] for s in batches.values()), key=VERDICTS.index, default="identical")
+                entry = {"check": f"{mode}: tokens/s runs' tokens with the plugin == without (digests per batch)",
+                         "ok": all(s["ok"] for s in batches.values()), "strict": True, "detail": same, "verdict": bv,
+                         "why": "identical to the run without the plugin" if bv == "identical" else SPREAD_WHY
+                         if bv == "spread" else "; ".join(f"{k}: {s['why']}" for k, s in batches.items() if not s["ok"])}
+                if off2 is not None and off2_ok:
+                    d2 = bench_digests(off2)
+                    entry["baseline"] = {"run": off2.name,
+                                         "plugin_vs_noplugin_2": {b: d_on.get(b) == d2.get(b) for b in d_on},
+                                         "noplugin_vs_noplugin_2": {b: d_off.get(b) == d2.get(b) for b in d_off}}
+                out.append(entry)
         cmp_run = by.get(f"llm-{mode}-{a.compare_backend}") if a.compare_backend else None
-        base = by.get(f"llm-{mode}-plugin")
-        if cmp_run and base:
+        if cmp_run and on:
             add(f"{mode}: greedy tokens {a.all2all_backend} vs {a.compare_backend} (kernels differ: prefix agreement)",
-                base, cmp_run, False)
+                on, cmp_run, False)
     for pl in ("plugin", "noplugin"):
         e, g = by.get(f"llm-eager-{pl}"), by.get(f"llm-graphs-{pl}")
         if e and g:
@@ -1088,8 +1228,7 @@ def _mark(c: dict[str, Any]) -> str:
     return {True: "same", False: "DIFF", None: "n/a "}[c["ok"]]
 
 
-def _detail(c: dict[str, Any]) -> str:
-    d = c.get("detail")
+def _cmp_text(d: Any) -> str:
     if isinstance(d, dict) and "equal" in d:
         if d["equal"] is None:
             return str(d.get("why"))
@@ -1098,10 +1237,22 @@ def _detail(c: dict[str, Any]) -> str:
     return "" if d in (None, "") else str(d)[:240]
 
 
+def _detail(c: dict[str, Any]) -> str:
+    text = _cmp_text(c.get("detail"))
+    if c.get("verdict") not in (None, "identical"):  # a plugin/no-plugin mismatch and what the baseline said
+        text += f" => {c.get('why')}"
+        b = c.get("baseline")
+        if b:
+            text += (f" [plugin vs {b['run']}: {_cmp_text(b.get('plugin_vs_noplugin_2'))}; no-plugin runs vs each "
+                     f"other: {_cmp_text(b.get('noplugin_vs_noplugin_2'))}]")
+    return text
+
+
 def summary_text(a: argparse.Namespace, info: dict[str, Any], runs: list[Run], checks: list[dict[str, Any]],
-                 total_s: float) -> str:
+                 total_s: float, verdicts: dict[str, dict[str, Any]] | None = None) -> str:
     """The printed summary: the runs (timings, tokens/s), what the plugin said in each, every token
-    comparison, and every failed check (the passed log checks are counted, not listed)."""
+    comparison, each mode's verdict against vLLM's run-to-run spread (``verdicts``, where the
+    plugin's tokens differed), and every failed check (the passed log checks are counted, not listed)."""
     L = [f"vllm_model_check: Qwen3-30B-A3B architecture, {info['layers']} layers ({info['param_gb']} GB bf16), "
          f"weights {a.weights}, dp {a.dp}, all2all {a.all2all_backend or '-'}{'' if a.no_ep else ', EP'}; "
          f"{total_s:.0f}s in all"]
@@ -1131,6 +1282,13 @@ def summary_text(a: argparse.Namespace, info: dict[str, Any], runs: list[Run], c
     for c in checks:
         if "tokens" in c["check"]:
             L.append(f"  {_mark(c)} {c['check']}: {_detail(c)}")
+    for mode, v in (verdicts or {}).items():
+        if v["verdict"] == "identical":
+            continue
+        base = (f"{v.get('baseline')} ran" if v["baseline_run"] else
+                f"baseline not run ({v.get('not_run')})" if v.get("baseline") is None else f"{v.get('baseline')} did not run")
+        L.append(f"  {'PASS' if v['ok'] else 'FAIL'} {mode}: plugin vs vLLM's own run-to-run spread ({base}): "
+                 f"{v['verdict']}: {v['why']}"[:600])
     others = [c for c in checks if "tokens" not in c["check"]]
     failed = [c for c in others if c["ok"] is False]
     L.append(f"other checks: {len(others) - len(failed)} of {len(others)} passed (runs ran, required and forbidden "
@@ -1143,7 +1301,9 @@ def summary_text(a: argparse.Namespace, info: dict[str, Any], runs: list[Run], c
             L.append(f"--- last lines of {r.result.get('log')}:")
             L += ["    " + x[:300] for x in r.result["log_tail"][-12:]]
     bad = [c for c in checks if c["ok"] is False and c.get("strict", True)]
-    L.append("RESULT: " + ("PASS" if not bad else f"FAIL ({len(bad)} check(s))"))
+    spread = [m for m, v in (verdicts or {}).items() if v["verdict"] == "spread"]
+    L.append("RESULT: " + ("PASS" if not bad else f"FAIL ({len(bad)} check(s))")
+             + (f" ({', '.join(spread)}: plugin tokens within vLLM's run-to-run spread)" if spread and not bad else ""))
     return "\n".join(L)
 
 
@@ -1231,6 +1391,28 @@ def check(a: argparse.Namespace) -> int:
             import_error = (r.name, imp[0][0][:300] if imp else err[:300])
         results["runs"] = {x.name: x.result for x in runs}
         (out / a.json).write_text(json.dumps(results, indent=1, default=str))
+    # a plugin/no-plugin token mismatch: the same run without the plugin once more, the baseline of
+    # vLLM's own run-to-run spread (module doc), if the budget still has a run in it
+    baseline_why: dict[str, str] = {}
+    for mode, v in mode_verdicts(a, runs).items():
+        if v["verdict"] == "identical":
+            continue
+        off = next(r for r in runs if r.name == f"llm-{mode}-noplugin")
+        why_not = baseline_why_not(a, budget.left())
+        if why_not:
+            baseline_why[mode] = why_not
+            _say(f"{mode}: tokens differ with the plugin; the baseline run is not started ({why_not})")
+            continue
+        _say(f"{mode}: tokens differ with the plugin; {baseline_name(mode)}: the run without the plugin once more "
+             "(vLLM's own run-to-run spread)")
+        r2 = Run(baseline_name(mode), "llm", mode, False, off.backend, list(off.argv))
+        runs.append(r2)
+        e = child_env(env, plugin=False, site_dir=str(site), weights=a.weights, weights_seed=a.weights_seed,
+                      extra=extra_env)
+        r2.result["env_diff"] = {k: e.get(k) for k in set(e) | set(os.environ) if e.get(k) != os.environ.get(k)}
+        run_llm(r2, a, e, logs, work, prompts, bench_prompts, budget)
+        results["runs"] = {x.name: x.result for x in runs}
+        (out / a.json).write_text(json.dumps(results, indent=1, default=str))
     checks: list[dict[str, Any]] = []
     for r in runs:
         status = r.result.get("status")
@@ -1246,10 +1428,11 @@ def check(a: argparse.Namespace) -> int:
         if r.kind == "llm" and status == "ok" and r.result.get("texts_decode_ok") is False:
             checks.append({"check": f"{r.name}: generated texts decode back to the token ids", "ok": False,
                            "strict": True, "detail": r.result.get("texts_head")})
-    checks += comparisons(a, runs)
+    checks += comparisons(a, runs, baseline_why)
+    verdicts = mode_verdicts(a, runs, baseline_why)
     total = time.monotonic() - t_start
-    text = summary_text(a, info, runs, checks, total)
-    results.update({"checks": checks, "total_s": round(total, 1),
+    text = summary_text(a, info, runs, checks, total, verdicts)
+    results.update({"checks": checks, "total_s": round(total, 1), "baseline": verdicts,
                     "ok": not any(c["ok"] is False and c.get("strict", True) for c in checks)})
     (out / a.json).write_text(json.dumps(results, indent=1, default=str))
     (out / "summary.txt").write_text(text + "\n")
