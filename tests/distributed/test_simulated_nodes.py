@@ -7,6 +7,10 @@ contract's planner transcription (``tests/reference_planner.py``), the dense ref
 collective transport bit for bit; bad input refused on every rank; a node peer that never
 signals named within the bound; the symmetric layout's prefetch across simulated nodes by the
 host heap's emulated RMA (a peer view across nodes refused); ``moonep-ab`` on 2 simulated nodes.
+Agreement on every rank: uneven nodes leave torch's group names in step (a later ``new_group``
+works), a node heap failing on one node or an invalid ``VLLM_MOONEP_RANKS_PER_NODE`` on one rank
+raises on every rank promptly, a node peer that stops before combine is named in the combine phase;
+CUDA graphs stay off only where simulated nodes split the EP group.
 
 Rank functions run in the cached pools of ``tests.conftest.ranks``; ``with_env`` sets the
 variables of one case inside the rank processes and restores them after, so every case here
@@ -439,6 +443,15 @@ def test_hybrid_cuda_processes_sharing_one_gpu():
     ranks(4, with_env, env, traceable_rows, 24, 16, 4, 16, 4, 8, 2.5, 11, env=env)
     assert ranks(4, with_env, env, slow_node_peer, 32, 256, 4, 16, 4, 8, 13, env=env) == [(True, True)] * 4
     assert ranks(4, with_env, env, counts_short_on_one_rank_hybrid, env=env) == [(True, True)] * 4
+    assert ranks(4, with_env, env, auto_transport_name, env=env) == ["hybrid"] * 4
+
+
+def auto_transport_name():
+    """The transport a real Buffer with transport='auto' takes on this rank's device (simulated nodes set)."""
+    buf = Buffer(16, 64, 2, 8, dist.get_world_size(), B=2, token_padding=4, device=_dev(), transport="auto")
+    name = buf.transport_name
+    buf.destroy()
+    return name
 
 
 @pytest.mark.gpu
@@ -488,3 +501,185 @@ def test_hybrid_nccl_one_simulated_node_per_gpu():
                   backend="nccl", device="cuda")
     assert sum(s["remote"] for s in stats) > 0
     ranks(2, with_env, env, traceable_rows, 24, 16, 4, 16, 8, 8, 2.5, 11, env=env, backend="nccl", device="cuda")
+
+
+# ------------------------------------------------------------------------------ agreement on every rank
+def uneven_nodes_then_new_group():
+    """Hosts [0, 1, 2] and [3] (the host id the Buffer all-gathers patched): a hybrid buffer (node
+    subgroup over ranks 0-2 only, rank 3 alone), one step against the collective transport, destroy;
+    then an ordinary world-wide group must form and work (bounded by a short group timeout)."""
+    import datetime
+
+    from vllm_moonep.engine import buffer as buffer_mod
+
+    r = dist.get_rank()
+    real = buffer_mod.host_id
+    buffer_mod.host_id = lambda: 1 if r < 3 else 2
+    try:
+        stats = same_as_collective(16, 32, 2, 8, 2, 4, [1.5], 7)
+    finally:
+        buffer_mod.host_id = real
+    g = dist.new_group(list(range(4)), timeout=datetime.timedelta(seconds=15))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=g)
+    dist.destroy_process_group(g)
+    return stats, float(t)
+
+
+@spawned_only
+def test_uneven_nodes_keep_torch_group_names_in_step():
+    """Node subgroups made only by their members (use_local_synchronization): ranks then disagree on
+    torch's group counter and the next ordinary new_group hangs (names differ per rank)."""
+    res = ranks(4, uneven_nodes_then_new_group, timeout_s=90)
+    assert [t for _, t in res] == [4.0] * 4, res
+    assert sum(s["local"] for s, _ in res) > 0 and sum(s["remote"] for s, _ in res) > 0, res
+
+
+def setup_failure_on_one_node():
+    """Node 1 (ranks 2, 3) cannot make its node heap (MemoryError): every rank must raise promptly,
+    naming ranks 2 and 3; then a buffer on the same group works. Also heap kinds the hybrid transport
+    refuses are refused on ranks alone on their node too (4 nodes of 1: no heap is made anywhere)."""
+    from vllm_moonep.engine import heaps
+
+    r, R = dist.get_rank(), dist.get_world_size()
+    S, H, K, E = 8, 16, 2, 8
+    real = heaps.make_heap
+    out = {}
+    if r >= 2:
+        def refused(*a, **k):
+            raise MemoryError("injected: no memory for the node heap")
+        heaps.make_heap = refused
+    t0 = time.monotonic()
+    try:
+        Buffer(S, H, K, E, R, B=2, token_padding=4, device="cpu", transport="hybrid", timeout_s=30)
+        out["failed"] = None
+    except Exception as exc:
+        out["failed"] = (type(exc).__name__, str(exc))
+    finally:
+        heaps.make_heap = real
+    out["elapsed"] = time.monotonic() - t0
+    buf = Buffer(S, H, K, E, R, B=2, token_padding=4, device="cpu", transport="hybrid", timeout_s=30)
+    x, w, ids, tpe = _inputs(S, E, K, H, 1.0, 9, r, torch.bfloat16)
+    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    o, rw, _ = buf.combine(plan, xn, wn)
+    out["next_ok"] = torch.equal(rw, w)
+    buf.destroy()
+    out["heap_kinds"] = {}
+    for kind in ("nvshmem", "torch"):
+        try:
+            with_env({RANKS_PER_NODE_ENV: "1"}, Buffer, S, H, K, E, R, B=2, token_padding=4, device="cpu",
+                     transport="hybrid", heap=kind, timeout_s=30).destroy()
+            out["heap_kinds"][kind] = None
+        except MoonEPInputError as exc:
+            out["heap_kinds"][kind] = str(exc)
+    return out
+
+
+@spawned_only
+def test_setup_failure_on_one_node_raises_on_every_rank():
+    """A node heap that fails on one node only while the other node's ranks get a working buffer (and time
+    out at their first dispatch); a heap kind refused only on ranks that share a node."""
+    res = ranks(4, with_env, {RANKS_PER_NODE_ENV: "2"}, setup_failure_on_one_node, timeout_s=120)
+    for o in res:
+        assert o["failed"] is not None and o["failed"][0] == "MoonEPUnavailableError", o
+        assert "rank(s) [2, 3]" in o["failed"][1] and "injected: no memory" in o["failed"][1], o
+        assert o["elapsed"] < 10.0 and o["next_ok"], o
+        assert "NVSHMEM" in (o["heap_kinds"]["nvshmem"] or ""), o
+        assert "does not fit device cpu" in (o["heap_kinds"]["torch"] or ""), o
+
+
+def bad_ranks_per_node_on_one_rank():
+    """Rank 3 has VLLM_MOONEP_RANKS_PER_NODE='x', the others '2': the buffer and a heap must refuse on
+    every rank, naming rank 3's value (not raise on rank 3 alone while the others wait)."""
+    from vllm_moonep.engine.heaps import make_heap
+
+    r, R = dist.get_rank(), dist.get_world_size()
+    env = {RANKS_PER_NODE_ENV: "x" if r == 3 else "2"}
+    out = {}
+    for name, fn in (("buffer", lambda: Buffer(8, 16, 2, 8, R, B=2, token_padding=4, device="cpu",
+                                                transport="hybrid", timeout_s=30)),
+                     ("heap", lambda: make_heap("host", device="cpu"))):
+        t0 = time.monotonic()
+        try:
+            with_env(env, fn).destroy() if name == "buffer" else with_env(env, fn).close()
+            out[name] = None
+        except MoonEPInputError as exc:
+            out[name] = str(exc)
+        out[name + "_s"] = time.monotonic() - t0
+    return out
+
+
+@spawned_only
+def test_invalid_ranks_per_node_on_one_rank_refused_everywhere():
+    """An invalid VLLM_MOONEP_RANKS_PER_NODE raising only on its rank, before the all-gather that makes
+    ranks agree (the others time out), in the buffer or in a heap's node agreement."""
+    res = ranks(4, bad_ranks_per_node_on_one_rank, timeout_s=120)
+    for o in res:
+        for name in ("buffer", "heap"):
+            assert o[name] is not None and "rank(s) [3] have ['x']" in o[name], (name, o)
+            assert o[name + "_s"] < 10.0, o
+
+
+def node_peer_stops_before_combine():
+    """One simulated node of 4 (no all-to-all): rank 1 dispatches at step 1 and never combines; the
+    others' combine wait must give up within the bound naming rank 1 and the combine phase."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    S, H, K, E = 8, 16, 2, 8
+    buf = Buffer(S, H, K, E, R, B=2, token_padding=4, device="cpu", transport="hybrid")
+    x, w, ids, tpe = _inputs(S, E, K, H, 1.0, 9, r, torch.bfloat16)
+    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    buf.combine(plan, xn)
+    xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+    out = {"combine": None}
+    t0 = time.monotonic()
+    if r != 1:
+        try:
+            buf.combine(plan, xn)
+        except Exception as exc:
+            out["combine"] = (type(exc).__name__, str(exc), getattr(exc, "missing", None), getattr(exc, "op", None))
+    out["elapsed"] = time.monotonic() - t0
+    try:
+        buf.destroy()
+    except Exception as exc:
+        out["teardown"] = type(exc).__name__
+    return out
+
+
+@spawned_only
+def test_node_peer_that_stops_before_combine_is_named():
+    """A combine-phase wait that hangs, or gives up without naming the node peer that stopped between
+    dispatch and combine, or names the dispatch phase."""
+    env = {RANKS_PER_NODE_ENV: "4", "VLLM_MOONEP_COLLECTIVE_TIMEOUT_S": str(TIMEOUT_S),
+           "VLLM_MOONEP_TEST_GROUP_TIMEOUT_S": "20"}
+    res = run_on_ranks(4, node_peer_stops_before_combine, env=env, fresh=True, allow_failures=True, timeout_s=120)
+    assert not any(isinstance(o, RankFailure) for o in res), res
+    for r in (0, 2, 3):
+        o = res[r]
+        assert o["combine"] is not None and o["combine"][0] == "MoonEPCollectiveTimeout", (r, o)
+        assert o["combine"][2] == [1] and "first rank 1" in o["combine"][1], (r, o)
+        assert "combine: wait for node peers' outputs" in o["combine"][1], (r, o)
+        assert TIMEOUT_S <= o["elapsed"] <= TIMEOUT_S + SLACK_S, (r, o)
+
+
+def test_graphs_stay_off_only_where_simulated_nodes_split_the_group(monkeypatch):
+    """CUDA graphs turned off by VLLM_MOONEP_RANKS_PER_NODE even when it equals the EP group's size (one
+    node: the symmetric transport), or kept where it splits the group or is invalid."""
+    from types import SimpleNamespace
+
+    from vllm_moonep.vllm_plugin.cudagraphs import simulated_split
+
+    pc = SimpleNamespace(data_parallel_size=2, tensor_parallel_size=2, prefill_context_parallel_size=1)
+    for value, split in (("", False), ("4", False), ("2", True), ("1", True), ("x", True), ("0", True)):
+        monkeypatch.setenv(RANKS_PER_NODE_ENV, value)
+        assert (simulated_split(pc) is not None) == split, (value, simulated_split(pc))
+
+
+@pytest.mark.multi_gpu
+@spawned_only
+def test_hybrid_nccl_one_simulated_node_of_two_gpus():
+    """Two GPUs over NCCL as one simulated node of 2 (explicit hybrid: the one-sided path across distinct
+    GPUs through the torch heap, no all-to-all): bit-identical to the collective transport."""
+    env = {**CUDA, RANKS_PER_NODE_ENV: "2"}
+    stats = ranks(2, with_env, env, same_as_collective, 32, 256, 4, 16, 8, 8, [0.0, 2.5, 1.0], 3, env=env,
+                  backend="nccl", device="cuda")
+    assert sum(s["local"] for s in stats) > 0 and sum(s["remote"] for s in stats) == 0, stats

@@ -18,7 +18,14 @@ from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError,
 from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
 from vllm_moonep.engine.row_copy import MAX_PLANES, copy_rows
 from vllm_moonep.engine.collective import CollectiveTransport
-from vllm_moonep.engine.nodes import NodeMap, host_id, ranks_per_node_from_env, resolve_nodes
+from vllm_moonep.engine.nodes import (
+    NodeMap,
+    host_id,
+    parse_ranks_per_node,
+    ranks_per_node_text,
+    refuse_bad_ranks_per_node,
+    resolve_nodes,
+)
 from vllm_moonep.engine.protocol import MoonEPPlan
 from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
 
@@ -226,11 +233,16 @@ class Buffer:
         # transport and the ranks per simulated node; the host each rank runs on tells which
         # peers share its node (addressable memory).
         try:
-            rpn = ranks_per_node_from_env()
+            rpn_text = ranks_per_node_text()
+            rpn_code = parse_ranks_per_node(rpn_text)  # -1: not a positive integer, refused below on every rank
             asked = TRANSPORTS.index(transport)
-            mine = torch.tensor([S, H, K, E, R, B, token_padding, asked, rpn or 0, host_id()], dtype=torch.int64,
+            mine = torch.tensor([S, H, K, E, R, B, token_padding, asked, rpn_code, host_id()], dtype=torch.int64,
                                 device=self.transport.comm_device)
             every = self.transport.all_gather(mine, "Buffer.__init__ (config check)").cpu()
+            if bool((every[:, 8] < 0).any()):  # every rank sees it: the values' text, then one error everywhere
+                texts = self.transport.all_gather_object(rpn_text, "Buffer.__init__ (ranks per node)")
+                refuse_bad_ranks_per_node(texts, "MoonEP Buffer")
+            rpn = rpn_code or None
             if not bool((every[:, :9] == mine[:9].cpu()).all()):
                 rows = every[:, :9].tolist()
                 raise MoonEPInputError(
@@ -274,18 +286,27 @@ class Buffer:
         return sym
 
     def _make_hybrid(self, heap: SymmetricHeap | str | None, group: ProcessGroup | None) -> HybridTransport:
-        from vllm_moonep.engine.heaps import HEAP_KINDS
+        """The hybrid transport. The heap kind is checked on every rank (also those alone on their
+        node, which make no heap), so that every rank refuses a bad one together; the transport's
+        own set-up failures are agreed on inside it (all-gathered, raised on every rank)."""
+        from vllm_moonep.engine.heaps import HEAP_KINDS, resolve_heap_kind
         from vllm_moonep.engine.hybrid_transport import HybridTransport
 
         if heap is not None and not isinstance(heap, str):
             raise MoonEPInputError(
                 f"transport='hybrid' makes its own heap over this node's ranks; pass a heap kind ({HEAP_KINDS}) or "
                 f"None, not a {type(heap).__name__} spanning the group")
-        if heap is not None and heap not in HEAP_KINDS:
-            raise MoonEPInputError(f"heap kind must be one of {HEAP_KINDS}, got {heap!r}")
-        return HybridTransport(self.transport, self.nodes, group, heap_kind=heap or "auto", S=self.S, K=self.K,
-                               H=self.H, E=self.E, B=self.B, NvS=self.NvS, token_padding=self.token_padding,
-                               dtype=self.dtype, device=self.device)
+        kind = resolve_heap_kind(heap or "auto", self.device)  # an unknown kind: MoonEPInputError
+        if kind == "nvshmem":
+            raise MoonEPInputError(
+                "the hybrid transport allocates its receive buffers on a heap over this node's ranks; NVSHMEM is "
+                "initialised once per process over the whole EP group, so use heap='auto', 'torch' or 'host'")
+        if (kind == "host") != (self.device.type == "cpu"):
+            raise MoonEPInputError(
+                f"heap={kind!r} does not fit device {self.device}: the hybrid transport's node heap is 'host' "
+                "(shared /dev/shm pages) for CPU ranks and 'torch' for CUDA ones; pass heap='auto'")
+        return HybridTransport(self.transport, self.nodes, group, heap_kind=kind, S=self.S, K=self.K, H=self.H,
+                               NvS=self.NvS, token_padding=self.token_padding, dtype=self.dtype, device=self.device)
 
     def check_errors(self, sync: bool = False) -> None:
         """Raise what a device-side wait or check recorded (``sync``: after the stream finished
@@ -569,7 +590,9 @@ class Buffer:
     def destroy(self) -> None:
         """Idempotent; call before the process group is destroyed. With the collective transport
         this issues no collective; with the symmetric one it frees the heap buffers (collective,
-        or local after a failed step)."""
+        or local after a failed step); with the hybrid one it frees the node heap's buffers
+        (collective over this node's ranks, or local after a failed step) and releases the node
+        subgroups (every rank of the EP group; the last buffer using them destroys them)."""
         if self._destroyed:
             return
         self._destroyed = True

@@ -9,7 +9,8 @@ transport (an all-to-all needs its split sizes on the host anyway; the same all-
 every rank refuse bad counts together before any row moves), and hands the plan here.
 
 One ``HybridTransport`` per ``Buffer`` (its capacity ``S`` fixes every size), allocated once on a
-heap over this node's ``L`` ranks (``nodes.node_subgroup``; plain tensors when ``L == 1``)::
+heap over this node's ``L`` ranks (``nodes.acquire_node_subgroup``, made by every rank of the EP
+group and destroyed with the last buffer that uses it; plain tensors when ``L == 1``)::
 
     this rank:   recv_x [NvS, H]    the dispatched shard (returned as hidden_nvsh)
                  recv_w [NvS] f32   route weight of each row
@@ -44,6 +45,11 @@ finished); on CPU ranks the host heap maps the shared pages directly (``staging=
 x86-64's store order (TSO) makes the rows visible before the signal, as for the symmetric
 transport's host executor.
 
+Set-up is agreed on: a failure on one rank (heap creation, allocation) is all-gathered over the
+EP group (bounded), and every rank then releases its part (collectively on nodes where every rank
+succeeded, locally on the others) and raises the same error naming the failing rank(s): ranks on
+other nodes do not get a buffer that would time out at its first dispatch.
+
 Ordering between steps needs no extra barrier: a node peer writes into this rank's ``recv_*``
 for step ``t+1`` only after the all-gather of step ``t+1``'s counts, which this rank enters once
 its combine of step ``t`` returned; that combine synchronized the stream after the expert
@@ -61,8 +67,8 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from vllm_moonep.engine.collective import CollectiveTransport
-from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
-from vllm_moonep.engine.nodes import NodeMap, node_subgroup
+from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPUnavailableError
+from vllm_moonep.engine.nodes import NodeMap, acquire_node_subgroup, release_node_subgroup
 from vllm_moonep.engine.planner import GlobalPlan, place_entries
 
 if TYPE_CHECKING:
@@ -117,16 +123,17 @@ class HybridTransport:
 
     Args: ``coll`` (the buffer's bounded collective transport over the EP group), ``nodes`` (the
     group's ``NodeMap``), ``group`` (the EP process group), ``heap_kind`` (``"auto"``, ``"host"``,
-    ``"torch"``: the heap made over this node's ranks), the buffer's shape (``S, K, H, E, B,
-    NvS, token_padding``), ``dtype`` of the rows, ``device``.
+    ``"torch"``: the heap made over this node's ranks; the caller refuses the others on every
+    rank), the buffer's shape (``S, K, H, NvS, token_padding``), ``dtype`` of the rows, ``device``.
+    Collective over the EP group; a failure on any rank raises on every rank (module doc).
     """
 
     def __init__(self, coll: CollectiveTransport, nodes: NodeMap, group: ProcessGroup | None, *, heap_kind: str,
-                 S: int, K: int, H: int, E: int, B: int, NvS: int, token_padding: int, dtype: torch.dtype,
+                 S: int, K: int, H: int, NvS: int, token_padding: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.coll, self.nodes = coll, nodes
+        self.coll, self.nodes, self.group = coll, nodes, group
         self.rank, self.R = coll.rank, coll.world_size
-        self.S, self.K, self.H, self.E, self.B, self.NvS, self.tp = S, K, H, E, B, NvS, token_padding
+        self.S, self.K, self.H, self.NvS, self.tp = S, K, H, NvS, token_padding
         self.dtype, self.device = dtype, device
         self.on_gpu = device.type == "cuda"
         self.local = nodes.node_ranks(self.rank)  # EP ranks of this node, ascending
@@ -144,9 +151,16 @@ class HybridTransport:
         SK = S * K
         specs = [("recv_x", (NvS, H), dtype), ("recv_w", (NvS,), torch.float32), ("recv_src", (NvS,), torch.int32),
                  ("comb_x", (SK, H), dtype), ("comb_w", (SK,), torch.float32), ("sig", (2, max(self.L, 1)), torch.int64)]
+        self._uses_subgroup = False
+        failure: Exception | None = None
+        sub: ProcessGroup | None = None
         try:
+            if nodes.shares_nodes:  # every rank of the group takes part (the node map is the same everywhere)
+                sub = acquire_node_subgroup(group, nodes, self.rank, coll.timeout_s)
+                self._uses_subgroup = True
             if self.L > 1:
-                self.heap = self._make_heap(heap_kind, group)
+                assert sub is not None  # a member of a node of several ranks
+                self.heap = self._make_heap(heap_kind, sub)
                 for name, shape, dt in specs:
                     self._handles.append(self.heap.allocate(shape, dt, f"moonep.hybrid.S{S}.{name}"))
                 self.buf = {name: _live(h) for (name, _, _), h in zip(specs, self._handles)}
@@ -166,25 +180,55 @@ class HybridTransport:
                 heap.barrier()  # every node peer zeroed its signals before anyone signals
             else:
                 self.peer = {name: [t] for name, t in self.buf.items()}
-        except BaseException as exc:  # free what was allocated (the set-up's error is the one to see)
-            try:
-                self.close()
-            except Exception as cleanup:
-                exc.add_note(f"freeing what the set-up had allocated failed too: {type(cleanup).__name__}: {cleanup}")
+        except Exception as exc:  # told to every rank below, then released everywhere
+            failure = exc
+        except BaseException:  # interrupted: release what this rank holds (peers time out, bounded)
+            self._close_quietly(local=True, exc=None)
             raise
+        self._agree_on_setup(failure)
 
-    def _make_heap(self, kind: str, group: ProcessGroup | None) -> SymmetricHeap:
+    def _close_quietly(self, local: bool, exc: BaseException | None) -> None:
+        try:
+            self.close(local=local)
+        except Exception as cleanup:
+            if exc is not None:
+                exc.add_note(f"freeing what the set-up had allocated failed too: {type(cleanup).__name__}: {cleanup}")
+
+    def _agree_on_setup(self, failure: Exception | None) -> None:
+        """One bounded all-gather over the EP group of every rank's set-up outcome; when some rank
+        failed, every rank releases its part (locally on nodes with a failed rank: their node
+        collectives cannot complete) and raises the same error naming the failing rank(s)."""
+        from vllm_moonep.engine.heaps.base import describe_failure
+
+        mine = None if failure is None else (isinstance(failure, MoonEPInputError), describe_failure(failure))
+        try:
+            every = self.coll.all_gather_object(mine, "Buffer.__init__ (hybrid transport set-up)")
+        except BaseException as exc:
+            if failure is not None:
+                exc.add_note(f"this rank's set-up had failed: {describe_failure(failure)}")
+            self._close_quietly(local=True, exc=exc)
+            raise
+        bad = {r: o for r, o in enumerate(every) if o is not None}
+        if not bad:
+            return
+        failed_nodes = {self.nodes.node_of[r] for r in bad}
+        err_cls = MoonEPInputError if any(is_input for is_input, _ in bad.values()) else MoonEPUnavailableError
+        err = err_cls(
+            f"the hybrid transport could not be set up on rank(s) {sorted(bad)} of {self.R} ("
+            + "; ".join(f"rank {r}: {msg}" for r, (_, msg) in sorted(bad.items()))
+            + f"); every rank released its part and raised this (nodes: {self.nodes.describe()})")
+        self._close_quietly(local=self.nodes.node_of[self.rank] in failed_nodes, exc=err)
+        raise err from failure
+
+    def _make_heap(self, kind: str, sub: ProcessGroup) -> SymmetricHeap:
         from vllm_moonep.engine.heaps import make_heap
 
-        if kind == "nvshmem":
-            raise MoonEPInputError(
-                "the hybrid transport allocates its receive buffers on a heap over this node's ranks; NVSHMEM is "
-                "initialised once per process over the whole EP group, so use heap='auto', 'torch' or 'host'")
-        sub = node_subgroup(group, self.nodes, self.rank)
         # the host heap's staging mode hides owner writes until a barrier; peers write into each
         # other's buffers here, so it maps the shared pages directly
         extra = {"staging": False} if self.device.type == "cpu" else {}
-        return make_heap(kind, group=sub, device=self.device, nodes=NodeMap.one_node(self.L), **extra)
+        heap = make_heap(kind, group=sub, device=self.device, nodes=NodeMap.one_node(self.L), **extra)
+        heap._transport.timeout_s = self.coll.timeout_s  # its allocations, barrier and frees: the buffer's bound
+        return heap
 
     # ------------------------------------------------------------------ signals
     def _signal(self, phase: str) -> None:
@@ -356,7 +400,8 @@ class HybridTransport:
 
     def close(self, local: bool = False) -> None:
         """Free the node heap's allocations and the heap (collective over the node's ranks, or
-        ``local`` after the group failed). Idempotent."""
+        ``local`` after the group failed), then release the node subgroup (every rank of the EP
+        group, the last user destroys it). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -364,12 +409,16 @@ class HybridTransport:
         self.peer = {}
         self.buf = {}
         self._state = None
-        if heap is None:
-            return
-        if local:
-            heap.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
-        handles, self._handles = self._handles[::-1], []
         try:
-            heap.free_all(*handles)
+            if heap is not None:
+                if local:
+                    heap.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
+                handles, self._handles = self._handles[::-1], []
+                try:
+                    heap.free_all(*handles)
+                finally:
+                    heap.close(force=True)
         finally:
-            heap.close(force=True)
+            if self._uses_subgroup:
+                self._uses_subgroup = False
+                release_node_subgroup(self.group, self.nodes, local=local)

@@ -13,7 +13,8 @@ What follows from it: a heap addresses only peers of its own node (``heaps.base`
 refuses the others, ``copy_from_peer`` reads them by RMA), ``transport="auto"`` takes the
 symmetric transport on one node and the hybrid one across nodes (``transports.py``), and the
 hybrid transport allocates its receive buffers on a heap over its node's ranks
-(``node_subgroup``)::
+(``acquire_node_subgroup``: made by every rank of the group, destroyed with the
+last buffer that uses it)::
 
     ranks    0 1 | 2 3        (VLLM_MOONEP_RANKS_PER_NODE=2, 4 ranks)
     node     0 0 | 1 1
@@ -24,6 +25,7 @@ The choice is said once per process at INFO (``defaults.say_once``).
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import weakref
@@ -40,7 +42,9 @@ from vllm_moonep.engine.errors import MoonEPInputError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["RANKS_PER_NODE_ENV", "NodeMap", "host_id", "node_subgroup", "ranks_per_node_from_env", "resolve_nodes"]
+__all__ = ["RANKS_PER_NODE_ENV", "NodeMap", "acquire_node_subgroup", "host_id", "parse_ranks_per_node",
+           "ranks_per_node_from_env", "ranks_per_node_text", "refuse_bad_ranks_per_node", "release_node_subgroup",
+           "resolve_nodes"]
 
 #: ranks per simulated node (unset or empty: nodes are the real hosts)
 RANKS_PER_NODE_ENV = "VLLM_MOONEP_RANKS_PER_NODE"
@@ -51,18 +55,44 @@ def host_id() -> int:
     return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
 
 
-def ranks_per_node_from_env() -> int | None:
-    """``$VLLM_MOONEP_RANKS_PER_NODE`` as a positive int, ``None`` when unset or empty."""
-    raw = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+def ranks_per_node_text() -> str:
+    """``$VLLM_MOONEP_RANKS_PER_NODE`` as set (stripped; ``""`` when unset)."""
+    return os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+
+
+def parse_ranks_per_node(raw: str) -> int:
+    """``raw`` as ranks per simulated node: ``k > 0``; ``0`` when empty (unset); ``-1`` when it is no
+    positive integer. The sentinels travel in the all-gathers that make ranks agree, so a bad value
+    on one rank is refused on every rank (``refuse_bad_ranks_per_node``), not only where it is set."""
     if not raw:
-        return None
+        return 0
     try:
         k = int(raw)
     except ValueError:
-        k = 0
-    if k < 1:
+        return -1
+    return k if k >= 1 else -1
+
+
+def refuse_bad_ranks_per_node(raws: Sequence[str], what: str) -> None:
+    """``MoonEPInputError`` (the same on every rank that passes the same ``raws``, one per rank) when
+    some rank's value is not a positive integer, naming those ranks and every rank's value."""
+    bad = [r for r, raw in enumerate(raws) if parse_ranks_per_node(raw) < 0]
+    if bad:
+        table = ", ".join(f"rank {r}: {raw!r}" for r, raw in enumerate(raws))
+        raise MoonEPInputError(
+            f"{what}: ${RANKS_PER_NODE_ENV} must be a positive integer (ranks per simulated node) or unset; "
+            f"rank(s) {bad} have {[raws[r] for r in bad]} (per rank: {table})")
+
+
+def ranks_per_node_from_env() -> int | None:
+    """``$VLLM_MOONEP_RANKS_PER_NODE`` as a positive int, ``None`` when unset or empty;
+    ``MoonEPInputError`` on this rank for any other value (collective callers all-gather
+    ``ranks_per_node_text()`` instead, so that every rank refuses together)."""
+    raw = ranks_per_node_text()
+    k = parse_ranks_per_node(raw)
+    if k < 0:
         raise MoonEPInputError(f"${RANKS_PER_NODE_ENV}={raw!r}: must be a positive integer (ranks per simulated node)")
-    return k
+    return k or None
 
 
 @dataclass(frozen=True)
@@ -141,25 +171,77 @@ def resolve_nodes(hosts: Sequence[int], ranks_per_node: int | None) -> NodeMap:
     return nodes
 
 
-#: node subgroups made so far, per parent group: ranks of the node -> its process group
-_SUBGROUPS: weakref.WeakKeyDictionary[ProcessGroup, dict[tuple[int, ...], ProcessGroup]] = weakref.WeakKeyDictionary()
+@dataclass
+class _NodeGroups:
+    """The node subgroups of one parent group and node map: this rank's (``None`` when alone on its
+    node) and how many live users (hybrid transports) hold them."""
+
+    mine: ProcessGroup | None
+    users: int = 0
 
 
-def node_subgroup(group: ProcessGroup | None, nodes: NodeMap, rank: int) -> ProcessGroup:
-    """The process group of ``rank``'s node inside ``group`` (``None``: the default group). Only
-    the node's ranks call ``new_group`` for it (``use_local_synchronization``: ranks of other
-    nodes, and processes outside ``group``, need not take part); made once per parent group and
-    node, then reused by every buffer on it."""
+#: node subgroups in use, per parent group and node map
+_SUBGROUPS: weakref.WeakKeyDictionary[ProcessGroup, dict[tuple[int, ...], _NodeGroups]] = weakref.WeakKeyDictionary()
+
+
+def _parent(group: ProcessGroup | None) -> ProcessGroup:
     parent = group if group is not None else dist.group.WORLD
     if parent is None:
         raise MoonEPInputError("a node subgroup needs torch.distributed to be initialised")
-    members = nodes.node_ranks(rank)
+    return parent
+
+
+def acquire_node_subgroup(group: ProcessGroup | None, nodes: NodeMap, rank: int,
+                          timeout_s: float | None = None) -> ProcessGroup | None:
+    """The process group of ``rank``'s node inside ``group`` (``None``: the default group); ``None``
+    when ``rank`` is alone on its node. Collective over ``group``: every rank of it calls this (ranks
+    alone on their node too), in the same order as its other group creations.
+
+    The first user makes the subgroup of every node of several ranks, in node order, with plain
+    ``dist.new_group`` called by every rank of ``group`` (no ``use_local_synchronization``: there
+    non-members return early and do not advance torch's group counter, so a later ordinary
+    ``new_group`` would get different names on different ranks and hang). Every rank of the
+    default group that is not in ``group`` takes no part, so when ``group`` is smaller than the
+    world those ranks' counters fall behind, as for any group made by a subset of the ranks:
+    make the next world-wide groups before the buffers, or from every rank's own groups.
+
+    Lifetime: the subgroups live while some user holds them (``release_node_subgroup``, one call
+    per acquire, from every rank of ``group`` in the same order); the last release destroys them.
+    Buffers are destroyed before their process group (the contract), so a subgroup never outlives
+    its parent and the cache never hands out one of a destroyed parent."""
+    parent = _parent(group)
     known = _SUBGROUPS.setdefault(parent, {})
-    sub = known.get(members)
-    if sub is None:
+    entry = known.get(nodes.node_of)
+    if entry is None:
         global_ranks = dist.get_process_group_ranks(parent)
-        made = dist.new_group([global_ranks[r] for r in members], use_local_synchronization=True)
-        if not isinstance(made, dist.ProcessGroup):  # not reachable: this rank is a member
-            raise MoonEPInputError(f"rank {rank} is not a member of its own node's subgroup {list(members)}")
-        sub = known[members] = made
-    return sub
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+        mine: ProcessGroup | None = None
+        for n in range(nodes.num_nodes):  # the same calls, in the same order, on every rank of the group
+            members = nodes.members(n)
+            if len(members) == 1:  # no heap on a node of one rank (every rank skips it alike)
+                continue
+            made = dist.new_group([global_ranks[r] for r in members], timeout=timeout)
+            if rank in members:
+                if not isinstance(made, dist.ProcessGroup):  # not reachable: this rank is a member
+                    raise MoonEPInputError(f"rank {rank} is not a member of its own node's subgroup {list(members)}")
+                mine = made
+        entry = known[nodes.node_of] = _NodeGroups(mine)
+    entry.users += 1
+    return entry.mine
+
+
+def release_node_subgroup(group: ProcessGroup | None, nodes: NodeMap, local: bool = False) -> None:
+    """One user of ``acquire_node_subgroup`` is done; the last one destroys this rank's subgroup
+    (``local``, after the group failed: only forgets it, since peers may be gone; torch frees it
+    with the default group)."""
+    parent = _parent(group)
+    known = _SUBGROUPS.get(parent, {})
+    entry = known.get(nodes.node_of)
+    if entry is None:
+        return
+    entry.users -= 1
+    if entry.users > 0:
+        return
+    del known[nodes.node_of]
+    if entry.mine is not None and not local:
+        dist.destroy_process_group(entry.mine)

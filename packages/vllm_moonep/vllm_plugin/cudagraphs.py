@@ -14,7 +14,9 @@ graphs it would have chosen for any graph-capable all2all backend.
 - the engine must be the built-in one: ``engine='moonep'``, or ``engine='auto'`` where the real
   ``moonep`` may be taken (``VLLM_MOONEP_ALLOW_MULTICAST=1`` and it is installed), keep eager;
 - the transport must resolve to ``symmetric`` on CUDA: ``transport='collective'`` or ``'hybrid'``
-  keeps eager (host-sized collectives), so does ``VLLM_MOONEP_RANKS_PER_NODE`` (simulated nodes),
+  keeps eager (host-sized collectives), so does ``VLLM_MOONEP_RANKS_PER_NODE`` when it splits the
+  EP group into several simulated nodes (or is no positive integer; equal to the EP group's size
+  it is one node, symmetric, and keeps the graphs),
   and so does any placement where EP ranks may sit on several nodes
   (``--nnodes`` > 1, ``--data-parallel-size-local`` below ``--data-parallel-size``: other hosts,
   external or hybrid load balancing, Ray's ``span``; the Ray DP backend; an executor other than
@@ -54,13 +56,13 @@ from typing import Any
 
 from vllm_moonep.engine import MoonEPUnavailableError
 from vllm_moonep.engine.defaults import say_once
-from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV
+from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV, parse_ranks_per_node
 from vllm_moonep.vllm_plugin.options import MoonEPOptions, MoonEPOptionsError, options_from_vllm_config
 
 log = logging.getLogger("vllm.vllm_moonep")
 
-__all__ = ["GRAPH_SAFE", "check_worker_graphs", "graph_rule", "graphs_mode", "hook_set_compile_ranges",
-           "hook_set_splitting_ops", "one_node"]
+__all__ = ["GRAPH_SAFE", "check_worker_graphs", "ep_group_size", "graph_rule", "graphs_mode",
+           "hook_set_compile_ranges", "hook_set_splitting_ops", "one_node", "simulated_split"]
 
 #: what the rule says when it keeps the graphs
 GRAPH_SAFE = "symmetric transport, one node"
@@ -90,6 +92,30 @@ def one_node(parallel_config) -> str | None:
     return None
 
 
+def ep_group_size(parallel_config) -> int:
+    """Ranks of vLLM's EP group: data parallel x prefill context parallel x tensor parallel (as
+    ``vllm.distributed.parallel_state`` builds it)."""
+    pc = parallel_config
+    return (int(pc.data_parallel_size) * int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+            * int(pc.tensor_parallel_size))
+
+
+def simulated_split(parallel_config) -> str | None:
+    """Why ``VLLM_MOONEP_RANKS_PER_NODE`` keeps eager, or ``None`` where it does not: unset, or equal
+    to the EP group's size (one simulated node: every peer addressable, the symmetric transport)."""
+    raw = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+    if not raw:
+        return None
+    k = parse_ranks_per_node(raw)
+    size = ep_group_size(parallel_config)
+    if k == size:
+        return None
+    if k < 0:
+        return f"{RANKS_PER_NODE_ENV}={raw!r} is no positive integer (the engine refuses it)"
+    return (f"{RANKS_PER_NODE_ENV}={k} splits the {size} EP ranks into simulated nodes: the transport is then hybrid "
+            "or collective, sized on the host")
+
+
 def _real_moonep_possible() -> bool:
     """Whether ``engine='auto'`` may take the real ``moonep`` on the workers (without importing it here)."""
     from vllm_moonep.engine.multicast import multicast_opted_in
@@ -114,9 +140,9 @@ def graph_rule(opts: MoonEPOptions, parallel_config) -> tuple[bool, str]:
     if where is not None:
         return False, (f"EP ranks may span nodes ({where}): the transport is then hybrid or collective, sized on the "
                        "host")
-    if os.environ.get(RANKS_PER_NODE_ENV, "").strip():
-        return False, (f"{RANKS_PER_NODE_ENV} simulates nodes: the transport is then hybrid or collective, sized on "
-                       "the host")
+    split = simulated_split(parallel_config)
+    if split is not None:
+        return False, split
     if opts.step_log_interval:
         return False, f"step_log_interval={opts.step_log_interval} reads the plan on the host"
     if opts.impl not in ("auto", "triton"):

@@ -147,6 +147,13 @@ def worker_device() -> torch.device:
 
 # ------------------------------------------------------------------------------------ start-up line
 def _transport_text(opts: MoonEPOptions, engine: str, device: torch.device, buffer=None) -> str:
+    """The transport part of the start-up line. With a ``buffer``: what the built-in engine chose.
+    Before one exists, ``auto`` on CUDA is resolved from the symmetric layout's heap when there is
+    one: every peer addressable -> symmetric; else from the heap's ``nodes`` (simulated nodes from
+    ``VLLM_MOONEP_RANKS_PER_NODE``: hybrid when some node holds several ranks, as the buffer will
+    pick); else, nodes unknown (peers on other real hosts), "hybrid or collective", which only the
+    buffer's all-gathered hosts decide. (No test covers the pre-buffer CUDA path: CI's start-up line
+    runs on CPU ranks, where auto is collective.)"""
     from vllm_moonep.engine import resolve_transport
 
     if engine != "builtin":
@@ -161,7 +168,14 @@ def _transport_text(opts: MoonEPOptions, engine: str, device: torch.device, buff
         if heap is None:  # addressability is known only to a heap
             return ("transport=symmetric if every EP peer is a GPU of this node, else hybrid (several ranks on a "
                     "node) or collective (auto)")
-        name, why = resolve_transport("auto", "cuda", heap.peers_addressable)
+        nodes = getattr(heap, "nodes", None)
+        if heap.peers_addressable:
+            name, why = resolve_transport("auto", "cuda", True)
+        elif nodes is not None and nodes.num_nodes > 1:  # the heap's nodes (simulated ones): the buffer's too
+            name, why = resolve_transport("auto", "cuda", nodes=nodes)
+        else:
+            return ("transport=hybrid (several EP ranks on a node) or collective (every rank alone on its node) "
+                    "(auto: some EP peers are not addressable from this heap)")
     else:
         name, why = resolve_transport(opts.transport, device.type)
     return f"transport={name} ({'auto: ' if opts.transport == 'auto' else ''}{why})"

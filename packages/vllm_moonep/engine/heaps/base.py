@@ -43,7 +43,7 @@ import torch
 
 from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.defaults import group_rank_world, resolve_device
-from vllm_moonep.engine.nodes import NodeMap, ranks_per_node_from_env
+from vllm_moonep.engine.nodes import NodeMap, parse_ranks_per_node, ranks_per_node_text, refuse_bad_ranks_per_node
 from vllm_moonep.engine.errors import (
     MoonEPCollectiveTimeout,
     MoonEPInputError,
@@ -120,19 +120,22 @@ class SymmetricHeap:
         """The nodes of the heap's ranks: ``nodes`` when given (the hybrid transport's node heap
         passes one node), else simulated nodes from ``VLLM_MOONEP_RANKS_PER_NODE``, else one node
         (each heap kind spans one host: ``/dev/shm``, a node's GPUs; NVSHMEM probes its peers
-        itself). Every rank must see the same setting (one all-gather, refused together)."""
+        itself). Every rank must see the same setting, a valid one: the setting's text is all-gathered
+        before it is parsed, so a bad or differing value on one rank is refused on every rank."""
         if nodes is not None:
             if nodes.world_size != self.world_size:
                 raise MoonEPInputError(f"{type(self).__name__}: nodes cover {nodes.world_size} ranks, the group has "
                                        f"{self.world_size}")
             return nodes
-        k = ranks_per_node_from_env()
-        if self.world_size > 1:
-            every = self._all_gather_object(k)
-            if len(set(every)) != 1:
-                raise MoonEPInputError(f"{type(self).__name__}: ranks disagree on VLLM_MOONEP_RANKS_PER_NODE "
-                                       f"(per rank: {every}); set it to the same value for every rank")
-        return NodeMap.one_node(self.world_size) if k is None else NodeMap.blocks(self.world_size, k)
+        text = ranks_per_node_text()
+        every = self._all_gather_object(text) if self.world_size > 1 else [text]
+        refuse_bad_ranks_per_node(every, type(self).__name__)
+        values = [parse_ranks_per_node(t) for t in every]
+        if len(set(values)) != 1:
+            raise MoonEPInputError(f"{type(self).__name__}: ranks disagree on VLLM_MOONEP_RANKS_PER_NODE "
+                                   f"(per rank: {every}); set it to the same value for every rank")
+        k = values[0]
+        return NodeMap.one_node(self.world_size) if not k else NodeMap.blocks(self.world_size, k)
 
     # ------------------------------------------------------------------ collectives
     # Every heap collective goes through the engine's bounded transport: a dead or stuck peer
