@@ -445,20 +445,21 @@ def _ratio(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _column_note(row: dict, name: str, detail: str) -> str:
+    """A library column's note beside a row: ``detail`` once it has a graph time, the eager time and
+    why where the graph capture failed, else nothing."""
+    if row.get(f"{name}_graph_error"):
+        return f" (eager {row[f'{name}_eager_us']:.1f} us; graph capture failed: {row[f'{name}_graph_error'][:120]})"
+    return "" if row.get(f"{name}_us") is None else detail
+
+
 def _quack_note(row: dict) -> str:
-    if row.get("quack_graph_error"):
-        return f" (eager {row['quack_eager_us']:.1f} us; graph capture failed: {row['quack_graph_error'][:120]})"
-    if row.get("quack_us") is None:
-        return ""
-    return f" x{row['quack_over_floor']:.2f} err {row['err_quack_vs_poc']:.1e} unw {row['quack_unwritten']}"
+    return _column_note(row, "quack", f" x{row.get('quack_over_floor', 0):.2f} err {row.get('err_quack_vs_poc', 0):.1e} "
+                                      f"unw {row.get('quack_unwritten')}")
 
 
 def _vllm_note(row: dict) -> str:
-    if row.get("vllm_graph_error"):
-        return f" (eager {row['vllm_eager_us']:.1f} us; graph capture failed: {row['vllm_graph_error'][:120]})"
-    if row.get("vllm_us") is None:
-        return ""
-    return f" x{row['vllm_over_floor']:.2f} err {row['err_vllm_vs_triton']:.1e}"
+    return _column_note(row, "vllm", f" x{row.get('vllm_over_floor', 0):.2f} err {row.get('err_vllm_vs_triton', 0):.1e}")
 
 
 def _quack_version() -> str | None:
