@@ -69,14 +69,14 @@ import torch
 from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPUnavailableError
 from vllm_moonep.engine.nodes import NodeMap, acquire_node_subgroup, release_node_subgroup
-from vllm_moonep.engine.planner import GlobalPlan, place_entries
+from vllm_moonep.engine.planner import GlobalPlan, padding_rows, place_entries
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
 
-__all__ = ["HybridTransport", "padding_rows"]
+__all__ = ["HybridTransport"]
 
 _PHASE = {"dispatch": 0, "combine": 1}
 _WAIT_OP = {"dispatch": "dispatch: wait for node peers' rows", "combine": "combine: wait for node peers' outputs"}
@@ -88,21 +88,6 @@ def _live(handle: HeapHandle) -> torch.Tensor:
     t = handle.tensor
     assert t is not None  # a live allocation (freeing clears it)
     return t
-
-
-def padding_rows(gp: GlobalPlan, rank: int, token_padding: int) -> torch.Tensor:
-    """Rows of ``rank``'s shard that are segment padding (each non-empty segment's tail up to a
-    multiple of ``token_padding``), int64, ascending; from the host plan."""
-    seg = gp.seg_len[rank].to(torch.int64).cpu()
-    cu = gp.cu_seqlens[rank].to(torch.int64).cpu()
-    padded = torch.where(seg > 0, (seg + token_padding - 1) // token_padding * token_padding, 0)
-    lens = padded - seg
-    total = int(lens.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    first = torch.repeat_interleave(cu - padded + seg, lens)
-    within = torch.arange(total) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    return first + within
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-__all__ = ["GlobalPlan", "plan_global", "place_entries", "rank_quotas", "split_quotas"]
+__all__ = ["GlobalPlan", "padding_rows", "plan_global", "place_entries", "rank_quotas", "split_quotas"]
 
 
 def _first_index_of(values: torch.Tensor, target: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -188,6 +188,21 @@ def plan_global(tpe: torch.Tensor, S: int, K: int, B: int, token_padding: int) -
         ordinal_base=ordinal_base,
         cum_alloc=cum_alloc,
     )
+
+
+def padding_rows(gp: GlobalPlan, rank: int, token_padding: int) -> torch.Tensor:
+    """Rows of ``rank``'s shard that are segment padding (each non-empty segment's tail up to a
+    multiple of ``token_padding``), int64, ascending; from the host plan."""
+    seg = gp.seg_len[rank].to(torch.int64).cpu()
+    cu = gp.cu_seqlens[rank].to(torch.int64).cpu()
+    padded = torch.where(seg > 0, (seg + token_padding - 1) // token_padding * token_padding, 0)
+    lens = padded - seg
+    total = int(lens.sum())
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    first = torch.repeat_interleave(cu - padded + seg, lens)
+    within = torch.arange(total) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    return first + within
 
 
 def place_entries(gp: GlobalPlan, rank: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

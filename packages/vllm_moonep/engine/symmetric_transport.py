@@ -59,7 +59,7 @@ from vllm_moonep.engine.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS
 from vllm_moonep.engine.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
 from vllm_moonep.engine.errors import MoonEPUnavailableError
 from vllm_moonep.engine.launch import Launcher, sm_count
-from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
+from vllm_moonep.engine.planner import GlobalPlan, padding_rows, place_entries, plan_global
 
 __all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS_PER_SM"]
 
@@ -344,12 +344,11 @@ class SymmetricTransport:
         self._signal_host("dispatch", range(R))
         # padding rows of this rank's segments: hidden 0, weight 0, no source
         cu = gp.cu_seqlens[rank]
-        start = cu - torch.where(gp.seg_len[rank] > 0, (gp.seg_len[rank] + self.tp - 1) // self.tp * self.tp, 0)
-        for s0, end in zip((start + gp.seg_len[rank]).tolist(), cu.tolist()):
-            if s0 < end:
-                b["recv_x"][s0:end].zero_()
-                b["recv_w"][s0:end].zero_()
-                b["recv_src"][s0:end].fill_(-1)
+        pad = padding_rows(gp, rank, self.tp)
+        if pad.numel():
+            b["recv_x"].index_fill_(0, pad, 0)
+            b["recv_w"].index_fill_(0, pad, 0)
+            b["recv_src"].index_fill_(0, pad, -1)
         self._wait_host("dispatch")
         self._used = int(cu[-1])
         return b["recv_x"], b["recv_w"], cu.to(torch.int32), gp
