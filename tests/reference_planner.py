@@ -1,6 +1,6 @@
 """An independent, loop-by-loop transcription of docs/CONTRACT.md's planner in plain Python.
 
-Written separately from ``vllm_moonep.engine.planner`` (which is vectorized torch) so tests can
+Written separately from ``vllm_moonep.engine.planning.planner`` (which is vectorized torch) so tests can
 compare the two. Inputs are Python lists; outputs are Python lists.
 """
 

@@ -62,7 +62,7 @@ def graph_step(layout_kind, B, tokens, replays):
         out = moe.forward(x_s, ids_s, w_s, num_tokens_across_dp=tokens)
     check_against_dense(out.cpu(), x0, ids0, w0, w13, w2)
     # 1) no host synchronization anywhere in the step; eager dispatch and combine now replay the
-    # buffer's private graphs (engine/eager_graphs.py), captured at the warm-up's second call
+    # buffer's private graphs (engine/transports/eager_graphs.py), captured at the warm-up's second call
     replays = _replays(moe)
     check_against_dense(_sync_free_step(moe, x_s, ids_s, w_s, tokens).cpu(), x0, ids0, w0, w13, w2)
     # eager steps on new routings and new input tensors, served by those graphs
@@ -162,7 +162,7 @@ def _assert_eager_graphs(res):
     """Eager calls that never replay the private graphs (a key that never repeats, a capture that
     failed and switched them off), or replays that compute the wrong step (inputs not copied into
     the graph's static tensors, an address baked in that changed)."""
-    from vllm_moonep.engine.eager_graphs import EAGER_GRAPHS
+    from vllm_moonep.engine.transports.eager_graphs import EAGER_GRAPHS
 
     for x in res:
         assert x["eager_err"] < 2e-2

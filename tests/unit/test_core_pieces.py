@@ -20,6 +20,7 @@ from vllm_moonep.engine import (
     make_buffer,
     resolve_engine,
 )
+from vllm_moonep.engine.select import RealMoonEPBuffer
 
 
 def test_capacity_is_power_of_two_with_floor_and_cap():
@@ -200,7 +201,7 @@ def test_padding_tails_written_unless_the_engine_never_reads_them():
     finally:
         ours.destroy()
 
-    class OtherEngine:  # a contract engine that says nothing about what its combine reads
+    class OtherEngine:  # a contract engine that says nothing about what its combine reads (the real moonep)
         pass
 
-    assert DispatchState(OtherEngine(), with_ends, 4, 4, 1, cu).tails_read  # type: ignore[arg-type]
+    assert DispatchState(RealMoonEPBuffer(OtherEngine()), with_ends, 4, 4, 1, cu).tails_read  # type: ignore[arg-type]

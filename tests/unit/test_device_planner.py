@@ -18,7 +18,7 @@ import torch
 
 from tests.interpreter_child import interpreter_report, print_report
 
-from vllm_moonep.engine.planner import place_entries, plan_global
+from vllm_moonep.engine.planning.planner import place_entries, plan_global
 from vllm_moonep.testing.routing import route
 
 
@@ -143,15 +143,18 @@ EDGE_CASES = [
     "direct_eight_subblocks_kimi_r2", "hist_nine_subblocks", "kimi_r2_rule4_chunk32", "many_experts_per_rank_chunk2",
     "R16", "R32", "counts_not_summing_to_cap",
     "out_of_range_ids", "kimi_r8", "kimi_r8_pairwise",
-    # rule 4 the other way than the planner picks for the shape (E/R <= 64: pairwise; above: sort)
-    "many_experts_per_rank_pairwise", "direct_eight_subblocks_kimi_r2_pairwise",
-    "sigma_2_5.0_sort", "sigma_4_2.0_sort", "sigma_8_1.0_sort", "sigma_8_5.0_sort", "few_slots_B1_sort",
+    # rule 4 the other way than the planner picks for the shape (E/R <= 64: pairwise; above: sort). The
+    # pairwise count over several of the planner's own chunks is many_experts_per_rank_pairwise (the Kimi-K2
+    # R=2 shape pairwise: kimi_r2_rule4_chunk32); the sort on routed traffic one case per R
+    "many_experts_per_rank_pairwise",
+    "sigma_2_5.0_sort", "sigma_4_2.0_sort", "sigma_8_5.0_sort", "few_slots_B1_sort",
     "few_slots_B3_sort", "hand_tie_break_overshoot_sort", "hand_slot_order_B1_sort", "hand_slot_order_B2_sort",
     "B_more_than_epn_sort", "B_more_than_E_sort", "all_tokens_one_expert_sort", "R16_sort",
     "large_counts",
-    # the plan kernel in int64 (the planner's own int32 wherever narrow_fits, so these keep the wide path honest)
-    "sigma_8_5.0_wide", "hand_tie_break_overshoot_wide", "kimi_r8_wide", "many_experts_per_rank_wide",
-    "counts_not_summing_to_cap_wide", "large_counts_wide", "R32_wide",
+    # the plan kernel in int64 (the planner's own int32 wherever narrow_fits, so these keep the wide path honest):
+    # routed traffic, ties, chunked counts, counts off S*K and counts past int32; the many-rank tiles are R16/R32's
+    "sigma_8_5.0_wide", "hand_tie_break_overshoot_wide", "many_experts_per_rank_wide",
+    "counts_not_summing_to_cap_wide", "large_counts_wide",
 ]
 CASES = SIGMA_CASES + EDGE_CASES
 #: planner options of a case (bench_planner --rule4 / --rule4-chunk): rule 4 forced one way, or the
@@ -208,7 +211,7 @@ try:  # the kernel's globals must be module globals (the interpreter resolves th
     import triton
     import triton.language as tl
 
-    from vllm_moonep.engine.device_planner import place_direct
+    from vllm_moonep.engine.planning.device_planner import place_direct
 except ImportError:  # no Triton: the interpreter and GPU tests skip
     triton = None
 
@@ -226,7 +229,7 @@ if triton is not None:
 def _place_as_dispatch_rows(dp, gp, rank, ids):
     """``(dest, row)`` from ``device_planner.place_direct`` on the tiles the symmetric transport's
     dispatch_rows kernel uses (``_ROWS`` entries a program, ``_PLACE_CHUNK`` compared at a time)."""
-    from vllm_moonep.engine.symmetric_transport import _PLACE_CHUNK, _ROWS
+    from vllm_moonep.engine.transports.symmetric import _PLACE_CHUNK, _ROWS
 
     flat = ids.reshape(-1).contiguous()
     n = flat.numel()
@@ -239,7 +242,7 @@ def _place_as_dispatch_rows(dp, gp, rank, ids):
 
 
 def _child_main() -> None:
-    from vllm_moonep.engine.device_planner import DevicePlanner
+    from vllm_moonep.engine.planning.device_planner import DevicePlanner
 
     def run_case(name):
         R, E, S, K, B, tp, ids, tpe = _case(name)
@@ -282,7 +285,6 @@ _EDGE_DOCS = {
     "direct_seven_subblocks": "place without the histogram: counts from earlier sub-blocks, ragged last one",
     "direct_eight_subblocks_kimi_r2": "the last sub-block count placed directly (off-by-one at the limit), E/R=192",
     "many_experts_per_rank_pairwise": "E/R > 64 the pairwise way: chunk extraction, padded rows carried across chunks",
-    "direct_eight_subblocks_kimi_r2_pairwise": "Kimi-K2 at R=2 with the pairwise count in the planner's own chunks",
     "kimi_r8": "Kimi-K2 at R=8 (E/R=48, skewed): the sorted slot order at the shape the planner sorts from",
     "kimi_r8_pairwise": "the same with the one-tile pairwise count (the planner's way up to 32 experts per rank)",
     "hist_nine_subblocks": "just past the direct limit: the histogram path must take over",
@@ -332,7 +334,7 @@ def _random_case(rng: random.Random, R: int, E: int):
 @pytest.mark.gpu
 def test_gpu_random_cases():
     """~170 seeded random cases natively on CUDA up to R=128: layout/race/codegen bugs the interpreter cannot show."""
-    from vllm_moonep.engine.device_planner import DevicePlanner
+    from vllm_moonep.engine.planning.device_planner import DevicePlanner
 
     rng = random.Random(1234)
     shapes = [sh for sh in GPU_SHAPES for _ in range(14 if sh[0] <= 32 else 4)]
@@ -357,7 +359,7 @@ def test_gpu_random_cases():
 def test_plan_width_choice():
     """int32 plan arithmetic where it is exact (Kimi-K2 at R=8 up to 8192 tokens), int64 beyond, and an
     explicit int32 refused where a contract input could overflow it (a silent wrong plan otherwise)."""
-    from vllm_moonep.engine.device_planner import DevicePlanner, narrow_fits
+    from vllm_moonep.engine.planning.device_planner import DevicePlanner, narrow_fits
 
     cpu = torch.device("cpu")
     assert narrow_fits(8, 384, 8192, 8, 48, 128) and DevicePlanner(8, 384, 8192, 8, 48, 128, cpu).arithmetic == "int32"
@@ -371,7 +373,7 @@ def test_plan_width_choice():
 @pytest.mark.gpu
 def test_gpu_no_sync_and_cuda_graph_replay():
     """plan()+place() with no host sync, replayed from a CUDA graph on new inputs (hidden sync, stale capture)."""
-    from vllm_moonep.engine.device_planner import DevicePlanner
+    from vllm_moonep.engine.planning.device_planner import DevicePlanner
 
     R, E, S, K, B, tp = 8, 384, 512, 8, 48, 128
     dev = torch.device("cuda")

@@ -75,11 +75,10 @@ class DispatchState:
     @property
     def tails_read(self) -> bool:
         """Whether the expert compute must write the segments' padding tails (as zeros): unless the engine's
-        combine reads each token's entry rows only (the built-in engine's) and the plan says where each
-        segment's entries end (``row_ends``: without them a weight-0 entry, which combine reads, cannot be
-        told from the tail)."""
-        reads_entries = getattr(self.buffer, "combine_reads_entry_rows_only", False)
-        return not (reads_entries and self.row_ends is not None)
+        combine reads each token's entry rows only (``MoonEPBuffer.combine_reads_entry_rows_only``: the
+        built-in engine's) and the plan says where each segment's entries end (``row_ends``: without them a
+        weight-0 entry, which combine reads, cannot be told from the tail)."""
+        return not (self.buffer.combine_reads_entry_rows_only and self.row_ends is not None)
 
     def info(self) -> StepInfo:
         return StepInfo(self.capacity, self.num_tokens, self.cu_seqlens, self.plan.experts_to_copy,
@@ -158,7 +157,7 @@ def dispatch_and_prefetch(
                                           pool.staging(cap, hidden))
         cap, buf = pool.get(num_tokens)
     with t.phase("dispatch"):
-        if getattr(buf, "accepts_num_tokens", False):  # the built-in engine: padding tokens' rows stay put
+        if buf.accepts_num_tokens:  # the built-in engine: padding tokens' rows stay put (MoonEPBuffer)
             x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe, num_tokens=s)
         else:
             x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)

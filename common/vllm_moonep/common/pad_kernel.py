@@ -11,7 +11,7 @@ Why: the same step in torch ops (``padding.pad_to_capacity`` + ``tokens_per_expe
 ``where``s, three pads, a scatter-add) is about fifteen launches, 0.3-1 ms of host time per eager
 MoE step on an H200 host (moonep-ab's "pad" phase) and fifteen graph nodes under a CUDA graph.
 Writing into the pool's staging tensors also gives dispatch the same input addresses every step,
-so its eager graph reads them in place instead of copying (``engine/eager_graphs.py``).
+so its eager graph reads them in place instead of copying (``engine/transports/eager_graphs.py``).
 
 Same values as the torch path (``tests/unit/test_pad_kernel.py`` compares every output); ids at
 or above ``E`` are kept and not counted, as there (the engine's placement reports them).

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, make_buffer, resolve_device
 from vllm_moonep.engine.defaults import say_once
-from vllm_moonep.engine.teardown import each
+from vllm_moonep.engine.faults.teardown import each
 
 MIN_CAPACITY = 128
 

@@ -19,7 +19,7 @@ from vllm_moonep.engine.errors import (
     MoonEPStateError,
     MoonEPUnavailableError,
 )
-from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
+from vllm_moonep.engine.planning.planner import GlobalPlan, place_entries, plan_global
 from vllm_moonep.engine.protocol import MoonEPBuffer, MoonEPPlan, dispatched_rows
 from vllm_moonep.engine.select import ENGINES, make_buffer, real_moonep_status, resolve_engine
 from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport

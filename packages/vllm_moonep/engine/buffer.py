@@ -2,22 +2,29 @@
 
 ``dispatch`` plans (identically on every rank), moves each token slot to the rank and row the
 plan gives it, and returns the expert-grouped shard; ``prefetch_weight`` fills slot rows
-``[E, E+B)``; ``combine`` brings the expert outputs home and sums each token's K rows in fp32.
+``[E, E+B)``; ``combine`` brings the expert outputs home and sums each token's K rows in fp32::
+
+    Buffer.__init__   config agreed on every rank ─► nodes ─► transport (transports/select.py)
+    Buffer.dispatch   input checks ─► transport.plan ─► transport.dispatch ─► Plan(step n)
+    Buffer.prefetch   plan is the latest ─► slot rows copied (row_copy.py)
+    Buffer.combine    plan is the latest, rows checked ─► transport.combine(plan's state)
+    Buffer.destroy    transport.close (local after a failure) ─► the bounded collectives
+
+The ``Buffer`` holds what every transport shares (checks, the step counter, the group's failure
+state, teardown order); how rows move is the transport's (``transports/base.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from vllm_moonep.engine.defaults import default_num_slots, resolve_device, say_once
-from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
-from vllm_moonep.engine.planner import GlobalPlan, place_entries, plan_global
-from vllm_moonep.engine.row_copy import MAX_PLANES, copy_rows
-from vllm_moonep.engine.collective import CollectiveTransport
+from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 from vllm_moonep.engine.nodes import (
     NodeMap,
     host_id,
@@ -26,15 +33,19 @@ from vllm_moonep.engine.nodes import (
     refuse_bad_ranks_per_node,
     resolve_nodes,
 )
+from vllm_moonep.engine.planning.planner import GlobalPlan
 from vllm_moonep.engine.protocol import MoonEPPlan
-from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
+from vllm_moonep.engine.row_copy import MAX_PLANES, copy_rows
+from vllm_moonep.engine.transports.base import Transport
+from vllm_moonep.engine.transports.collective import CollectiveTransport
+from vllm_moonep.engine.transports.select import TRANSPORTS, resolve_transport
 
-if TYPE_CHECKING:  # imported where used: the transport loads the Triton kernels
+if TYPE_CHECKING:  # the symmetric and hybrid transports are imported where a buffer makes one
     from torch.distributed import ProcessGroup
 
     from vllm_moonep.engine.heaps.base import SymmetricHeap
-    from vllm_moonep.engine.hybrid_transport import HybridTransport
-    from vllm_moonep.engine.symmetric_transport import SymmetricTransport
+    from vllm_moonep.engine.transports.hybrid import HybridTransport
+    from vllm_moonep.engine.transports.symmetric import SymmetricTransport
 
 __all__ = ["Buffer", "Plan", "nvs_rows", "resolve_device", "validate_config"]
 
@@ -77,18 +88,15 @@ class Plan:
     """What ``dispatch`` decided, kept for ``prefetch_weight`` and ``combine``.
 
     ``experts_to_copy [R, B]`` int32 is the public part (the same on every rank). The rest is
-    this rank's bookkeeping: which local entries went where, and which shard rows came from whom.
+    this rank's bookkeeping: the step, the whole plan, this rank's segments, and the transport's
+    own record of where rows went (``transport_state``, which only its combine reads).
     """
 
     experts_to_copy: torch.Tensor
     global_plan: GlobalPlan = field(repr=False)
     owner: int = field(repr=False)  # id() of the Buffer that made it
     step: int = 0
-    # the collective transport's bookkeeping (None with the symmetric transport)
-    send_order: torch.Tensor | None = field(default=None, repr=False)  # local flat entries, by (dest, row)
-    send_splits: list[int] = field(default_factory=list, repr=False)
-    recv_splits: list[int] = field(default_factory=list, repr=False)
-    recv_rows: torch.Tensor | None = field(default=None, repr=False)  # shard row of each received entry
+    transport_state: Any = field(default=None, repr=False)
     cu_seqlens: torch.Tensor | None = field(default=None, repr=False)  # this rank's [E+B] int32
     # this rank's rows per segment [E+B] int32, padding included, where the transport wrote them
     # (the GPU symmetric transport's row kernel); else made from cu_seqlens when first asked
@@ -209,11 +217,11 @@ class Buffer:
         assert B is not None  # validate_config refuses None
         if dtype not in (torch.bfloat16, torch.float32):
             raise MoonEPInputError(f"dtype must be torch.bfloat16 (or float32 for tests), got {dtype}")
-        self.transport = CollectiveTransport(group, world_size=R, timeout_s=timeout_s)
-        if self.transport.world_size != R:
-            self.transport.close()
+        self.collectives = BoundedCollectives(group, world_size=R, timeout_s=timeout_s)
+        if self.collectives.world_size != R:
+            self.collectives.close()
             raise MoonEPInputError(
-                f"num_ep_ranks={R} does not match the process group's size {self.transport.world_size}"
+                f"num_ep_ranks={R} does not match the process group's size {self.collectives.world_size}"
             )
         self.device = resolve_device(device)
         self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, R, B
@@ -222,13 +230,12 @@ class Buffer:
         self.num_sms = num_sms
         self.dtype = dtype
         self.check_inputs = check_inputs
-        self.rank = self.transport.rank
+        self.rank = self.collectives.rank
         self.NvS = nvs_rows(S, K, E, R, token_padding)
         self._ctx: dict[str, int] = {"NvS": self.NvS, "S": S, "H": H, "K": K, "E": E, "B": B, "R": R, "tp": token_padding}
         self._destroyed = False
         self._step = 0
-        self._sym: SymmetricTransport | None = None
-        self._hyb: HybridTransport | None = None
+        self._transport: Transport | None = None
         # Construction is collective: every rank must agree on the shape of the buffer, the
         # transport and the ranks per simulated node; the host each rank runs on tells which
         # peers share its node (addressable memory).
@@ -237,10 +244,10 @@ class Buffer:
             rpn_code = parse_ranks_per_node(rpn_text)  # -1: not a positive integer, refused below on every rank
             asked = TRANSPORTS.index(transport)
             mine = torch.tensor([S, H, K, E, R, B, token_padding, asked, rpn_code, host_id()], dtype=torch.int64,
-                                device=self.transport.comm_device)
-            every = self.transport.all_gather(mine, "Buffer.__init__ (config check)").cpu()
+                                device=self.collectives.comm_device)
+            every = self.collectives.all_gather(mine, "Buffer.__init__ (config check)").cpu()
             if bool((every[:, 8] < 0).any()):  # every rank sees it: the values' text, then one error everywhere
-                texts = self.transport.all_gather_object(rpn_text, "Buffer.__init__ (ranks per node)")
+                texts = self.collectives.all_gather_object(rpn_text, "Buffer.__init__ (ranks per node)")
                 refuse_bad_ranks_per_node(texts, "MoonEP Buffer")
             rpn = rpn_code or None
             if not bool((every[:, :9] == mine[:9].cpu()).all()):
@@ -252,89 +259,81 @@ class Buffer:
             self.nodes: NodeMap = resolve_nodes([int(h) for h in every[:, 9].tolist()], rpn)
             self.transport_name, why = resolve_transport(transport, self.device.type, nodes=self.nodes)
             say_once(f"MoonEP built-in engine: transport={self.transport_name} ({why})")
-            if self.transport_name == "symmetric":
-                self._sym = self._make_symmetric(heap, group, num_sms)
-            elif self.transport_name == "hybrid":
-                self._hyb = self._make_hybrid(heap, group)
+            self._transport = self._make_transport(heap, group, num_sms)
         except BaseException:
             self.destroy()
             raise
 
     # ------------------------------------------------------------------ helpers
-    def _make_symmetric(
-        self, heap: SymmetricHeap | str | None, group: ProcessGroup | None, num_sms: int | None
-    ) -> SymmetricTransport:
-        from vllm_moonep.engine.heaps import SymmetricHeap, make_heap
-        from vllm_moonep.engine.symmetric_transport import SymmetricTransport
+    def _make_transport(self, heap: SymmetricHeap | str | None, group: ProcessGroup | None,
+                        num_sms: int | None) -> Transport:
+        """The transport ``transport_name`` names, on this buffer's shape (collective over the group)."""
+        name = self.transport_name
+        S, K, E, B, H, NvS, tp, dtype = self.S, self.K, self.E, self.B, self.H, self.NvS, self.token_padding, self.dtype
+        if name == "symmetric":
+            from vllm_moonep.engine.transports.symmetric import SymmetricTransport
 
-        owns = not isinstance(heap, SymmetricHeap)
-        if not isinstance(heap, SymmetricHeap):  # (owns; spelt out so the type narrows)
-            kind = heap or "auto"
-            # the host heap's staging mode hides owner writes until a barrier; the transport's
-            # peers write into each other's buffers, so it maps the shared pages directly
-            extra = {"staging": False} if self.device.type == "cpu" else {}
-            heap = make_heap(kind, group=group, device=self.device, **extra)
-        try:
-            sym = SymmetricTransport(heap, R=self.R, rank=self.rank, S=self.S, K=self.K, H=self.H, E=self.E, B=self.B,
-                                     NvS=self.NvS, token_padding=self.token_padding, dtype=self.dtype,
-                                     timeout_s=self.transport.timeout_s, num_sms=num_sms)
-        except BaseException:
-            if owns:
-                heap.close(force=True)
-            raise
-        self._owns_heap = owns
-        return sym
+            return SymmetricTransport.on_heap(heap, group, self.device, R=self.R, rank=self.rank, S=S, K=K, H=H, E=E,
+                                              B=B, NvS=NvS, token_padding=tp, dtype=dtype,
+                                              timeout_s=self.collectives.timeout_s, num_sms=num_sms)
+        if name == "hybrid":
+            from vllm_moonep.engine.transports.hybrid import HybridTransport, node_heap_kind
 
-    def _make_hybrid(self, heap: SymmetricHeap | str | None, group: ProcessGroup | None) -> HybridTransport:
-        """The hybrid transport. The heap kind is checked on every rank (also those alone on their
-        node, which make no heap), so that every rank refuses a bad one together; the transport's
-        own set-up failures are agreed on inside it (all-gathered, raised on every rank)."""
-        from vllm_moonep.engine.heaps import HEAP_KINDS, resolve_heap_kind
-        from vllm_moonep.engine.hybrid_transport import HybridTransport
+            kind = node_heap_kind(heap, self.device)  # on every rank, before any collective of the set-up
+            return HybridTransport(self.collectives, self.nodes, group, heap_kind=kind, S=S, K=K, E=E, B=B, H=H,
+                                   NvS=NvS, token_padding=tp, dtype=dtype, device=self.device)
+        return CollectiveTransport(self.collectives, S=S, K=K, E=E, B=B, H=H, NvS=NvS, token_padding=tp, dtype=dtype,
+                                   device=self.device)
 
-        if heap is not None and not isinstance(heap, str):
-            raise MoonEPInputError(
-                f"transport='hybrid' makes its own heap over this node's ranks; pass a heap kind ({HEAP_KINDS}) or "
-                f"None, not a {type(heap).__name__} spanning the group")
-        kind = resolve_heap_kind(heap or "auto", self.device)  # an unknown kind: MoonEPInputError
-        if kind == "nvshmem":
-            raise MoonEPInputError(
-                "the hybrid transport allocates its receive buffers on a heap over this node's ranks; NVSHMEM is "
-                "initialised once per process over the whole EP group, so use heap='auto', 'torch' or 'host'")
-        if (kind == "host") != (self.device.type == "cpu"):
-            raise MoonEPInputError(
-                f"heap={kind!r} does not fit device {self.device}: the hybrid transport's node heap is 'host' "
-                "(shared /dev/shm pages) for CPU ranks and 'torch' for CUDA ones; pass heap='auto'")
-        return HybridTransport(self.transport, self.nodes, group, heap_kind=kind, S=self.S, K=self.K, H=self.H,
-                               NvS=self.NvS, token_padding=self.token_padding, dtype=self.dtype, device=self.device)
+    @property
+    def transport(self) -> Transport:
+        """The transport that moves this buffer's rows (``transport_name`` says which)."""
+        t = self._transport
+        if t is None:
+            raise MoonEPStateError("Buffer.transport: the buffer was destroyed (or never finished construction)")
+        return t
+
+    @property
+    def _sym(self) -> SymmetricTransport | None:
+        """The symmetric transport, when it is this buffer's (its graphs, heap and launchers)."""
+        t = self._transport
+        return cast("SymmetricTransport", t) if t is not None and t.name == "symmetric" else None
+
+    @property
+    def _hyb(self) -> HybridTransport | None:
+        """The hybrid transport, when it is this buffer's (its node heap and receive buffers)."""
+        t = self._transport
+        return cast("HybridTransport", t) if t is not None and t.name == "hybrid" else None
 
     def check_errors(self, sync: bool = False) -> None:
         """Raise what a device-side wait or check recorded (``sync``: after the stream finished
         the calls issued so far). ``dispatch`` and ``combine`` check on entry, without a sync."""
-        if self._sym is not None:
-            try:
-                self._sym.board.check(sync=sync)
-            except BaseException as exc:
-                self.transport.mark_broken(f"symmetric transport: {str(exc).split(':')[0]}")
-                raise
+        t = self._transport
+        if t is None:
+            return
+        try:
+            t.check_errors(sync)
+        except BaseException as exc:
+            self.collectives.mark_broken(f"{t.name} transport: {str(exc).split(':')[0]}")
+            raise
 
     def _mark_if_recorded(self) -> None:
-        """A wait of the symmetric transport that gave up (its error board recorded it) makes the
-        group unusable for every MoonEP object on it (the arrival board carries it): later steps
+        """A device-side wait that gave up (the symmetric transport's error board recorded it) makes
+        the group unusable for every MoonEP object on it (the arrival board carries it): later steps
         are refused and teardown frees locally. (A bad expert id is this rank's input error: the
         step completed on every rank, so teardown stays collective.)"""
-        sym = self._sym
-        if sym is None or not sym.board.is_set or self.transport.broken:
+        t = self._transport
+        if t is None or self.collectives.broken:
             return
-        err = sym.board.error()
-        if isinstance(err, MoonEPCollectiveTimeout):
-            self.transport.mark_broken(f"symmetric transport: {str(err).split(':')[0]}")
+        err = t.recorded_timeout()
+        if err is not None:
+            self.collectives.mark_broken(f"{t.name} transport: {str(err).split(':')[0]}")
 
     def _alive(self, what: str) -> None:
         if self._destroyed:
             raise MoonEPStateError(f"Buffer.{what}: the buffer was destroyed")
         self.check_errors()
-        why = self.transport.broken
+        why = self.collectives.broken
         if why is not None:
             raise MoonEPStateError(
                 f"Buffer.{what}: the process group is unusable after an earlier failure ({why}); "
@@ -388,10 +387,10 @@ class Buffer:
         need(bool((counts == tpe.to(torch.int64)).all()), "tokens_per_expert is not the bincount of topk_experts_sk")
 
     # ------------------------------------------------------------------ contract API
-    #: ``dispatch`` takes ``num_tokens`` (an extension of the contract; callers check for it)
+    #: ``dispatch`` takes ``num_tokens`` (``MoonEPBuffer.accepts_num_tokens``)
     accepts_num_tokens = True
-    #: ``combine`` reads each token's entry rows of ``hidden_nvsh`` and nothing else (both transports): the
-    #: expert compute need not write the segments' padding tails (``expert_ffn(zero_tail=False)``)
+    #: ``combine`` reads each token's entry rows of ``hidden_nvsh`` and nothing else, on every transport
+    #: (``MoonEPBuffer.combine_reads_entry_rows_only``)
     combine_reads_entry_rows_only = True
 
     def dispatch(
@@ -416,83 +415,18 @@ class Buffer:
         if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
                                        or not 0 <= num_tokens <= self.S):
             raise MoonEPInputError(f"dispatch: num_tokens must be an int in [0, S={self.S}], got {num_tokens!r}")
-        if self._sym is not None:
-            try:
-                hidden_nvsh, route_nvs, cu, gp = self._sym.dispatch(hidden_sh, route_weights_sk, topk_experts_sk,
-                                                                    tokens_per_expert, num_tokens)
-            except BaseException:
-                self._mark_if_recorded()
-                raise
-            plan = Plan(experts_to_copy=gp.experts_to_copy, global_plan=gp, owner=id(self), step=self._step,
-                        cu_seqlens=cu, rows=self._sym.rows32 if self._sym.on_gpu else None,
-                        live_ends=self._sym.ends32 if self._sym.on_gpu else None)
-            self._step += 1
-            return hidden_nvsh, route_nvs, cu, plan
-        tr = self.transport
-        tr.step = self._step
-        gp_host = self._plan_on_host(tokens_per_expert)
-        if self._hyb is not None:
-            hidden_nvsh, route_nvs, cu, gp = self._hyb.dispatch(hidden_sh, route_weights_sk, topk_experts_sk, gp_host,
-                                                                self._step)
-            plan = Plan(experts_to_copy=gp.experts_to_copy, global_plan=gp, owner=id(self), step=self._step,
-                        cu_seqlens=cu)
-            self._step += 1
-            return hidden_nvsh, route_nvs, cu, plan
-        gp = gp_host if self.device.type == "cpu" else gp_host.to(self.device)
-        dest, row = place_entries(gp, self.rank, topk_experts_sk)
-        # local entries in (destination, row) order: rows reach each peer already sorted
-        send_order = torch.argsort(dest * self.NvS + row, stable=True)
-        flows = gp_host.flows()  # [src, dst]
-        send_splits, recv_splits = flows[self.rank].tolist(), flows[:, self.rank].tolist()
-        used_rows = int(gp_host.cu_seqlens[self.rank, -1])
-        tok = send_order // self.K
-        send_hidden = hidden_sh.index_select(0, tok)
-        meta = torch.stack(
-            [row[send_order].to(torch.int32), route_weights_sk.reshape(-1)[send_order].contiguous().view(torch.int32)],
-            dim=1,
-        )
-        recv_meta = tr.all_to_all(meta, send_splits, recv_splits, "dispatch: all_to_all(meta)")
-        recv_hidden = tr.all_to_all(send_hidden, send_splits, recv_splits, "dispatch: all_to_all(hidden)")
-        recv_rows = recv_meta[:, 0].to(torch.int64)
-        # rows past the last segment are undefined by contract: only the used rows are zeroed
-        # (padding rows must read 0), not all NvS, whose (tp-1)*2*epn slack can dwarf S*K
-        hidden_nvsh = torch.empty(self.NvS, self.H, dtype=self.dtype, device=self.device)
-        hidden_nvsh[:used_rows].zero_()
-        hidden_nvsh.index_copy_(0, recv_rows, recv_hidden)
-        route_nvs = torch.zeros(self.NvS, dtype=torch.float32, device=self.device)
-        route_nvs.index_copy_(0, recv_rows, recv_meta[:, 1].contiguous().view(torch.float32))
-        cu = gp.cu_seqlens[self.rank].to(torch.int32)
-        plan = Plan(
-            experts_to_copy=gp.experts_to_copy,
-            global_plan=gp,
-            owner=id(self),
-            step=self._step,
-            send_order=send_order,
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            recv_rows=recv_rows,
-            cu_seqlens=cu,
-        )
+        t = self.transport
+        try:
+            gp_host = t.plan(tokens_per_expert, self._step)
+            d = t.dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gp_host, num_tokens,
+                           self._step)
+        except BaseException:
+            self._mark_if_recorded()
+            raise
+        plan = Plan(experts_to_copy=d.plan.experts_to_copy, global_plan=d.plan, owner=id(self), step=self._step,
+                    transport_state=d.state, cu_seqlens=d.cu_seqlens, rows=d.rows, live_ends=d.live_ends)
         self._step += 1
-        return hidden_nvsh, route_nvs, cu, plan
-
-    def _plan_on_host(self, tokens_per_expert: torch.Tensor) -> GlobalPlan:
-        """All-gather the counts and plan on the host (the collective and hybrid transports): the
-        plan comes from the small [R, E] table, the one host read of the step (the transfer sizes
-        come from it too)."""
-        tpe_all = self.transport.all_gather(tokens_per_expert.to(torch.int64), "dispatch: all_gather(tokens_per_expert)")
-        tpe_host = tpe_all.cpu()
-        # every rank sees the same table, so all refuse together (nothing moved yet): counts that
-        # do not sum to S*K mean ids outside [0, E) were dropped from the count (CUDA counts them
-        # on the device) or a count that is not the ids' bincount
-        short = [r for r, n in enumerate(tpe_host.sum(dim=1).tolist()) if n != self.S * self.K]
-        if short:
-            raise MoonEPInputError(
-                f"dispatch: tokens_per_expert of rank(s) {short} does not sum to S*K = {self.S * self.K} "
-                f"(sums {tpe_host.sum(dim=1).tolist()}): expert ids outside [0, {self.E}) or counts that are not "
-                "the bincount of the ids; sanitize invalid ids first"
-            )
-        return plan_global(tpe_host, self.S, self.K, self.B, self.token_padding)
+        return d.hidden_nvsh, d.route_weights_nvs, d.cu_seqlens, plan
 
     def _check_plan(self, plan: object, what: str) -> Plan:
         """``plan``, once it is known to be this buffer's latest (else ``MoonEPStateError``)."""
@@ -555,36 +489,11 @@ class Buffer:
                     if isinstance(route_weights_nvs, torch.Tensor) else type(route_weights_nvs).__name__)
             raise MoonEPInputError(
                 f"combine: route_weights_nvs must be contiguous float32 [NvS={self.NvS}] on {self.device}, got {desc}")
-        if self._sym is not None:
-            try:
-                out, rw = self._sym.combine(hidden_nvsh, route_weights_nvs)
-            except BaseException:
-                self._mark_if_recorded()
-                raise
-            return out, rw, None
-        if self._hyb is not None:
-            out, rw = self._hyb.combine(hidden_nvsh, route_weights_nvs)
-            return out, rw, None
-        tr = self.transport
-        tr.step = mine.step
-        recv_rows, send_order = mine.recv_rows, mine.send_order
-        assert recv_rows is not None and send_order is not None  # set by this buffer's collective dispatch
-        back = tr.all_to_all(
-            hidden_nvsh.index_select(0, recv_rows), mine.recv_splits, mine.send_splits, "combine: all_to_all(hidden)"
-        )
-        n = self.S * self.K
-        acc = torch.empty(n, self.H, dtype=torch.float32, device=self.device)  # every entry comes back
-        acc.index_copy_(0, send_order, back.float())
-        out = acc.view(self.S, self.K, self.H).sum(dim=1).to(self.dtype)
-        rw = None
-        if route_weights_nvs is not None:
-            wb = tr.all_to_all(
-                route_weights_nvs.index_select(0, recv_rows), mine.recv_splits, mine.send_splits,
-                "combine: all_to_all(route_weights)",
-            )
-            rw = torch.empty(n, dtype=torch.float32, device=self.device)
-            rw.index_copy_(0, send_order, wb)
-            rw = rw.view(self.S, self.K)
+        try:
+            out, rw = self.transport.combine(mine.transport_state, hidden_nvsh, route_weights_nvs)
+        except BaseException:
+            self._mark_if_recorded()
+            raise
         return out, rw, None
 
     def destroy(self) -> None:
@@ -597,22 +506,12 @@ class Buffer:
             return
         self._destroyed = True
         self._mark_if_recorded()  # a failed wait not raised yet (GPU steps record; nothing re-checked)
-        sym, self._sym = getattr(self, "_sym", None), None
-        hyb, self._hyb = getattr(self, "_hyb", None), None
+        t, self._transport = self._transport, None
         try:
-            if hyb is not None:
-                hyb.close(local=self.transport.broken is not None)
-            if sym is not None:
-                heap = sym.heap
-                if self.transport.broken:
-                    heap.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
-                try:
-                    sym.close()
-                finally:
-                    if self._owns_heap:
-                        heap.close(force=True)
+            if t is not None:
+                t.close(local=self.collectives.broken is not None)
         finally:
-            self.transport.close()
+            self.collectives.close()
 
     @property
     def num_dispatched_rows(self) -> int:
@@ -628,15 +527,16 @@ class Buffer:
     def row_programs(self) -> int | None:
         """Programs each row-moving kernel of the symmetric transport launches (from ``num_sms``, or
         the default per SM); ``None`` on the collective transport."""
-        return None if self._sym is None else self._sym.programs
+        t = self._transport
+        return None if t is None else t.programs
 
     @property
     def heap_bytes(self) -> int:
         """Bytes this buffer holds on its symmetric heap, per rank (the symmetric or hybrid transport's
         receive and landing areas, sized once from ``S``; 0 for the collective transport, and for
         the hybrid one on a rank alone on its node)."""
-        sym, hyb = self._sym, self._hyb
-        return sym.nbytes if sym is not None else hyb.nbytes if hyb is not None else 0
+        t = self._transport
+        return 0 if t is None else t.nbytes
 
     def __repr__(self) -> str:
         if not hasattr(self, "NvS"):

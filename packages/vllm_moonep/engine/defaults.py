@@ -1,6 +1,7 @@
 """What the engine fills in when a caller leaves a choice open, each defined once.
 
-- ``B=None``: ``default_num_slots(E, R)`` prefetch slots per rank.
+- ``B=None``: ``default_num_slots(E, R)`` prefetch slots per rank; at most ``E``
+  (``slots_beyond_experts``, the plugin's option check and the tools' ``--slots``).
 - ``group=None``: the default process group, or a world of one without ``torch.distributed``
   (``group_rank_world``).
 - ``device=None``: the current CUDA device, else the CPU; a bare ``cuda`` gets its index
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 
 from vllm_moonep.engine.errors import MoonEPInputError
 
-__all__ = ["current_cuda_device", "default_num_slots", "group_rank_world", "resolve_device", "say_once"]
+__all__ = ["current_cuda_device", "default_num_slots", "group_rank_world", "resolve_device", "say_once",
+           "slots_beyond_experts"]
 
 _SAID: set[str] = set()
 
@@ -43,6 +45,17 @@ def default_num_slots(num_experts: int, num_ep_ranks: int) -> int:
     at most one remote home group (``E/R`` experts), so with this many slots no remote expert
     ever misses a slot. Callers check that ``E`` and ``R`` are usable first."""
     return num_experts // num_ep_ranks
+
+
+def slots_beyond_experts(num_slots: int, num_experts: int, num_ep_ranks: int) -> str | None:
+    """Why ``num_slots`` prefetch slots per rank are too many for ``num_experts`` experts (``None``:
+    they are not): the end of a refusal that starts with the setting's name. A rank never needs
+    more redundant-expert slots than there are experts; the plugin's option check and the tools'
+    ``--slots`` refuse with this one rule."""
+    if num_slots <= num_experts:
+        return None
+    return (f"exceeds the model's {num_experts} experts: a rank never needs more redundant-expert slots than there "
+            f"are experts (E/R = {num_experts // max(num_ep_ranks, 1)} per rank is a common choice)")
 
 
 def group_rank_world(group: ProcessGroup | None) -> tuple[int, int]:

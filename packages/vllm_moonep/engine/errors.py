@@ -26,7 +26,7 @@ class MoonEPCollectiveTimeout(MoonEPError, TimeoutError):
     """A collective did not complete within its timeout (a peer died or stopped calling).
 
     The message names the operation, the step and the peer(s) that did not answer (see
-    ``vllm_moonep.engine.collective`` and ``error_board``). Structured copies of those facts:
+    ``engine/faults/bounded_collectives.py`` and ``error_board.py``). Structured copies of those facts:
 
     - ``op``: the operation (e.g. ``"dispatch: all_gather(tokens_per_expert)"``)
     - ``step``: the buffer's step (its dispatch count), ``None`` at construction / load time

@@ -11,7 +11,7 @@ NVLink/P2P, CPU ranks of one machine over ``/dev/shm``). Two sources, one answer
 
 What follows from it: a heap addresses only peers of its own node (``heaps.base``: ``peer_view``
 refuses the others, ``copy_from_peer`` reads them by RMA), ``transport="auto"`` takes the
-symmetric transport on one node and the hybrid one across nodes (``transports.py``), and the
+symmetric transport on one node and the hybrid one across nodes (``transports/select.py``), and the
 hybrid transport allocates its receive buffers on a heap over its node's ranks
 (``acquire_node_subgroup``: made by every rank of the group, destroyed with the
 last buffer that uses it)::

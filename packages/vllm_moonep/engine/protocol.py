@@ -35,7 +35,9 @@ class MoonEPBuffer(Protocol):
     a layout that owns its slots), then the expert compute, then ``combine``. Construction,
     every call and ``destroy()`` are collective. Shapes and rules: docs/CONTRACT.md. Of the
     shape, only what callers read from a buffer is here (``S``, ``B``); the rest comes from the
-    configuration the buffer was made with.
+    configuration the buffer was made with. Two capability flags say what a caller may count on
+    beyond the contract (``accepts_num_tokens``, ``combine_reads_entry_rows_only``); the real
+    ``moonep`` package's buffer is seen through an adapter that says no to both (``select.py``).
     """
 
     @property
@@ -52,6 +54,22 @@ class MoonEPBuffer(Protocol):
     @property
     def B(self) -> int:
         """Prefetch slots per rank: ``cu_seqlens`` has ``E + B`` groups."""
+        ...
+
+    @property
+    def accepts_num_tokens(self) -> bool:
+        """Whether ``dispatch`` takes the keyword ``num_tokens`` (tokens from there to ``S`` are the
+        caller's padding, whose rows it may leave unmoved): the step passes it only then, since an
+        engine without it refuses the keyword. The built-in engine: yes; the real ``moonep``: no."""
+        ...
+
+    @property
+    def combine_reads_entry_rows_only(self) -> bool:
+        """Whether ``combine`` reads only the rows that hold an entry (each token's K rows) of
+        ``hidden_nvsh``, never a segment's padding tail: the expert compute may then leave the tails
+        unwritten (``expert_ffn(zero_tail=False)``), saving their writes every step. An engine that
+        may read them must say no, and gets zeros there. The built-in engine: yes; the real
+        ``moonep``: no (not known)."""
         ...
 
     def dispatch(

@@ -4,10 +4,11 @@
 user opted into multicast (upstream's kernels need NVSwitch multicast, which this project keeps
 off by default); otherwise the built-in engine. ``engine="moonep"`` where that is not the case
 raises ``MoonEPUnavailableError`` with the reason.
-The built-in engine's transport is chosen in ``transports.py``.
+The built-in engine's transport is chosen in ``transports/select.py``.
 
 ``make_buffer`` says which engine it uses, and why, once per process at INFO (again only when
-the engine or the reason changes).
+the engine or the reason changes). The real package's buffer comes wrapped in
+``RealMoonEPBuffer``, which adds what ``MoonEPBuffer`` asks and the package does not declare.
 """
 
 from __future__ import annotations
@@ -22,9 +23,63 @@ from vllm_moonep.engine.buffer import Buffer as BuiltinBuffer
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
 from vllm_moonep.engine.multicast import OPT_IN_VAR, multicast_opted_in
-from vllm_moonep.engine.protocol import MoonEPBuffer
+from vllm_moonep.engine.protocol import MoonEPBuffer, MoonEPPlan
+
+__all__ = ["ENGINES", "RealMoonEPBuffer", "make_buffer", "real_moonep_status", "resolve_engine"]
 
 ENGINES = ("auto", "builtin", "moonep")
+
+
+class RealMoonEPBuffer:
+    """The real ``moonep`` package's ``Buffer`` as a ``MoonEPBuffer``: every call and attribute is
+    the package's own (``inner``), and the capability flags it does not declare say no (it has
+    none of the built-in engine's extensions, and nothing says what its combine reads)."""
+
+    accepts_num_tokens = False
+    combine_reads_entry_rows_only = False
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:  # everything else (``_ctx``, ...) is the package's
+        if name == "inner":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def num_dispatched_rows(self) -> int:
+        return int(self.inner._ctx["NvS"])  # the only place the package keeps it
+
+    @property
+    def S(self) -> int:
+        return int(self.inner.S)
+
+    @property
+    def B(self) -> int:
+        return int(self.inner.B)
+
+    def dispatch(self, hidden_sh: torch.Tensor, route_weights_sk: torch.Tensor, topk_experts_sk: torch.Tensor,
+                 tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MoonEPPlan]:
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, MoonEPPlan] = self.inner.dispatch(
+            hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)
+        return out
+
+    def prefetch_weight(self, plan: MoonEPPlan | None = None, full_gate_weight: torch.Tensor | None = None,
+                        full_up_weight: torch.Tensor | None = None,
+                        full_down_weight: torch.Tensor | None = None) -> None:
+        self.inner.prefetch_weight(plan=plan, full_gate_weight=full_gate_weight, full_up_weight=full_up_weight,
+                                   full_down_weight=full_down_weight)
+
+    def combine(self, plan: MoonEPPlan, hidden_nvsh: torch.Tensor,
+                route_weights_nvs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        out: tuple[torch.Tensor, torch.Tensor | None, Any] = self.inner.combine(plan, hidden_nvsh, route_weights_nvs)
+        return out
+
+    def destroy(self) -> None:
+        self.inner.destroy()
+
+    def __repr__(self) -> str:
+        return f"RealMoonEPBuffer({self.inner!r})"
 
 
 def real_moonep_status() -> tuple[ModuleType | None, str]:
@@ -83,7 +138,6 @@ def make_buffer(*args: Any, engine: str = "auto", **kwargs: Any) -> MoonEPBuffer
             raise MoonEPUnavailableError(f"engine 'moonep' was selected but {why}")
         for k in ("device", "dtype", "check_inputs", "timeout_s", "transport", "heap"):
             kwargs.pop(k, None)
-        real: MoonEPBuffer = mod.Buffer(*args, **kwargs)
-        return real
+        return RealMoonEPBuffer(mod.Buffer(*args, **kwargs))
     return BuiltinBuffer(*args, **kwargs)
 

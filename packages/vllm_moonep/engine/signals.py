@@ -16,8 +16,8 @@ also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
 
 One signal per launch and peer, not per program: R atomics on peers' counters per launch instead
 of R per program, and ranks need not agree on how many programs a launch has. (Measured on an
-H200, the signalling of a 128-program launch costs ~2-3 us either way; see docs/PERFORMANCE.md,
-sixth session.) Counters only grow (targets are ``epoch``, on the device so replayed CUDA graphs
+H200, the signalling of a 128-program launch costs ~2-3 us either way; see
+docs/PERFORMANCE.md#engine-defaults.) Counters only grow (targets are ``epoch``, on the device so replayed CUDA graphs
 keep counting), so a signal of the next step is never taken for this one's.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_moonep.engine import error_board as eb
+from vllm_moonep.engine.faults import error_board as eb
 
 __all__ = ["T_COUNTS", "T_X", "T_W", "T_SRC", "T_CX", "T_CW", "T_SIG", "PH_COUNTS", "PH_DISPATCH", "PH_COMBINE"]
 
@@ -36,7 +36,7 @@ T_COUNTS, T_X, T_W, T_SRC, T_CX, T_CW, T_SIG = (tl.constexpr(i) for i in range(7
 PH_COUNTS, PH_DISPATCH, PH_COMBINE = (tl.constexpr(i) for i in range(3))
 #: a spinning wait reads the error board once per this many polls. The board is pinned host
 #: memory, and one read from an H200 program costs ~7 us (a device-memory poll 0.2 us): read on
-#: every poll, it was most of each wait, three waits a step (docs/PERFORMANCE.md, eighth session).
+#: every poll, it was most of each wait, three waits a step (docs/PERFORMANCE.md#engine-defaults).
 #: 1024 polls are ~0.3 ms: a wait still gives up that soon after another one failed.
 BOARD_EVERY = tl.constexpr(1024)
 # what the kernels record on the error board (codes defined in error_board)

@@ -25,7 +25,7 @@ import torch
 from vllm_moonep.common.memory import MemoryReport
 from vllm_moonep.engine import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.heaps import HEAP_KINDS, SymmetricHeap, make_heap
-from vllm_moonep.engine.teardown import each
+from vllm_moonep.engine.faults.teardown import each
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import SharedSlotPool, SymmetricWeightLayout
 

@@ -16,7 +16,7 @@ from vllm_moonep.common.grouped_gemm import GroupedWeights
 from vllm_moonep.common.layout import check_local_experts
 from vllm_moonep.common.memory import MemoryReport, replicated_accounting
 from vllm_moonep.engine import MoonEPBuffer, MoonEPPlan, MoonEPStateError
-from vllm_moonep.engine.collective import CollectiveTransport
+from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -37,14 +37,14 @@ class ReplicatedWeightLayout:
     def __init__(self, w13_local: torch.Tensor, w2_local: torch.Tensor, num_experts: int, num_slots: int,
                  group: ProcessGroup | None = None, *, keeps_local_params: bool = True,
                  timeout_s: float | None = None) -> None:
-        transport = CollectiveTransport(group, timeout_s=timeout_s)
+        transport = BoundedCollectives(group, timeout_s=timeout_s)
         try:
             self._load(transport, w13_local, w2_local, num_experts, num_slots, keeps_local_params)
         finally:
             transport.close()  # the layout issues no collective after loading
         self._destroyed = False
 
-    def _load(self, transport: CollectiveTransport, w13_local: torch.Tensor, w2_local: torch.Tensor,
+    def _load(self, transport: BoundedCollectives, w13_local: torch.Tensor, w2_local: torch.Tensor,
               num_experts: int, num_slots: int, keeps_local_params: bool) -> None:
         world, rank = transport.world_size, transport.rank
         epn, I, H = check_local_experts(w13_local, w2_local, num_experts, world, num_slots)

@@ -51,7 +51,7 @@ from vllm_moonep.engine import (
 )
 from vllm_moonep.engine.row_copy import address_table, copy_rows, live_slot_ids
 from vllm_moonep.engine.heaps import HeapHandle, SymmetricHeap, make_heap
-from vllm_moonep.engine.teardown import each
+from vllm_moonep.engine.faults.teardown import each
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

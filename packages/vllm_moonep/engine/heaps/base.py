@@ -41,16 +41,16 @@ from typing import TYPE_CHECKING, Any, Self, Sequence
 
 import torch
 
-from vllm_moonep.engine.collective import CollectiveTransport
 from vllm_moonep.engine.defaults import group_rank_world, resolve_device
-from vllm_moonep.engine.nodes import NodeMap, parse_ranks_per_node, ranks_per_node_text, refuse_bad_ranks_per_node
 from vllm_moonep.engine.errors import (
     MoonEPCollectiveTimeout,
     MoonEPInputError,
     MoonEPStateError,
     MoonEPUnavailableError,
 )
-from vllm_moonep.engine.teardown import each
+from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
+from vllm_moonep.engine.faults.teardown import each
+from vllm_moonep.engine.nodes import NodeMap, parse_ranks_per_node, ranks_per_node_text, refuse_bad_ranks_per_node
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -138,36 +138,45 @@ class SymmetricHeap:
         return NodeMap.one_node(self.world_size) if not k else NodeMap.blocks(self.world_size, k)
 
     # ------------------------------------------------------------------ collectives
-    # Every heap collective goes through the engine's bounded transport: a dead or stuck peer
+    # Every heap collective goes through the engine's bounded collectives: a dead or stuck peer
     # raises MoonEPCollectiveTimeout naming it instead of hanging construction or teardown.
     # After such a failure the group is unusable, and teardown only releases local memory.
+    #: set by ``teardown_locally``: frees and ``close`` then release this rank's memory only
+    _teardown_local = False
+    #: made on first use (a heap of one rank never needs it)
+    _collectives_obj: BoundedCollectives | None = None
+
     @property
-    def _transport(self) -> CollectiveTransport:
-        t = self.__dict__.get("_transport_obj")
+    def _collectives(self) -> BoundedCollectives:
+        t = self._collectives_obj
         if t is None:
-            t = CollectiveTransport(self.group, world_size=self.world_size)
-            self.__dict__["_transport_obj"] = t
+            t = self._collectives_obj = BoundedCollectives(self.group, world_size=self.world_size)
         return t
 
+    def teardown_locally(self) -> None:
+        """From now on frees and ``close`` release this rank's memory only, with no collective:
+        the group failed, and a collective would wait for peers that may be gone."""
+        self._teardown_local = True
+
     def _local_only(self) -> bool:
-        return self.world_size == 1 or self.__dict__.get("_teardown_local", False)
+        return self.world_size == 1 or self._teardown_local
 
     def _teardown_local_if_broken(self) -> None:
         """Teardown after a failure on the group releases local memory only: the peers may be gone.
-        Any transport's failure counts (they share the group's arrival board), so a failed step
-        makes a layout's frees local as well as the buffer's."""
-        t = self.__dict__.get("_transport_obj")
+        Any failure on the group counts (every ``BoundedCollectives`` on it shares the group's arrival
+        board), so a failed step makes a layout's frees local as well as the buffer's."""
+        t = self._collectives_obj
         if t is not None and t.broken:
-            self.__dict__["_teardown_local"] = True
+            self.teardown_locally()
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         if self._local_only():
             return [obj] * self.world_size if self.world_size > 1 else [obj]
-        return self._transport.all_gather_object(obj, f"{type(self).__name__} all_gather_object")
+        return self._collectives.all_gather_object(obj, f"{type(self).__name__} all_gather_object")
 
     def _host_barrier(self) -> None:
         if not self._local_only():
-            self._transport.barrier(f"{type(self).__name__} barrier")
+            self._collectives.barrier(f"{type(self).__name__} barrier")
 
     # ------------------------------------------------------------------ public API
     @property
@@ -353,7 +362,7 @@ class SymmetricHeap:
                 "destroy their owners first (LIFO) or close(force=True)"
             )
         self._teardown_local_if_broken()
-        t = self.__dict__.get("_transport_obj")
+        t = self._collectives_obj
         failed: MoonEPCollectiveTimeout | None = None
         try:
             self.free_all(*self._live[::-1])

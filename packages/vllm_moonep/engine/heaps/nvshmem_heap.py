@@ -263,18 +263,18 @@ class NvshmemHeap(SymmetricHeap):
     def _free(self, handle: HeapHandle) -> None:
         torch.cuda.synchronize(self.device)
         self._host_barrier()
-        if not self.__dict__.get("_teardown_local", False):  # nvshmem_free is collective: not with peers gone
+        if not self._teardown_local:  # nvshmem_free is collective: not with peers gone
             self._core.free_tensor(handle._impl["base"])
 
     def _close(self) -> None:
-        if self._scratch is not None and not self.__dict__.get("_teardown_local", False):
+        if self._scratch is not None and not self._teardown_local:
             torch.cuda.synchronize(self.device)
             self._core.free_tensor(self._scratch)
         self._scratch = None
         _STATE["users"] -= 1
         # finalize is collective too: not after a failure (peers may be gone); NVSHMEM then stays
         # initialised, with the failed peers in it, until the process ends (_init_nvshmem refuses it)
-        if self.__dict__.get("_teardown_local", False) and _STATE["initialised_by_us"]:
+        if self._teardown_local and _STATE["initialised_by_us"]:
             _STATE["stale"] = True
         if _STATE["users"] == 0 and _STATE["initialised_by_us"] and not _STATE["stale"]:
             try:

@@ -1,16 +1,16 @@
-"""The built-in engine's transports, and how ``transport="auto"`` picks one.
+"""Which transport a buffer uses: the names, and how ``transport="auto"`` picks one.
 
-- ``symmetric`` (``symmetric_transport.py``): one-sided writes into peers' receive buffers on a
+- ``symmetric`` (``symmetric.py``): one-sided writes into peers' receive buffers on a
   symmetric heap, device-side signals, no host synchronization; the fast path between GPUs of
   one node (NVLink/P2P), and CPU ranks over the host heap (how CI tests it). Needs every peer on
   this node.
 - ``collective`` (``collective.py``): ``torch.distributed`` all-gather and all-to-all (gloo on
   CPU, NCCL on GPUs); works across nodes.
-- ``hybrid`` (``hybrid_transport.py``): per peer, in the same dispatch and combine: one-sided
+- ``hybrid`` (``hybrid.py``): per peer, in the same dispatch and combine: one-sided
   writes into the receive buffers of peers on this node (a heap over the node's ranks), one
   all-to-all for peers on other nodes. For groups that span nodes with several ranks per node.
 
-Nodes are real hosts, or simulated ones (``VLLM_MOONEP_RANKS_PER_NODE``; ``nodes.py``).
+Nodes are real hosts, or simulated ones (``VLLM_MOONEP_RANKS_PER_NODE``; ``engine/nodes.py``).
 ``auto``: on CUDA, ``symmetric`` when every peer is on this node, ``hybrid`` when the group spans
 nodes and some node holds several ranks, ``collective`` when every rank is alone on its node; on
 CPU ranks ``collective`` (gloo's all-to-all is what a CPU deployment would run; ``symmetric`` and

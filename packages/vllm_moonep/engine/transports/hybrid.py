@@ -4,9 +4,9 @@ peers on other nodes, in the same dispatch and combine.
 A group that spans nodes (real hosts, or simulated ones: ``engine/nodes.py``) keeps the
 one-sided path for its node-local traffic, which on GPUs of one node matched a plain
 all-to-all, and sends only the rows that cross nodes through ``torch.distributed`` (NCCL, gloo).
-The ``Buffer`` plans each step on the host from the all-gathered counts, as for the collective
-transport (an all-to-all needs its split sizes on the host anyway; the same all-gather lets
-every rank refuse bad counts together before any row moves), and hands the plan here.
+Each step is planned on the host from the all-gathered counts, as for the collective transport
+(``planning/host_plan.py``: an all-to-all needs its split sizes on the host anyway; the same
+all-gather lets every rank refuse bad counts together before any row moves).
 
 One ``HybridTransport`` per ``Buffer`` (its capacity ``S`` fixes every size), allocated once on a
 heap over this node's ``L`` ranks (``nodes.acquire_node_subgroup``, made by every rank of the EP
@@ -62,21 +62,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from vllm_moonep.engine.collective import CollectiveTransport
-from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPUnavailableError
+import vllm_moonep.engine.heaps as heaps
+from vllm_moonep.engine.errors import (
+    MoonEPCollectiveTimeout,
+    MoonEPInputError,
+    MoonEPStateError,
+    MoonEPUnavailableError,
+)
+from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
+from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, describe_failure
 from vllm_moonep.engine.nodes import NodeMap, acquire_node_subgroup, release_node_subgroup
-from vllm_moonep.engine.planner import GlobalPlan, padding_rows, place_entries
+from vllm_moonep.engine.planning.host_plan import plan_on_host
+from vllm_moonep.engine.planning.planner import GlobalPlan, padding_rows, place_entries
+from vllm_moonep.engine.transports.base import Dispatched, Transport
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap
-
-__all__ = ["HybridTransport"]
+__all__ = ["HybridStep", "HybridTransport", "node_heap_kind"]
 
 _PHASE = {"dispatch": 0, "combine": 1}
 _WAIT_OP = {"dispatch": "dispatch: wait for node peers' rows", "combine": "combine: wait for node peers' outputs"}
@@ -90,8 +97,28 @@ def _live(handle: HeapHandle) -> torch.Tensor:
     return t
 
 
+def node_heap_kind(heap: object, device: torch.device) -> str:
+    """The kind of heap the hybrid transport makes over this node's ranks, from ``Buffer(heap=)``
+    (a kind or ``None``), else ``MoonEPInputError``. Checked on every rank (also those alone on
+    their node, which make no heap), so that every rank refuses a bad one together."""
+    if heap is not None and not isinstance(heap, str):
+        raise MoonEPInputError(
+            f"transport='hybrid' makes its own heap over this node's ranks; pass a heap kind ({heaps.HEAP_KINDS}) or "
+            f"None, not a {type(heap).__name__} spanning the group")
+    kind = heaps.resolve_heap_kind(heap or "auto", device)  # an unknown kind: MoonEPInputError
+    if kind == "nvshmem":
+        raise MoonEPInputError(
+            "the hybrid transport allocates its receive buffers on a heap over this node's ranks; NVSHMEM is "
+            "initialised once per process over the whole EP group, so use heap='auto', 'torch' or 'host'")
+    if (kind == "host") != (device.type == "cpu"):
+        raise MoonEPInputError(
+            f"heap={kind!r} does not fit device {device}: the hybrid transport's node heap is 'host' "
+            "(shared /dev/shm pages) for CPU ranks and 'torch' for CUDA ones; pass heap='auto'")
+    return kind
+
+
 @dataclass
-class _Step:
+class HybridStep:
     """What dispatch leaves for combine (one step in flight per buffer)."""
 
     step: int
@@ -103,22 +130,24 @@ class _Step:
     recv_splits: list[int]
 
 
-class HybridTransport:
+class HybridTransport(Transport):
     """Buffers, node heap and signals of one engine ``Buffer`` (see the module doc).
 
-    Args: ``coll`` (the buffer's bounded collective transport over the EP group), ``nodes`` (the
-    group's ``NodeMap``), ``group`` (the EP process group), ``heap_kind`` (``"auto"``, ``"host"``,
-    ``"torch"``: the heap made over this node's ranks; the caller refuses the others on every
-    rank), the buffer's shape (``S, K, H, NvS, token_padding``), ``dtype`` of the rows, ``device``.
-    Collective over the EP group; a failure on any rank raises on every rank (module doc).
+    Args: ``coll`` (the buffer's bounded collectives over the EP group), ``nodes`` (the group's
+    ``NodeMap``), ``group`` (the EP process group), ``heap_kind`` (``"auto"``, ``"host"``,
+    ``"torch"``: the heap made over this node's ranks; ``node_heap_kind`` refuses the others on
+    every rank), the buffer's shape (``S, K, E, B, H, NvS, token_padding``), ``dtype`` of the rows,
+    ``device``. Collective over the EP group; a failure on any rank raises on every rank (module doc).
     """
 
-    def __init__(self, coll: CollectiveTransport, nodes: NodeMap, group: ProcessGroup | None, *, heap_kind: str,
-                 S: int, K: int, H: int, NvS: int, token_padding: int, dtype: torch.dtype,
+    name = "hybrid"
+
+    def __init__(self, coll: BoundedCollectives, nodes: NodeMap, group: ProcessGroup | None, *, heap_kind: str,
+                 S: int, K: int, E: int, B: int, H: int, NvS: int, token_padding: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.coll, self.nodes, self.group = coll, nodes, group
         self.rank, self.R = coll.rank, coll.world_size
-        self.S, self.K, self.H, self.NvS, self.tp = S, K, H, NvS, token_padding
+        self.S, self.K, self.E, self.B, self.H, self.NvS, self.tp = S, K, E, B, H, NvS, token_padding
         self.dtype, self.device = dtype, device
         self.on_gpu = device.type == "cuda"
         self.local = nodes.node_ranks(self.rank)  # EP ranks of this node, ascending
@@ -131,7 +160,6 @@ class HybridTransport:
         self.heap: SymmetricHeap | None = None
         self.buf: dict[str, torch.Tensor] = {}
         self.peer: dict[str, list[torch.Tensor]] = {}  # this node's views of each buffer, by node index
-        self._state: _Step | None = None
         self._closed = False
         SK = S * K
         specs = [("recv_x", (NvS, H), dtype), ("recv_w", (NvS,), torch.float32), ("recv_src", (NvS,), torch.int32),
@@ -183,8 +211,6 @@ class HybridTransport:
         """One bounded all-gather over the EP group of every rank's set-up outcome; when some rank
         failed, every rank releases its part (locally on nodes with a failed rank: their node
         collectives cannot complete) and raises the same error naming the failing rank(s)."""
-        from vllm_moonep.engine.heaps.base import describe_failure
-
         mine = None if failure is None else (isinstance(failure, MoonEPInputError), describe_failure(failure))
         try:
             every = self.coll.all_gather_object(mine, "Buffer.__init__ (hybrid transport set-up)")
@@ -206,13 +232,11 @@ class HybridTransport:
         raise err from failure
 
     def _make_heap(self, kind: str, sub: ProcessGroup) -> SymmetricHeap:
-        from vllm_moonep.engine.heaps import make_heap
-
         # the host heap's staging mode hides owner writes until a barrier; peers write into each
         # other's buffers here, so it maps the shared pages directly
         extra = {"staging": False} if self.device.type == "cpu" else {}
-        heap = make_heap(kind, group=sub, device=self.device, nodes=NodeMap.one_node(self.L), **extra)
-        heap._transport.timeout_s = self.coll.timeout_s  # its allocations, barrier and frees: the buffer's bound
+        heap = heaps.make_heap(kind, group=sub, device=self.device, nodes=NodeMap.one_node(self.L), **extra)
+        heap._collectives.timeout_s = self.coll.timeout_s  # its allocations, barrier and frees: the buffer's bound
         return heap
 
     # ------------------------------------------------------------------ signals
@@ -267,10 +291,17 @@ class HybridTransport:
             timeout_s=self.coll.timeout_s, seq=target)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, gp_host: GlobalPlan,
-                 step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GlobalPlan]:
-        """Move this step's rows (``gp_host``: the plan on the host, the same on every rank).
-        Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], plan on the device)``."""
+    def plan(self, tpe: torch.Tensor, step: int) -> GlobalPlan:
+        self.coll.step = step
+        return plan_on_host(self.coll, tpe, self.S, self.K, self.E, self.B, self.tp)
+
+    def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
+                 plan: GlobalPlan | None, num_tokens: int | None, step: int) -> Dispatched:
+        """Move this step's rows (``plan``: the plan on the host, the same on every rank; every
+        row moves, ``num_tokens`` or not). The shard's plan is that plan on the device."""
+        if plan is None:  # not reachable: the Buffer passes what plan() returned
+            raise MoonEPStateError("the hybrid transport's dispatch needs the host plan")
+        gp_host = plan
         rank, K, NvS, n = self.rank, self.K, self.NvS, self.S * self.K
         b = self.buf
         gp = gp_host if self.device.type == "cpu" else gp_host.to(self.device)
@@ -321,17 +352,18 @@ class HybridTransport:
             b["recv_src"].index_fill_(0, pad, -1)
         # 4) every node peer's rows have landed
         self._wait("dispatch", step)
-        self._state = _Step(step=step, used=int(gp_host.cu_seqlens[rank, -1]), got=got, remote_order=remote_order,
-                            recv_rows=recv_rows, send_splits=send_splits, recv_splits=recv_splits)
-        return b["recv_x"], b["recv_w"], gp.cu_seqlens[rank].to(torch.int32), gp
+        state = HybridStep(step=step, used=int(gp_host.cu_seqlens[rank, -1]), got=got, remote_order=remote_order,
+                           recv_rows=recv_rows, send_splits=send_splits, recv_splits=recv_splits)
+        return Dispatched(b["recv_x"], b["recv_w"], gp.cu_seqlens[rank].to(torch.int32), gp, state)
 
     # ------------------------------------------------------------------ combine
-    def combine(self, y: torch.Tensor, y_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Expert outputs of the last dispatch back to their tokens: ``(hidden_sh [S,H], route
-        weights [S,K] or None)``, each token's K rows summed in fp32 and rounded once."""
-        st = self._state
-        if st is None:  # not reachable: the Buffer checks the plan is its latest dispatch's
-            raise MoonEPInputError("combine: no dispatch to combine")
+    def combine(self, state: Any, y: torch.Tensor,
+                y_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Expert outputs of the step ``state`` recorded back to their tokens: ``(hidden_sh [S,H],
+        route weights [S,K] or None)``, each token's K rows summed in fp32 and rounded once."""
+        if not isinstance(state, HybridStep):  # not reachable: the Buffer checks the plan is its own
+            raise MoonEPStateError("the hybrid transport's combine needs its own dispatch's state")
+        st = state
         S, K, H, n = self.S, self.K, self.H, self.S * self.K
         b = self.buf
         step, used, got = st.step, st.used, st.got
@@ -393,11 +425,10 @@ class HybridTransport:
         heap, self.heap = self.heap, None
         self.peer = {}
         self.buf = {}
-        self._state = None
         try:
             if heap is not None:
                 if local:
-                    heap.__dict__["_teardown_local"] = True  # peers may be gone: release local memory only
+                    heap.teardown_locally()  # peers may be gone: release local memory only
                 handles, self._handles = self._handles[::-1], []
                 try:
                     heap.free_all(*handles)

@@ -21,7 +21,7 @@ import weakref
 import torch.distributed as dist
 
 from vllm_moonep.engine.errors import MoonEPStateError
-from vllm_moonep.engine.timeouts import positive_seconds
+from vllm_moonep.engine.faults.timeouts import positive_seconds
 
 __all__ = ["ARRIVAL_ENV", "HEARTBEAT_ENV", "ArrivalBoard", "heartbeat_s"]
 

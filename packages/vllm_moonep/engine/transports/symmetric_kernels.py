@@ -1,5 +1,5 @@
 """Triton kernels of the symmetric transport (GPU): one-sided writes into peers' buffers.
-``symmetric_transport.py`` owns the buffers and the order of launches; ``signals.py`` the
+``symmetric.py`` owns the buffers and the order of launches; ``engine/signals.py`` the
 signals, bounded waits and the address table; this module only moves bytes.
 
 A step's launches (the counts exchange runs inside the device planner's plan kernel)::
@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_moonep.engine.device_planner import place_direct
+from vllm_moonep.engine.planning.device_planner import place_direct
 from vllm_moonep.engine.signals import (C_BAD_ID, C_WAIT_OUTPUTS, C_WAIT_ROWS, PH_COMBINE, PH_COUNTS, PH_DISPATCH,
                                         T_CW, T_CX, T_SRC, T_W, T_X, count_epoch, last_to_arrive, report, signal,
                                         wait)

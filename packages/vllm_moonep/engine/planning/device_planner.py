@@ -65,7 +65,7 @@ import triton.language as tl
 
 from vllm_moonep.engine.defaults import resolve_device
 from vllm_moonep.engine.launch import Launcher
-from vllm_moonep.engine.planner import GlobalPlan
+from vllm_moonep.engine.planning.planner import GlobalPlan
 from vllm_moonep.engine.signals import exchange_counts
 
 __all__ = ["DIRECT_MAX_SUBBLOCKS", "NARROW_LIMIT", "RULE4_SORT_ABOVE", "DevicePlanner", "narrow_fits"]

@@ -1,14 +1,15 @@
-"""The collective transport: rows move with ``torch.distributed`` all-gather and all-to-all, every
-collective bounded in time.
+"""Bounded collectives: every all-gather, all-to-all and barrier MoonEP issues over a process group,
+each bounded in time and, when it fails, naming the peer that did not arrive.
 
 Works wherever ``torch.distributed`` works: gloo on CPU (and CUDA tensors staged through the
-host), NCCL on GPUs, across nodes. A world of one rank needs no process group at all. It is the
-transport for CPU ranks and for peers that are not addressable (other nodes); the symmetric
-transport (``vllm_moonep.engine.symmetric_transport``) is the fast path between addressable GPUs.
+host), NCCL on GPUs, across nodes. A world of one rank needs no process group at all. The
+buffer's configuration check and host plan, the collective and hybrid transports' all-to-alls
+(``engine/transports/``), the heaps' agreement and frees and the layouts' loading all go through
+one ``BoundedCollectives``.
 
 Fault handling
 --------------
-Every collective the engine and the layouts issue goes through ``CollectiveTransport._run``:
+Every collective the engine and the layouts issue goes through ``BoundedCollectives._run``:
 the collective is issued asynchronously and waited on with a bound (``timeout_s``; default
 ``VLLM_MOONEP_COLLECTIVE_TIMEOUT_S``, else 300 s). When a peer dies or stops calling, the
 survivors raise ``MoonEPCollectiveTimeout`` naming the operation, the step and the peer(s) that
@@ -18,9 +19,9 @@ gloo (``tests/distributed/test_faults.py``): ``work.wait(timeout)`` raises ``Run
 second ``wait`` can still complete it); a peer process that exits makes the wait fail at once
 with "Connection closed by peer".
 
-Naming the peer that did not answer: the ``ArrivalBoard`` (``arrival_board.py``). Each rank counts the MoonEP
-collectives it enters on a process group (the count is the same on every rank, since every rank
-issues the same collectives in the same order) and a daemon thread publishes the latest
+Naming the peer that did not answer: the ``ArrivalBoard`` (``arrival_board.py``). Each rank
+counts the MoonEP collectives it enters on a process group (the count is the same on every rank,
+since every rank issues the same collectives in the same order) and a daemon thread publishes the latest
 ``(count, heartbeat, step, op)`` to the group's rendezvous store every ``heartbeat_s`` (one
 overwritten key per rank, so the store never grows). The hot path only stores a tuple in
 memory: no store round trip per collective. On a failure the survivor reads every peer's key
@@ -33,9 +34,9 @@ names no peer); ``VLLM_MOONEP_HEARTBEAT_S`` overrides the publish interval
 (default ``clamp(timeout_s / 20, 0.02, 1.0)``).
 
 After a failure the group is unusable (the failed collective may still be pending in the
-backend, and a late peer would be matched against it): every transport on that group then
-refuses further collectives with ``MoonEPStateError``. Destroy the buffers, pools and layouts
-(their heap frees turn local once the group failed, so it works after a failure), then the
+backend, and a late peer would be matched against it): every ``BoundedCollectives`` on that
+group then refuses further collectives with ``MoonEPStateError``. Destroy the buffers, pools and
+layouts (their heap frees turn local once the group failed, so it works after a failure), then the
 process group, then build a fresh set. Note that ``dist.destroy_process_group()`` waits for a
 pending gloo operation until it fails (when the peers tear their group down, or after the
 group's own timeout).
@@ -55,15 +56,15 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.engine.arrival_board import ARRIVAL_ENV, ArrivalBoard, heartbeat_s
 from vllm_moonep.engine.defaults import current_cuda_device, group_rank_world
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
-from vllm_moonep.engine.timeouts import collective_timeout_s
+from vllm_moonep.engine.faults.arrival_board import ARRIVAL_ENV, ArrivalBoard, heartbeat_s
+from vllm_moonep.engine.faults.timeouts import collective_timeout_s
 
-__all__ = ["CollectiveTransport"]
+__all__ = ["BoundedCollectives"]
 
 
-class CollectiveTransport:
+class BoundedCollectives:
     """All-gather and all-to-all over a process group (``None``: the default group), each
     bounded by ``timeout_s`` (``None``: ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s).
 
@@ -92,7 +93,7 @@ class CollectiveTransport:
         if not self.local:
             self.board = ArrivalBoard.for_group(group, heartbeat_s(self.timeout_s), store)
             if self.board is not None:
-                # the board outlives a transport that is garbage collected without close()
+                # the board outlives an object that is garbage collected without close()
                 self._finalizer = weakref.finalize(self, ArrivalBoard.release, self.board)
         self._closed = False
 

@@ -2,7 +2,8 @@
 symmetric heap, with signals instead of collectives. The fast path between GPUs of one node.
 
 One ``SymmetricTransport`` per ``Buffer`` (its capacity ``S`` fixes every size), allocated once
-on the heap at construction (collective), never per step::
+on the heap at construction (collective), never per step; on the buffer's heap, or on one it
+makes over the EP group and closes with itself::
 
     every rank:  counts [R, E] i32     row src = src's tokens_per_expert
                  recv_x [NvS, H]       the dispatched shard (returned as hidden_nvsh)
@@ -47,6 +48,8 @@ Two executors of the same protocol:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,19 +58,25 @@ try:
 except ImportError:  # CPU-only installs: the host executor needs no Triton
     triton = None
 
-from vllm_moonep.engine.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS, GraphCache
-from vllm_moonep.engine.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
-from vllm_moonep.engine.errors import MoonEPUnavailableError
+import vllm_moonep.engine.heaps as heaps
+from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPStateError, MoonEPUnavailableError
+from vllm_moonep.engine.faults.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
+from vllm_moonep.engine.heaps.base import SymmetricHeap
 from vllm_moonep.engine.launch import Launcher, sm_count
-from vllm_moonep.engine.planner import GlobalPlan, padding_rows, place_entries, plan_global
+from vllm_moonep.engine.planning.planner import GlobalPlan, padding_rows, place_entries, plan_global
+from vllm_moonep.engine.transports.base import Dispatched, Transport
+from vllm_moonep.engine.transports.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS, GraphCache
 
-__all__ = ["SymmetricTransport", "DEFAULT_PROGRAMS_PER_SM"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["DEFAULT_PROGRAMS_PER_SM", "SymmetricStep", "SymmetricTransport"]
 
 #: programs of the row-moving kernels (persistent) per SM of the GPU; where a Buffer gives
 #: ``num_sms`` (SMs for communication), PROGRAMS_PER_SM on each of those. H200, Kimi-K2 rows,
 #: eager-graph replays: 2 per SM (264) moved 4096 tokens' rows at world size 1 in 309 us against
 #: 415 with 128 programs (combine 553 against 637), and cost nothing at 1 token on 2 GPUs; 4 per
-#: SM (528) did no better (docs/PERFORMANCE.md, eighth session)
+#: SM (528) did no better (docs/PERFORMANCE.md#engine-defaults)
 DEFAULT_PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM = 4
 #: rows per tile in the row-moving kernels
@@ -83,18 +92,49 @@ _PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
 _WAIT_CODE = {"counts": CODE_WAIT_COUNTS, "dispatch": CODE_WAIT_ROWS, "combine": CODE_WAIT_OUTPUTS}
 
 
-class SymmetricTransport:
+@dataclass
+class SymmetricStep:
+    """What dispatch leaves for combine."""
+
+    tokens: int  # tokens whose rows dispatch moved (GPU; combine sums these only)
+    used: int | None  # rows [0, used) of the shard are this step's segments (CPU ranks; unread on GPUs)
+
+
+class SymmetricTransport(Transport):
     """Buffers, address table, epochs and error board of one engine ``Buffer`` (see the module doc).
 
     Args: ``heap`` (a ``SymmetricHeap`` spanning the EP group; the transport allocates on it and
     frees in ``close()``), the buffer's shape (``R, rank, S, K, H, E, B, NvS, token_padding``),
     ``dtype`` of the rows, ``timeout_s`` (bound on every wait), ``num_sms`` (SMs for the row-moving
-    kernels, ``PROGRAMS_PER_SM`` programs each; ``None``: every SM, ``DEFAULT_PROGRAMS_PER_SM`` each).
+    kernels, ``PROGRAMS_PER_SM`` programs each; ``None``: every SM, ``DEFAULT_PROGRAMS_PER_SM`` each),
+    ``owns_heap`` (``close()`` closes the heap too). ``on_heap`` makes the heap when given a kind.
     """
 
+    name = "symmetric"
+
+    @classmethod
+    def on_heap(cls, heap: SymmetricHeap | str | None, group: ProcessGroup | None, device: torch.device,
+                **shape: Any) -> SymmetricTransport:
+        """The transport on ``heap``: a ``SymmetricHeap`` spanning the group (the caller's, left
+        open by ``close()``), or a heap kind (``None``: ``auto``) made here over ``group`` on
+        ``device`` and closed with the transport. ``shape``: the constructor's keywords."""
+        if isinstance(heap, SymmetricHeap):
+            return cls(heap, owns_heap=False, **shape)
+        # the host heap's staging mode hides owner writes until a barrier; the transport's
+        # peers write into each other's buffers, so it maps the shared pages directly
+        extra = {"staging": False} if device.type == "cpu" else {}
+        made = heaps.make_heap(heap or "auto", group=group, device=device, **extra)
+        try:
+            return cls(made, owns_heap=True, **shape)
+        except BaseException:
+            made.close(force=True)
+            raise
+
     def __init__(self, heap, *, R: int, rank: int, S: int, K: int, H: int, E: int, B: int, NvS: int,
-                 token_padding: int, dtype: torch.dtype, timeout_s: float, num_sms: int | None = None):
+                 token_padding: int, dtype: torch.dtype, timeout_s: float, num_sms: int | None = None,
+                 owns_heap: bool = False):
         self._handles: list = []
+        self.owns_heap = owns_heap
         try:
             self._setup(heap, R, rank, S, K, H, E, B, NvS, token_padding, dtype, timeout_s, num_sms)
         except BaseException as exc:  # any step after the first allocation: free what was allocated (LIFO)
@@ -146,7 +186,6 @@ class SymmetricTransport:
         # whether the last dispatch's rows are still real (no combine since): the next dispatch
         # then clears them first; combine leaves every row padding
         self._rows_real = False
-        self._tokens = S  # tokens whose rows the last dispatch moved (GPU)
         self._host_epoch = [0, 0, 0]
         self.board = ErrorBoard(self.device, rank=rank, world_size=R, timeout_s=self.timeout_s,
                                 what=f"MoonEP buffer S={S} (symmetric transport)")
@@ -159,7 +198,7 @@ class SymmetricTransport:
         if self.on_gpu:
             table = [[self.peer[name][d].data_ptr() for d in range(R)] for name, _, _ in specs]
             self.table = torch.tensor(table, dtype=torch.int64, device=self.device)
-            from vllm_moonep.engine.device_planner import DevicePlanner
+            from vllm_moonep.engine.planning.device_planner import DevicePlanner
 
             self.planner = DevicePlanner(R, E, S, K, B, token_padding, self.device)
             # views the launches read, made once: the plan's tables are rewritten in place by every plan
@@ -167,7 +206,7 @@ class SymmetricTransport:
             self._place_tables = self.planner.tables(gp)
             self._cu_mine, self._seg_mine = gp.cu_seqlens[rank], gp.seg_len[rank]
             self._ticket_d, self._ticket_c = self.tickets[0:1], self.tickets[1:2]
-            from vllm_moonep.engine import symmetric_kernels as k
+            from vllm_moonep.engine.transports import symmetric_kernels as k
 
             # every kernel through a Launcher: after the first call, Triton's compiled runner
             self._launch = {name: Launcher(getattr(k, f"{name}_kernel")) for name in _KERNELS}
@@ -193,20 +232,18 @@ class SymmetricTransport:
         self._closed = False
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch(
-        self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
-        num_tokens: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GlobalPlan]:
-        """Returns ``(hidden_nvsh, route_w_nvs, cu_seqlens int32 [E+B], GlobalPlan)``. The owning
-        ``Buffer`` checks the error board before calling (and marks the group broken).
-        ``num_tokens``: on GPUs only the rows of tokens below it move (``Buffer.dispatch``)."""
+    def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
+                 plan: GlobalPlan | None, num_tokens: int | None, step: int) -> Dispatched:
+        """The step planned inside the launch (``plan`` is ``None``: this transport plans on the
+        device, or on CPU ranks after its own counts exchange). The owning ``Buffer`` checks the
+        error board before calling (and marks the group broken). ``num_tokens``: on GPUs only the
+        rows of tokens below it move (``Buffer.dispatch``)."""
         if self.on_gpu:
             if self._rows_real:  # a dispatch with no combine since: its rows go back to padding first
                 self._clear_rows()
             self._rows_real = True
             n_tok = self.S if num_tokens is None else int(num_tokens)
-            self._tokens = n_tok  # combine sums these tokens only
-            # eager calls replay a private CUDA graph of the launches (engine/eager_graphs.py):
+            # eager calls replay a private CUDA graph of the launches (transports/eager_graphs.py):
             # one that reads the inputs where they are, once their addresses repeat (a caller
             # with fixed input tensors: no copies), else one that copies them into its own. The
             # Buffer checked every input's shape, dtype and contiguity (fixed by S, H, K, E), so
@@ -218,23 +255,42 @@ class SymmetricTransport:
             else:
                 self.inplace.remember(key)
                 res, _ = self.graphs.run(("dispatch", n_tok), self._dispatch_gpu, inputs, (n_tok,))
-            return res
-        return self._dispatch_host(hidden, route_w, ids, tpe)
+            x, w, cu, gp = res
+            return Dispatched(x, w, cu, gp, SymmetricStep(tokens=n_tok, used=None), rows=self.rows32,
+                              live_ends=self.ends32)
+        x, w, cu, gp = self._dispatch_host(hidden, route_w, ids, tpe)
+        return Dispatched(x, w, cu, gp, SymmetricStep(tokens=self.S, used=int(cu[-1])))
 
-    def combine(self, y: torch.Tensor, y_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def combine(self, state: Any, y: torch.Tensor,
+                y_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns ``(hidden_sh [S,H], route_weights [S,K] or None)``."""
+        if not isinstance(state, SymmetricStep):  # not reachable: the Buffer checks the plan is its own
+            raise MoonEPStateError("the symmetric transport's combine needs its own dispatch's state")
         if self.on_gpu:
             # the graph reads y (and y_w) where they are: their addresses are part of the key (the
             # Buffer checked dtype, width and contiguity; the row counts may exceed NvS)
-            key = ("combine", self._tokens, y.data_ptr(), y.shape[0],
+            key = ("combine", state.tokens, y.data_ptr(), y.shape[0],
                    None if y_w is None else (y_w.data_ptr(), y_w.shape[0]))
             self._rows_real = False
-            (out, out_w), replayed = self.graphs.run(key, self._combine_gpu, (), (y, y_w, self._tokens))
+            (out, out_w), replayed = self.graphs.run(key, self._combine_gpu, (), (y, y_w, state.tokens))
             if replayed:  # the graph's output tensors are rewritten by its next replay: the caller gets copies
                 out = out.clone()
                 out_w = out_w.clone() if out_w is not None else None
             return out, out_w
-        return self._combine_host(y, y_w)
+        assert state.used is not None  # set by the host executor's dispatch
+        return self._combine_host(y, y_w, state.used)
+
+    # ------------------------------------------------------------------ errors
+    def check_errors(self, sync: bool) -> None:
+        self.board.check(sync=sync)
+
+    def recorded_timeout(self) -> MoonEPCollectiveTimeout | None:
+        """A wait that gave up (its error board recorded it). A bad expert id, also recorded, is
+        this rank's input error: the step completed on every rank, so it is not one."""
+        if not self.board.is_set:
+            return None
+        err = self.board.error()
+        return err if isinstance(err, MoonEPCollectiveTimeout) else None
 
     # ------------------------------------------------------------------ GPU executor
     def _timeout_ns(self) -> int:
@@ -350,15 +406,14 @@ class SymmetricTransport:
             b["recv_w"].index_fill_(0, pad, 0)
             b["recv_src"].index_fill_(0, pad, -1)
         self._wait_host("dispatch")
-        self._used = int(cu[-1])
         return b["recv_x"], b["recv_w"], cu.to(torch.int32), gp
 
-    def _combine_host(self, y, y_w):
+    def _combine_host(self, y, y_w, used: int):
         R, S, K, H = self.R, self.S, self.K, self.H
         b = self.buf
         n = S * K
         # rows past cu[-1] may hold an earlier step's source ids: only [0, cu[-1]) is this step's
-        src = b["recv_src"][: self._used].to(torch.int64)
+        src = b["recv_src"][:used].to(torch.int64)
         for d in range(R):
             rows = ((src >= d * n) & (src < (d + 1) * n)).nonzero().flatten()
             if rows.numel():
@@ -378,16 +433,23 @@ class SymmetricTransport:
         return sum(h.nbytes for h in self._handles)
 
     # ------------------------------------------------------------------ teardown
-    def close(self) -> None:
-        """Free the heap allocations (collective unless the group failed; LIFO on the heap)."""
+    def close(self, local: bool = False) -> None:
+        """Free the heap allocations (collective, LIFO on the heap), then the heap if this
+        transport made it. ``local``: the group failed, so the heap frees this rank's memory only."""
         if self._closed:
             return
         self._closed = True
-        if getattr(self, "graphs", None) is not None:
-            self.graphs.clear()  # their launches address the allocations freed below
-            self.inplace.clear()
-        self.peer.clear()
-        self.buf.clear()
-        handles, self._handles = self._handles[::-1], []
-        self.heap.free_all(*handles)
+        if local:
+            self.heap.teardown_locally()  # peers may be gone: release local memory only
+        try:
+            if getattr(self, "graphs", None) is not None:
+                self.graphs.clear()  # their launches address the allocations freed below
+                self.inplace.clear()
+            self.peer.clear()
+            self.buf.clear()
+            handles, self._handles = self._handles[::-1], []
+            self.heap.free_all(*handles)
+        finally:
+            if self.owns_heap:
+                self.heap.close(force=True)
 

@@ -1,0 +1,99 @@
+"""The interface every transport of the built-in engine implements.
+
+A transport moves one step's rows for one ``Buffer`` (its capacity ``S`` fixes every size)::
+
+    Buffer.dispatch: checks inputs ─► transport.plan(tpe, step)
+                                        the plan made on the host before any row moves
+                                        (collective, hybrid), or None (symmetric: planned
+                                        inside its dispatch launch)
+                                   ─► transport.dispatch(x, w, ids, tpe, plan, num_tokens, step)
+                                        each entry's row to the rank and row the plan gives it
+                                   ─► Dispatched(shard, weights, cu_seqlens, plan, state, ...)
+                     ─► Plan (public: experts_to_copy; the transport's state kept private)
+    Buffer.combine:  checks plan and rows ─► transport.combine(state, y, y_w)
+                                        each entry's output home, K rows summed in fp32
+    Buffer.destroy:  transport.close(local=group failed) ─► the buffer's bounded collectives
+
+``state`` is the transport's own record of the step (which rows went where), handed back to
+its combine through the buffer's ``Plan``; the ``Buffer`` never looks inside it. The ``Buffer``
+keeps what is the same for every transport: the input checks, the step counter (one step in
+flight), the group's failure state and the order of teardown. Implementations:
+``collective.py``, ``symmetric.py``, ``hybrid.py``; ``select.py`` says which one a buffer uses.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from vllm_moonep.engine.errors import MoonEPCollectiveTimeout
+from vllm_moonep.engine.planning.planner import GlobalPlan
+
+__all__ = ["Dispatched", "Transport"]
+
+
+class Dispatched(NamedTuple):
+    """What a transport's dispatch returns."""
+
+    hidden_nvsh: torch.Tensor
+    route_weights_nvs: torch.Tensor
+    cu_seqlens: torch.Tensor  # this rank's [E+B] int32
+    plan: GlobalPlan  # the step's plan, the same on every rank
+    state: Any  # the transport's own record of the step, for its combine
+    #: this rank's rows per segment [E+B] int32, padding included, where the transport's kernel wrote
+    #: them (else ``Plan`` derives them from ``cu_seqlens`` when asked)
+    rows: torch.Tensor | None = None
+    #: this rank's end of each segment's entries [E+B] int32, where the transport's kernel wrote them
+    #: (the expert kernels then need not look for the padding tails)
+    live_ends: torch.Tensor | None = None
+
+
+class Transport(ABC):
+    """Moves one buffer's rows, step by step (collective over the EP group, one step in flight)."""
+
+    #: the name ``Buffer(transport=...)`` selects it by (``select.TRANSPORTS``)
+    name: ClassVar[str]
+    #: programs of each row-moving kernel launch; ``None`` where rows move without kernels of ours
+    programs: int | None = None
+
+    def plan(self, tpe: torch.Tensor, step: int) -> GlobalPlan | None:
+        """The step's plan from every rank's ``tokens_per_expert``, made before any row moves, for
+        a transport that plans on the host; ``None`` (the default) for one that plans inside its
+        dispatch. ``step``: the buffer's dispatch count, named by errors."""
+        return None
+
+    @abstractmethod
+    def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
+                 plan: GlobalPlan | None, num_tokens: int | None, step: int) -> Dispatched:
+        """Move every entry's row, weight and source into the shard of the rank the plan gives it
+        (``plan``: what ``plan`` returned). Inputs are checked by the ``Buffer``. ``num_tokens``:
+        tokens from there to ``S`` are padding, which a transport may leave unmoved (their rows
+        then read 0)."""
+
+    @abstractmethod
+    def combine(self, state: Any, y: torch.Tensor,
+                y_w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Expert outputs ``y [>=NvS, H]`` (and their weights) of the step ``state`` recorded back
+        to their tokens: ``(hidden_sh [S, H], route_weights_sk [S, K] or None)``, each token's K
+        rows summed in fp32 and rounded once."""
+
+    @abstractmethod
+    def close(self, local: bool) -> None:
+        """Release what the transport holds (idempotent). ``local``: the group failed, peers may
+        be gone, so free this rank's memory without any collective."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on a symmetric heap per rank (receive and landing areas); 0 when none."""
+        return 0
+
+    def check_errors(self, sync: bool) -> None:
+        """Raise what a device-side wait or check recorded (``sync``: after the stream finished
+        the calls issued so far). Transports whose waits raise on the host record nothing."""
+
+    def recorded_timeout(self) -> MoonEPCollectiveTimeout | None:
+        """A device-side wait that gave up and was recorded, not raised yet (it makes the group
+        unusable); ``None`` when there is none."""
+        return None
