@@ -40,3 +40,27 @@ def test_options_defaults_bounds_and_choice_lists():
                 {"step_log_interval": 10**7}):
         with pytest.raises(MoonEPOptionsError, match=next(iter(bad))):
             parse_options({"moonep": bad}, env={})
+
+
+@pytest.mark.parametrize("block,given", [
+    ("symmetric", '"symmetric"'),  # valid JSON, a string where the block of options belongs
+    ("[1, 2]", '"[1, 2]"'),  # a string holding JSON that is no object
+    (3, "3"),
+    (["symmetric"], '["symmetric"]'),
+], ids=["string", "string-of-json-list", "number", "list"])
+def test_a_moonep_block_that_is_no_object_is_named_as_such(block, given):
+    """--additional-config '{"moonep": "symmetric"}' (valid JSON) was reported as "not valid JSON"."""
+    from vllm_moonep.vllm_plugin.options import MoonEPOptionsError, parse_options
+
+    with pytest.raises(MoonEPOptionsError) as err:
+        parse_options({"moonep": block}, env={})
+    msg = str(err.value)
+    assert "must be a JSON object" in msg and f"got {given}" in msg and "not valid JSON" not in msg, msg
+    assert '{"moonep": {"weight_layout": "symmetric"}}' in msg, msg  # what to write instead
+
+
+def test_a_moonep_block_given_as_a_json_string_of_an_object_still_parses():
+    """The fix for a non-object block refused a block passed as a string holding a JSON object."""
+    from vllm_moonep.vllm_plugin.options import parse_options
+
+    assert parse_options({"moonep": '{"weight_layout": "symmetric"}'}, env={}).weight_layout == "symmetric"

@@ -70,8 +70,8 @@ def test_product_packages_do_not_import_test_helpers():
     code = (
         "import importlib, sys\n"
         "for m in ('vllm_moonep.engine', 'vllm_moonep.common', 'vllm_moonep.replicated', 'vllm_moonep.symmetric',\n"
-        "          'vllm_moonep.layouts', 'vllm_moonep.vllm_plugin.runtime', 'vllm_moonep.vllm_plugin.seams',\n"
-        "          'vllm_moonep.vllm_plugin.hooks'):\n"
+        "          'vllm_moonep.layouts', 'vllm_moonep.vllm_plugin.startup', 'vllm_moonep.vllm_plugin.weights',\n"
+        "          'vllm_moonep.vllm_plugin.seams', 'vllm_moonep.vllm_plugin.hooks'):\n"
         "    importlib.import_module(m)\n"
         "bad = sorted(m for m in sys.modules if m.startswith(('vllm_moonep.testing', 'vllm_moonep.tools')))\n"
         "assert not bad, bad\n"

@@ -15,7 +15,8 @@
 Not exercised here (no GPU): ``CudaCommunicator`` constructing our manager (on CPU the wrapped
 ``get_ep_all2all_manager`` attaches it instead), NCCL groups, the torch/NVSHMEM heaps, CUDA graphs
 (whether vLLM keeps them is checked on config builds: ``test_plugin_cudagraphs.py``), ``vllm serve``
-end to end (needs a model checkpoint).
+end to end (vLLM's engine cannot start without a GPU under the CUDA build the set-up installs:
+docs/SERVING.md, "Without a GPU"; ``test_vllm_cli_without_gpu.py`` checks its ``--help``).
 """
 
 from __future__ import annotations
@@ -70,11 +71,11 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
     from vllm.plugins import load_general_plugins
 
     from vllm_moonep.testing.reference import dense_moe
-    from vllm_moonep.vllm_plugin import hooks, runtime
+    from vllm_moonep.vllm_plugin import state
 
     W.set_threads()
     load_general_plugins()  # our entry point, as every vLLM process does
-    assert hooks.patched(), "the moonep entry point was not loaded by load_general_plugins()"
+    assert state.patched(), "the moonep entry point was not loaded by load_general_plugins()"
     E, K = 32, 4
     rank, R = dist.get_rank(), dist.get_world_size()
     cfg = _vllm_config(additional) if cfg is None else cfg
@@ -106,6 +107,7 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
         kernel = layer.quant_method.moe_kernel
         pf, ex, lay = kernel.prepare_finalize, kernel.fused_experts, layer._moonep_weight_layout
         res["classes"] = [f"{type(o).__module__}.{type(o).__name__}" for o in (pf, ex, lay)]
+        res["bases"] = [f"{c.__module__}.{c.__name__}" for o in (pf, ex) for c in type(o).__mro__[1:2]]
         res["manager"] = type(get_ep_group().device_communicator.all2all_manager).__name__
         res["backend"] = layer.quant_method.unquantized_backend.name
         res["w13_shape"] = tuple(layer.w13_weight.shape)
@@ -143,12 +145,12 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
         res["err"] = W.close(y, ref, f"vLLM layer rank={rank} layout={lay.kind}")
         res["cap"] = pf.last.capacity
         res["slots"] = int((pf.last.experts_to_copy >= 0).sum())
-        res["summary"] = runtime.STATE.last_summary
+        res["summary"] = state.STATE.last_summary
         res["buffer_kwargs"] = {k: v for k, v in pf.buffer_pool.buffer_kwargs.items() if k != "group"}
-        res["step_stats"] = runtime.STATE.stats.last
+        res["step_stats"] = state.STATE.stats.last
     # tear down this layer's MoonEP objects (collective), keep vLLM's groups for the next call
     get_ep_group().device_communicator.all2all_manager.destroy()
-    runtime.STATE.reset()
+    state.STATE.reset()
     return res
 
 
@@ -157,6 +159,7 @@ def rk_seam_check():
     import vllm.model_executor.layers.fused_moe.prepare_finalize.moonep as pfm
 
     from vllm_moonep.vllm_plugin import seams
+    from vllm_moonep.vllm_plugin.state import MoonEPSeamError
 
     seams.verify_seams()
     saved = pfm.gather_moonep_weight_layout
@@ -164,7 +167,7 @@ def rk_seam_check():
     try:
         seams.verify_seams()
         return "no error"
-    except seams.MoonEPSeamError as e:
+    except MoonEPSeamError as e:
         return str(e)
     finally:
         pfm.gather_moonep_weight_layout = saved
@@ -227,6 +230,8 @@ def test_options_from_vllm_cli_parser():
         ({"moonep": {"shared_slot_pool": True}}, ["symmetric"]),
         ({"moonep": {"shared_slot_pool": "maybe"}}, ["true or false"]),
         ({"moonep": {"cuda_graphs": "on"}}, ["cuda_graphs", "auto, off"]),
+        # valid JSON whose block is no object (it was reported as "not valid JSON")
+        ({"moonep": "symmetric"}, ["must be a JSON object", 'got "symmetric"', '{"moonep": {"weight_layout": "symmetric"}}']),
     ]
     good, errors = ranks(2, rk_cli_options, extra, [c for c, _ in cases], env=CPU_ENV)[0]
     assert good == extra["moonep"]
@@ -254,7 +259,7 @@ def test_options_env_fallbacks_and_precedence():
     assert o.num_prefetch_slots == 2 and o.weight_layout == "symmetric"
     with pytest.raises(MoonEPOptionsError, match="VLLM_MOONEP_NUM_PREFETCH_SLOTS"):
         parse_options({}, env={"VLLM_MOONEP_NUM_PREFETCH_SLOTS": "four"})
-    with pytest.raises(MoonEPOptionsError, match="must be an object"):
+    with pytest.raises(MoonEPOptionsError, match="must be a JSON object"):
         parse_options({"moonep": 3}, env={})
 
 
@@ -285,8 +290,11 @@ def test_vllm_layer_forward(layout, shared):
         assert "kernel=reference (requested)" in r["summary"], r["summary"]
         assert ("heap=host (requested)" in r["summary"]) == (layout == "symmetric"), r["summary"]
         assert r["buffer_kwargs"]["transport"] == "auto" and r["step_stats"] is None  # the step log is off by default
-        assert r["classes"][0] == "vllm_moonep.common.vllm_modular.MoonEPPrepareAndFinalize", r["classes"]
-        assert r["classes"][1] == "vllm_moonep.common.vllm_modular.MoonEPExperts", r["classes"]
+        # the plugin's classes (defined where grep finds them), over the layout-agnostic ones
+        assert r["classes"][:2] == ["vllm_moonep.vllm_plugin.modular.MoonEPPrepareAndFinalize",
+                                    "vllm_moonep.vllm_plugin.modular.MoonEPExperts"], r["classes"]
+        assert r["bases"] == ["vllm_moonep.common.vllm_modular.MoonEPPrepareAndFinalize",
+                              "vllm_moonep.common.vllm_modular.MoonEPExperts"], r["bases"]
         assert r["manager"] == "MoonEPAll2AllManager" and r["backend"] == "MOONEP"
         assert r["cap"] == 256, r  # max(37, 150) -> 256 on both ranks
         assert r["B"] == 4

@@ -104,7 +104,7 @@ def rk_graph_seam_mismatch(model_dir: str):
 
     from tests.vllm.test_plugin_options import _Capture
     from tests.vllm.workers import graph_capable_platform
-    from vllm_moonep.vllm_plugin import hooks, seams
+    from vllm_moonep.vllm_plugin import seams, state
 
     _configure_vllm_logging()
     load_general_plugins()
@@ -120,7 +120,7 @@ def rk_graph_seam_mismatch(model_dir: str):
         with _Capture() as cap:
             res["hooked"] = seams.apply_seams()
         res["warnings"] = cap.ours("WARNING")
-        res["patched"] = hooks.patched()
+        res["patched"] = state.patched()
         with graph_capable_platform():
             res["moonep"] = _graphs(_engine_config(model_dir, _argv(None, []), {}))
             res["reference"] = _graphs(_engine_config(model_dir, _argv(None, [], REFERENCE_BACKEND), {}))

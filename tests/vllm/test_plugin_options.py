@@ -136,7 +136,7 @@ def rk_env_registration():
     from vllm.platforms import current_platform
 
     from vllm_moonep.vllm_plugin import envs as our_envs
-    from vllm_moonep.vllm_plugin import hooks, register, seams
+    from vllm_moonep.vllm_plugin import register, seams, state
 
     res = {}
     ours = {"VLLM_MOONEP_WEIGHT_LAYOUT": "symmetric", "VLLM_MOONEP_TRANSPORT": "collective",
@@ -149,7 +149,7 @@ def rk_env_registration():
         os.environ.update(ours)
         register()  # VLLM_MOONEP_PLUGIN=0: registers the names, hooks nothing
         res["registered"] = sorted(k for k in ours if k in envs.environment_variables)
-        res["patched_when_disabled"] = hooks.patched()
+        res["patched_when_disabled"] = state.patched()
         res["getter"] = envs.environment_variables["VLLM_MOONEP_WEIGHT_LAYOUT"]()
         current_platform.validate_environ(True)  # what --fail-on-environ-validation runs
         res["strict_validation"] = "passed"
@@ -182,7 +182,7 @@ def rk_load_lines(model_dir: str):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from vllm_moonep.vllm_plugin import hooks, seams
+    from vllm_moonep.vllm_plugin import seams, state
 
     _configure_vllm_logging()  # so the INFO line is logged at load, not deferred to the first config
     res = {}
@@ -202,7 +202,7 @@ def rk_load_lines(model_dir: str):
         finally:
             vllm.__version__ = real_version
         res["version_warnings"] = cap.ours("WARNING")
-        res["patched_on_untested"] = hooks.patched()
+        res["patched_on_untested"] = state.patched()
 
         seams.undo_seams()
         saved = pfm.gather_moonep_weight_layout
@@ -211,7 +211,7 @@ def rk_load_lines(model_dir: str):
             with _Capture() as cap:
                 seams.apply_seams()  # must not raise: every vLLM command goes through here
             res["seam_warnings"] = cap.ours("WARNING")
-            res["patched_with_bad_seam"] = hooks.patched()
+            res["patched_with_bad_seam"] = state.patched()
             EngineArgs.add_cli_args(FlexibleArgumentParser())  # what `vllm serve --help` builds
             res["help_parser"] = "built"
             _engine_config(model_dir, [], {})

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from vllm_moonep.engine import MoonEPInputError, MoonEPUnavailableError, resolve_engine
-from vllm_moonep.engine.defaults import say_once
+from vllm_moonep.engine.defaults import say_once, slots_beyond_experts
 from vllm_moonep.vllm_plugin.options import (
     CONFIG_KEY,
     ENV_VARS,
@@ -120,11 +120,9 @@ def _check_against_model(opts: MoonEPOptions, vllm_config) -> str:
             f"choose sizes whose product divides {E}"
         )
     B = opts.num_prefetch_slots
-    if B > E:
-        raise MoonEPOptionsError(
-            f"moonep option num_prefetch_slots={B} exceeds the model's {E} experts: a rank never needs more "
-            f"redundant-expert slots than there are experts (E/R = {E // R} per rank is a common choice)"
-        )
+    too_many = slots_beyond_experts(B, E, R)
+    if too_many:
+        raise MoonEPOptionsError(f"moonep option num_prefetch_slots={B} {too_many}")
     epn = E // R
     if opts.impl == "grouped_mm" and opts.weight_layout == "symmetric" and R > 1 and B < epn:
         raise MoonEPOptionsError(
@@ -259,7 +257,7 @@ def _dummy_weights(device: torch.device, dense: bool, H: int = 128, I: int = 128
 def resolve_kernel(impl: str, device: torch.device, dense: bool = True, shape: tuple[int, int] | None = None) -> str:
     """The grouped GEMM ``impl`` runs as on ``device`` (``dense``: the layer's weights are one
     tensor; ``shape``: its ``(H, I)``). For ``impl="auto"``, where the choice depends on the step's
-    tokens per rank (``api.QUACK_FROM_TOKENS``), each regime: ``"triton below 1024 tokens per
+    tokens per rank (the GPU's ``auto`` regimes, ``grouped_gemm/policy.py``), each regime: ``"triton below 1024 tokens per
     rank, quack from 1024"``."""
     from vllm_moonep.common.grouped_gemm import auto_regimes, resolve_impl
 

@@ -57,7 +57,9 @@ from typing import Any
 from vllm_moonep.engine import MoonEPUnavailableError
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV, parse_ranks_per_node
+from vllm_moonep.vllm_plugin.checks import moonep_inactive_reason
 from vllm_moonep.vllm_plugin.options import MoonEPOptions, MoonEPOptionsError, options_from_vllm_config
+from vllm_moonep.vllm_plugin.state import LOAD
 
 log = logging.getLogger("vllm.vllm_moonep")
 
@@ -172,9 +174,6 @@ _pending = threading.local()
 def _note(vllm_config) -> _Noted | None:
     """The decision for a config vLLM is about to switch to eager for moonep (``None``: it will not)."""
     from vllm.config.compilation import CUDAGraphMode
-
-    from vllm_moonep.vllm_plugin.checks import moonep_inactive_reason
-    from vllm_moonep.vllm_plugin.hooks import LOAD
 
     pc, cc = vllm_config.parallel_config, vllm_config.compilation_config
     if pc.all2all_backend != "moonep" or not pc.use_all2all or cc.cudagraph_mode == CUDAGraphMode.NONE:

@@ -16,8 +16,8 @@ import difflib
 import logging
 import os
 
-from vllm_moonep.engine.arrival_board import ARRIVAL_ENV, HEARTBEAT_ENV
-from vllm_moonep.engine.timeouts import TIMEOUT_ENV
+from vllm_moonep.engine.faults.arrival_board import ARRIVAL_ENV, HEARTBEAT_ENV
+from vllm_moonep.engine.faults.timeouts import TIMEOUT_ENV
 from vllm_moonep.engine.multicast import OPT_IN_VAR
 from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV
 from vllm_moonep.vllm_plugin.options import ENV_VARS, PLUGIN_ENV
@@ -45,7 +45,7 @@ KNOWN_ENV_VARS = tuple(ENV_VARS.values()) + (PLUGIN_ENV, TIMEOUT_ENV, ARRIVAL_EN
     + LAUNCHER_ENV_VARS \
     + ("VLLM_MOONEP_NVSHMEM_FORCE_RMA",  # NvshmemHeap: every peer read by RMA (engine/heaps/nvshmem_heap.py)
        "VLLM_MOONEP_FAST_LAUNCH",  # 0: Triton's ordinary launch for every engine kernel (engine/launch.py)
-       "VLLM_MOONEP_EAGER_GRAPHS")  # 0: eager dispatch/combine launch each kernel (engine/eager_graphs.py)
+       "VLLM_MOONEP_EAGER_GRAPHS")  # 0: eager dispatch/combine launch each kernel (engine/transports/eager_graphs.py)
 
 _warned: set[str] = set()
 

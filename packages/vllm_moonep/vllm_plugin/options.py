@@ -163,22 +163,31 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     raise AssertionError(key)
 
 
+def _not_an_object(given: Any) -> MoonEPOptionsError:
+    """The error for a ``moonep`` block that is no JSON object: what was given, and what to write
+    (the option whose values include a given string, else ``weight_layout``)."""
+    word = given.strip().lower() if isinstance(given, str) else None
+    key = next((k for k, values in CHOICES.items() if word in values), None)
+    example = {CONFIG_KEY: {key: word} if key is not None else {"weight_layout": "symmetric"}}
+    return MoonEPOptionsError(
+        f"--additional-config '{CONFIG_KEY}' must be a JSON object of options ({', '.join(OPTION_NAMES)}), "
+        f"e.g. {json.dumps(example)}; got {json.dumps(given, default=repr)}"
+    )
+
+
 def _section(config: Mapping[str, Any] | None) -> Mapping[str, Any]:
     if not config or not isinstance(config, Mapping):
         return {}
-    section = config.get(CONFIG_KEY, {})
-    if isinstance(section, str):
+    given = section = config.get(CONFIG_KEY, {})
+    if isinstance(section, str):  # the block passed as a string holding a JSON object is read as that object
         try:
             section = json.loads(section)
-        except json.JSONDecodeError as exc:
-            raise MoonEPOptionsError(f"--additional-config '{CONFIG_KEY}' is not valid JSON: {exc}") from None
+        except json.JSONDecodeError:
+            raise _not_an_object(given) from None
     if section is None:
         return {}
     if not isinstance(section, Mapping):
-        raise MoonEPOptionsError(
-            f"--additional-config '{CONFIG_KEY}' must be an object of options ({', '.join(OPTION_NAMES)}), "
-            f"got {type(section).__name__}"
-        )
+        raise _not_an_object(given)
     unknown = sorted(set(section) - set(OPTION_NAMES))
     if unknown:
         hints = []

@@ -1,8 +1,11 @@
 """vLLM 0.33's seams: each verified against the installed vLLM, then rebound, and restored.
 
 Every rebinding of vLLM's names happens here, each checked before anything changes; what the
-names are rebound to lives elsewhere (``runtime.py``: the worker's classes; ``hooks.py``: the
-front-end check and the plugin's process state; ``cudagraphs.py``: the graph rule's hooks).
+names are rebound to lives elsewhere (``manager.py``: the all2all manager and the two wrappers
+that attach it; ``modular.py``: the prepare/finalize and experts classes; ``weights.py``: the
+weight-layout builder; ``hooks.py``: the front-end check; ``cudagraphs.py``: the graph rule's
+hooks). ``manager.py`` and ``modular.py`` import vLLM: they are imported only after their seams
+verify. What was hooked, and why not, is recorded in ``state.LOAD``.
 
 vLLM 0.33 has no registry for all2all backends; ``--all2all-backend moonep`` is wired by name to
 in-tree classes. We keep the flag value and rebind the names vLLM looks up *at call time*:
@@ -46,8 +49,7 @@ vllm.config.compilation.CompilationConfig.set_splitting_ops_for_v1              
   vLLM is not the tested 0.33.x. In the front end vLLM configures logging only when it builds
   the engine config, so the INFO line is logged then.
 
-It is idempotent; ``undo_seams()`` restores vLLM's originals (tests). What was hooked, and why not,
-is recorded in ``hooks.LOAD``.
+It is idempotent; ``undo_seams()`` restores vLLM's originals (tests).
 """
 
 from __future__ import annotations
@@ -59,12 +61,12 @@ import re
 import threading
 from typing import Any
 
-from vllm_moonep.engine import MoonEPError
-from vllm_moonep.vllm_plugin.hooks import LOAD, emit_load_line, hook_create_engine_config
+from vllm_moonep.vllm_plugin.hooks import emit_load_line, hook_create_engine_config
+from vllm_moonep.vllm_plugin.state import LOAD, MoonEPSeamError
 
 log = logging.getLogger("vllm.vllm_moonep")
 
-__all__ = ["CONFIG_SEAM", "GRAPH_SEAMS", "MoonEPSeamError", "SEAMS", "TESTED_VLLM", "apply_seams", "hooked_names",
+__all__ = ["CONFIG_SEAM", "GRAPH_SEAMS", "SEAMS", "TESTED_VLLM", "apply_seams", "hooked_names",
            "undo_seams", "verify_config_seam", "verify_graph_seams", "verify_seams", "vllm_version"]
 
 #: the vLLM minor series this plugin is tested with
@@ -104,10 +106,6 @@ GRAPH_SEAMS = [
 _lock = threading.Lock()
 #: (module, attribute path) -> vLLM's original, for undo_seams
 _originals: dict[tuple[str, str], Any] = {}
-
-
-class MoonEPSeamError(MoonEPError):
-    """vLLM's internals do not look like the 0.33 seams this plugin rebinds."""
 
 
 def vllm_version() -> str:
@@ -291,23 +289,23 @@ def _restore(keys) -> None:
 
 def _apply_moonep_seams() -> None:
     mods = verify_seams()
-    from vllm_moonep.common.vllm_modular import MoonEPExperts, MoonEPPrepareAndFinalize
-    from vllm_moonep.vllm_plugin import runtime
+    # verified: vLLM's base classes exist, so the modules that subclass them import
+    from vllm_moonep.vllm_plugin import manager, modular
+    from vllm_moonep.vllm_plugin.weights import build_weight_layout
 
-    manager_cls = runtime.make_manager_class()
     pf = mods[PF_MOONEP]
     new = {
-        (A2A, "MoonEPAll2AllManager"): manager_cls,
+        (A2A, "MoonEPAll2AllManager"): manager.MoonEPAll2AllManager,
         (PARALLEL_STATE, "init_model_parallel_group"):
-            runtime.wrap_init_model_parallel_group(mods[PARALLEL_STATE].init_model_parallel_group, manager_cls),
+            manager.wrap_init_model_parallel_group(mods[PARALLEL_STATE].init_model_parallel_group),
         (A2A_UTILS, "get_ep_all2all_manager"):
-            runtime.wrap_get_ep_all2all_manager(mods[A2A_UTILS].get_ep_all2all_manager, manager_cls),
-        (A2A_UTILS, "MoonEPPrepareAndFinalize"): runtime.plugin_pf_class(MoonEPPrepareAndFinalize),
+            manager.wrap_get_ep_all2all_manager(mods[A2A_UTILS].get_ep_all2all_manager),
+        (A2A_UTILS, "MoonEPPrepareAndFinalize"): modular.MoonEPPrepareAndFinalize,
         (A2A_UTILS, "MOONEP_DEFAULT_NUM_PREFETCH_SLOTS"): getattr(pf, "MOONEP_DEFAULT_NUM_PREFETCH_SLOTS", 4),
         (A2A_UTILS, "MOONEP_DEFAULT_TOKEN_PADDING"): getattr(pf, "MOONEP_DEFAULT_TOKEN_PADDING", 128),
         (A2A_UTILS, "MOONEP_DEFAULT_NUM_SMS"): getattr(pf, "MOONEP_DEFAULT_NUM_SMS", 32),
-        (EXPERTS, "MoonEPExperts"): runtime.plugin_experts_class(MoonEPExperts),
-        (PF_MOONEP, "gather_moonep_weight_layout"): runtime.build_weight_layout,
+        (EXPERTS, "MoonEPExperts"): modular.MoonEPExperts,
+        (PF_MOONEP, "gather_moonep_weight_layout"): build_weight_layout,
     }
     assert set(new) == set(SEAMS)
     for (m, a), value in new.items():
