@@ -16,6 +16,8 @@ from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.testing.launch import launched_world_size, resolve_launch, run_on_ranks, shutdown_pools
 from vllm_moonep.testing.routing import sigma_for_maxvio
 from vllm_moonep.tools import ab
+from vllm_moonep.tools.ab import configs, driver, measure, memory
+from vllm_moonep.tools.memory_projection import projection_rows
 
 pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="the A/B tool spawns its own ranks")
 
@@ -39,13 +41,13 @@ class KeepsGatheredCopy(ReplicatedWeightLayout):
 
 
 def _built(shape, local, device, layout_cls):
-    """An ``ab.Built`` of ``layout_cls`` per layer (all replicated-style, local teardown)."""
+    """A ``configs.Built`` of ``layout_cls`` per layer (all replicated-style, local teardown)."""
     R, E, B = dist.get_world_size(), shape["experts"], shape["slots"]
     pool = MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=E, num_ep_ranks=R, B=B, token_padding=128,
                                  device=device), max_tokens_per_rank=shape["max_tokens"], engine="builtin")
     layouts = [layout_cls(w13, w2, E, B) for w13, w2 in local]
     report = sum((lay.memory_report() for lay in layouts[1:]), layouts[0].memory_report())
-    return ab.Built(moes=[MoonEPMoE(pool, lay, impl="reference") for lay in layouts], pool=pool, report=report,
+    return configs.Built(moes=[MoonEPMoE(pool, lay, impl="reference") for lay in layouts], pool=pool, report=report,
                     held=layouts, heaps=[], destroy_layouts=lambda: [lay.destroy() for lay in layouts])
 
 
@@ -53,8 +55,8 @@ WRONG = {"broken_layout": SkipsPrefetch, "leaky_layout": KeepsGatheredCopy}
 
 
 def rank_build_wrong(name, shape, seed):
-    """moonep-ab's own measurement (``ab.measure_build``) of a deliberately wrong layout."""
-    return ab.measure_build(name, lambda local, device: _built(shape, local, device, WRONG[name]), shape, seed, "cpu")
+    """moonep-ab's own measurement (``measure.measure_build``) of a deliberately wrong layout."""
+    return measure.measure_build(name, lambda local, device: _built(shape, local, device, WRONG[name]), shape, seed, "cpu")
 
 
 SMALL = dict(preset="tiny", ranks=2, layers=2, tokens=(8, 32), maxvios=(0.0, 3.0), steps=2, warmup=1, check_steps=1,
@@ -73,20 +75,21 @@ def wrong():
     """Each wrong layout through moonep-ab's own rank steps (build and measure, one point, teardown)
     in fresh rank processes, as ``run_ab`` runs a configuration."""
     launch = resolve_launch("cpu", 2)
-    shape = ab.scaled_shape(ab.PRESETS["tiny"], 2, 2, int(SMALL["budget_gb"] * ab.GiB), None)
+    shape = configs.scaled_shape(configs.PRESETS["tiny"], 2, 2, int(SMALL["budget_gb"] * configs.GiB), None)
     shape["max_tokens"] = 32
     sigma = sigma_for_maxvio(3.0, shape["experts"], shape["topk"], 32 * 2)
     out = {"shape": shape}
     for name in WRONG:
         tag = f"test_ab {name}"
         try:
-            mem = run_on_ranks(2, rank_build_wrong, name, shape, 0, tag=tag, **ab.spawn_options(launch))
-            res = run_on_ranks(2, ab.rank_point, name, 32, sigma, 2, 1, 1, 0, tag=tag, **ab.spawn_options(launch))
-            run_on_ranks(2, ab.rank_teardown, name, tag=tag, **ab.spawn_options(launch))
+            mem = run_on_ranks(2, rank_build_wrong, name, shape, 0, tag=tag, **driver.spawn_options(launch))
+            res = run_on_ranks(2, measure.rank_point, name, 32, sigma, 2, 1, 1, 0, tag=tag,
+                               **driver.spawn_options(launch))
+            run_on_ranks(2, measure.rank_teardown, name, tag=tag, **driver.spawn_options(launch))
         finally:
             shutdown_pools(tag)
-        out[name] = {"memory": mem, "memory_check": [ab.memory_check(m, "cpu") for m in mem],
-                     "point": ab.summarize_point(res, tokens=32, maxvio=3.0, sigma=sigma)}
+        out[name] = {"memory": mem, "memory_check": [memory.memory_check(m, "cpu") for m in mem],
+                     "point": driver.summarize_point(res, tokens=32, maxvio=3.0, sigma=sigma)}
     return out
 
 
@@ -190,8 +193,8 @@ def test_measurement_catches_a_copy_the_accounting_leaves_out(wrong):
     entry = wrong["leaky_layout"]
     for m, chk in zip(entry["memory"], entry["memory_check"]):
         assert m["measured_resident"] - m["accounted"]["resident"] >= 0.9 * extra, (m, extra)
-        assert chk["why"] is not None and ab.WHY_TENSORS in chk["why"], chk
-        part = dict(chk["parts"])[ab.WHY_TENSORS]
+        assert chk["why"] is not None and memory.WHY_TENSORS in chk["why"], chk
+        part = dict(chk["parts"])[memory.WHY_TENSORS]
         assert abs(part - extra) <= 0.01 * extra, (part, extra)
 
 
@@ -200,18 +203,20 @@ def test_ab_projection_mode(capsys):
     assert ab.main(["project", "--ep", "8", "64"]) == 0
     out = capsys.readouterr().out
     assert "Kimi-K2" in out
-    rows = {(r["model"], r["R"]): r for r in ab.projection_rows(eps=(64,))}
+    rows = {(r["model"], r["R"]): r for r in projection_rows(eps=(64,))}
     kimi = rows[("Kimi-K2", 64)]
     assert kimi["fits"]["replicated"] is False and kimi["fits"]["symmetric"] is True
 
 
 def test_scaled_shape_fits_budget():
     """A full-size preset scaled to the budget must fit it and keep E a multiple of the ranks."""
-    s = ab.scaled_shape(ab.PRESETS["kimi-k2"], 4, None, 2 * ab.GiB, None)
+    kimi = configs.PRESETS["kimi-k2"]
+    s = configs.scaled_shape(kimi, 4, None, 2 * configs.GiB, None)
     assert s["experts"] % 4 == 0 and s["experts"] >= s["topk"]
     from vllm_moonep.common.memory import replicated_accounting
 
-    assert replicated_accounting(s["experts"], 4, s["slots"], 7168, 2048, layers=s["layers"]).resident <= 2 * ab.GiB
+    assert replicated_accounting(s["experts"], 4, s["slots"], kimi.H, kimi.I,
+                                 layers=s["layers"]).resident <= 2 * configs.GiB
     assert s["expert_scale"] > 1
 
 
@@ -220,14 +225,14 @@ def test_scaled_shape_keeps_the_expert_count_while_layers_can_shrink():
     plan worth measuring) where one full-width layer fitted; experts shrink only below one layer."""
     from vllm_moonep.common.memory import replicated_accounting
 
-    kimi = ab.PRESETS["kimi-k2"]
-    one_layer = replicated_accounting(kimi.experts, 2, kimi.experts // 2, 7168, 2048, layers=1).resident
-    s = ab.scaled_shape(kimi, 2, None, int(1.5 * one_layer), None)
-    assert (s["experts"], s["layers"]) == (kimi.experts, 1)
-    s = ab.scaled_shape(kimi, 2, None, int(3.5 * one_layer), None)
-    assert (s["experts"], s["layers"]) == (kimi.experts, 3)
-    s = ab.scaled_shape(kimi, 2, None, one_layer // 2, None)
-    assert s["layers"] == 1 and s["experts"] < kimi.experts
+    kimi = configs.PRESETS["kimi-k2"]
+    one_layer = replicated_accounting(kimi.E, 2, kimi.E // 2, kimi.H, kimi.I, layers=1).resident
+    s = configs.scaled_shape(kimi, 2, None, int(1.5 * one_layer), None)
+    assert (s["experts"], s["layers"]) == (kimi.E, 1)
+    s = configs.scaled_shape(kimi, 2, None, int(3.5 * one_layer), None)
+    assert (s["experts"], s["layers"]) == (kimi.E, 3)
+    s = configs.scaled_shape(kimi, 2, None, one_layer // 2, None)
+    assert s["layers"] == 1 and s["experts"] < kimi.E
 
 
 @pytest.mark.vllm

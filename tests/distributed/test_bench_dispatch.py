@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_moonep.engine.launch import sm_count
-from vllm_moonep.engine.symmetric_transport import DEFAULT_PROGRAMS_PER_SM, PROGRAMS_PER_SM
+from vllm_moonep.engine.transports.symmetric import DEFAULT_PROGRAMS_PER_SM, PROGRAMS_PER_SM
 from vllm_moonep.testing.launch import launched_world_size
 from vllm_moonep.tools import bench_dispatch
 

@@ -178,7 +178,8 @@ def test_tools_refuse_a_launch_that_cannot_run_before_spawning(capsys, monkeypat
     import importlib
 
     mod = importlib.import_module(f"vllm_moonep.tools.{tool}")
-    monkeypatch.setattr(mod, "run_on_ranks", lambda *a, **k: pytest.fail("ranks were spawned"))
+    spawns = importlib.import_module("vllm_moonep.tools.ab.driver") if tool == "ab" else mod  # ab is a package
+    monkeypatch.setattr(spawns, "run_on_ranks", lambda *a, **k: pytest.fail("ranks were spawned"))
     with pytest.raises(SystemExit) as exc:
         mod.main(argv)
     assert exc.value.code == 2
@@ -212,3 +213,22 @@ def test_pool_starts_again_when_its_rendezvous_port_was_taken(monkeypatch):
     finally:
         taken.close()
     assert ports == []
+
+
+def _env_and_pid(name):
+    return os.environ.get(name), os.getpid()
+
+
+def test_call_time_env_reaches_the_call_only_and_shares_the_pool():
+    """A case's VLLM_MOONEP_TEST_TRANSPORT made a rank pool of its own (each start imports torch in every
+    rank); set around the call instead, it must reach the call (or the symmetric cases silently run the
+    collective transport), be gone after it, and run in the same processes as the plain cases."""
+    from tests.conftest import ranks
+    from vllm_moonep.testing.launch import run_on_ranks
+
+    var = "VLLM_MOONEP_TEST_TRANSPORT"
+    sym = ranks(2, _env_and_pid, var, env={var: "symmetric"})
+    plain = run_on_ranks(2, _env_and_pid, var)
+    assert [v for v, _ in sym] == ["symmetric"] * 2, sym
+    assert [v for v, _ in plain] == [os.environ.get(var)] * 2, plain
+    assert [p for _, p in sym] == [p for _, p in plain], "the call-time variable started another pool"

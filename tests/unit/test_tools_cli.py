@@ -4,10 +4,14 @@ every flag, and report what they measured next to what was asked (no ranks are s
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from vllm_moonep.engine.defaults import slots_beyond_experts
+from vllm_moonep.testing.models import MODELS
 from vllm_moonep.tools import ab, balance, memory_projection, profile_step
+from vllm_moonep.tools.ab import checks, cli, configs, driver
 
 
 def _error(capsys, fn, argv) -> str:
@@ -37,7 +41,7 @@ def test_ab_refuses_bad_flags_before_spawning(capsys, monkeypatch, argv, needles
     def no_spawn(*a, **k):
         raise AssertionError("ranks were spawned for a command line that cannot run")
 
-    monkeypatch.setattr(ab, "run_on_ranks", no_spawn)
+    monkeypatch.setattr(driver, "run_on_ranks", no_spawn)
     msg = _error(capsys, ab.main, argv)
     assert msg.startswith("moonep-ab: error:"), msg
     for n in needles:
@@ -49,7 +53,7 @@ def test_ab_help_documents_every_flag_project_and_legend(capsys):
     with pytest.raises(SystemExit):
         ab.main(["--help"])
     out = capsys.readouterr().out
-    parser = ab.build_parser()
+    parser = cli.build_parser()
     undocumented = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
     assert undocumented == []
     for needle in ("moonep-ab project", "measured MiB =", "pad =", "ref err =", "got =", "no-plan =", "load transient"):
@@ -58,12 +62,91 @@ def test_ab_help_documents_every_flag_project_and_legend(capsys):
 
 def test_ab_run_api_validates_before_spawning(monkeypatch, tmp_path):
     """run_ab (the programmatic entry) accepted configurations that failed only inside the ranks."""
-    monkeypatch.setattr(ab, "run_on_ranks", lambda *a, **k: pytest.fail("spawned"))
+    monkeypatch.setattr(driver, "run_on_ranks", lambda *a, **k: pytest.fail("spawned"))
     with pytest.raises(ValueError, match="did you mean 'symmetric'"):
         ab.run_ab(configs=["symetric"], out_dir=str(tmp_path), plots=False, progress=False)
     with pytest.raises(ValueError, match="--slots 1 < E/R = 8"):
         ab.run_ab(configs=["symmetric"], impl="grouped_mm", slots=1, out_dir=str(tmp_path), plots=False,
                   progress=False)
+
+
+def _spawn_fails(monkeypatch):
+    monkeypatch.setattr(driver, "run_on_ranks", lambda *a, **k: pytest.fail("ranks were spawned for a run that "
+                                                                              "cannot run or cannot save its results"))
+
+
+def test_ab_refuses_an_out_path_it_cannot_write_before_any_work(capsys, monkeypatch, tmp_path):
+    """`moonep-ab --out <an existing file>` ran the whole comparison, then died with a traceback and saved nothing."""
+    _spawn_fails(monkeypatch)
+    taken = tmp_path / "results.txt"
+    taken.write_text("kept")
+    msg = _error(capsys, ab.main, ["--out", str(taken)])
+    assert f"--out {taken} is a file, not a folder" in msg, msg
+    msg = _error(capsys, ab.main, ["--out", str(taken / "ab")])  # a folder that cannot be made
+    assert f"--out {taken / 'ab'}: cannot write the results there (Not a directory)" in msg, msg
+    assert taken.read_text() == "kept"
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        ab.run_ab(out_dir=str(taken), progress=False)
+
+
+def test_ab_refuses_plots_without_matplotlib_before_any_work(capsys, monkeypatch, tmp_path):
+    """Without matplotlib the plots failed after every configuration had run, before the JSON was written."""
+    _spawn_fails(monkeypatch)
+    find_spec = checks.importlib.util.find_spec
+    monkeypatch.setattr(checks.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    msg = _error(capsys, ab.main, ["--out", str(tmp_path)])
+    assert "the plots need matplotlib" in msg and "--no-plots" in msg, msg
+    checks.check_run(preset="tiny", ranks=4, layers=None, tokens=[16], maxvios=[0.0], steps=1, warmup=0,
+                     check_steps=1, device="cpu", configs=None, impl="auto", slots=None, budget_gb=None,
+                     out_dir=str(tmp_path), plots=False)  # --no-plots needs no matplotlib
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--slots", "1000"], [f"--slots 1000 {slots_beyond_experts(1000, 32, 4)}", "exceeds the model's 32 experts"]),
+    (["--preset", "kimi-k2", "--slots", "16"],  # 384 experts, 8 of them kept within 1 GiB per CPU rank
+     ["--slots 16 exceeds the model's 8 experts", "the kimi-k2 preset runs 8 of its 384 experts within --budget-gb 1"]),
+    (["--configs", "vllm-poc", "symmetric", "vllm-poc"], ["--configs names vllm-poc more than once"]),
+], ids=["slots-above-E", "slots-above-scaled-E", "repeated-config"])
+def test_ab_refuses_slots_above_the_experts_and_repeated_configs(capsys, monkeypatch, argv, needles):
+    """`--slots 1000` with E=32 ran (1.5 GiB per rank) where the plugin refuses slots above E (the
+    same rule, ``slots_beyond_experts``); `--configs vllm-poc vllm-poc` ran it twice and printed it once."""
+    _spawn_fails(monkeypatch)
+    msg = _error(capsys, ab.main, argv)
+    for n in needles:
+        assert n in msg, msg
+
+
+def test_ab_says_once_when_the_shape_cannot_reach_the_requested_skew(monkeypatch, tmp_path):
+    """`--preset kimi-k2` on CPU scales to E=8 with top-8 (every token picks every expert): a
+    requested maxvio of 2 read `got 0.00` with no word why."""
+    shape = configs.run_shape("kimi-k2", 4, None, 1.0, None, [16], [0.0, 1.0, 2.0])
+    assert (shape["experts"], shape["topk"]) == (8, 8)
+    note = shape["note"]
+    assert "--maxvio 1 2 cannot be reached with E=8 experts and top-8 routing" in note and "E/K - 1 = 0" in note
+    # the advice holds: that budget keeps enough experts for the skew asked
+    hint = re.search(r"--budget-gb ([0-9.]+) keeps E=(\d+) experts", note)
+    assert hint, note
+    kept = configs.scaled_shape(configs.PRESETS["kimi-k2"], 4, None, int(float(hint[1]) * configs.GiB), None)
+    assert kept["experts"] == int(hint[2]) and configs.max_skew(kept["experts"], 8) >= 2
+    assert "note" not in configs.run_shape("tiny", 4, None, 1.0, None, [16, 128], [0.0, 1.0, 2.0])
+    assert "the tiny preset's 32 experts reach at most 7" in configs.run_shape("tiny", 4, None, 1.0, None, [16],
+                                                                               [8.0])["note"]
+    # the run carries it (the table prints the shape's note once)
+    seen = {}
+
+    def first_spawn(ranks, fn, cfg, shape, *a, **k):
+        seen.update(shape)
+        raise RuntimeError("stop before the ranks start")
+
+    monkeypatch.setattr(driver, "run_on_ranks", first_spawn)
+    with pytest.raises(RuntimeError, match="stop before"):
+        ab.run_ab(preset="kimi-k2", ranks=4, tokens=(16,), maxvios=(2.0,), configs=["replicated"], out_dir=str(tmp_path),
+                  progress=False)
+    assert seen["note"].count("cannot be reached") == 1, seen
+    table = ab.format_table({"preset": "kimi-k2", "shape": seen, "configs": {}, "anchor": {},
+                             "environment": {"ranks": 4, "device": "cpu"}})
+    assert table.count("--maxvio 2 cannot be reached") == 1, table
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -102,7 +185,7 @@ def test_project_own_model_from_flags_and_hf_configs(capsys, tmp_path):
         "Kimi-K2": {"text_config": {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 384,
                                     "num_hidden_layers": 61, "first_k_dense_replace": 1}},
     }
-    table = {m.name: m for m in memory_projection.MODELS}
+    table = {m.name: m for m in MODELS}
     for name, cfg in hf.items():
         d = tmp_path / name
         d.mkdir()
@@ -182,6 +265,6 @@ def test_bench_experts_tune_keeps_the_points_it_did_not_measure():
 
     shipped = [e(2048, 1, 16), e(2048, 1024, 128), e(7168, 1, 16), e(7168, 1024, 64)]
     tuned = [e(7168, 1024, 128), e(7168, 256, 32)]
-    got = merged_tuning(shipped, tuned)["entries"]
+    got = merged_tuning(shipped, tuned)
     assert [(x["H"], x["tokens_per_rank"], x["gate_up"]["BM"]) for x in got] == [
         (2048, 1, 16), (2048, 1024, 128), (7168, 1, 16), (7168, 256, 32), (7168, 1024, 128)]

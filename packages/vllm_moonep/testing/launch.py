@@ -379,7 +379,8 @@ class RankPool:
             self.close()
             if allow_failures:
                 return results
-            raise RankError(f"{fn.__module__}.{fn.__qualname__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+            named = args[1] if fn is _call_with_env else fn
+            raise RankError(f"{named.__module__}.{named.__qualname__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return results
 
     def close(self, grace_s: float = 5.0) -> None:
@@ -461,9 +462,23 @@ def finish_launched_group() -> None:
         dist.destroy_process_group()
 
 
+def _call_with_env(env: dict, fn: Callable, *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)`` with ``env`` set in this process, restored afterwards."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, fresh: bool = False,
                  backend: str | None = None, device: str | None = None, tag: str | None = None,
-                 **kwargs) -> list[Any]:
+                 call_env: dict | None = None, **kwargs) -> list[Any]:
     """Run ``fn`` on ``world_size`` ranks and return the per-rank results.
 
     Under torchrun the launched processes are the ranks: ``world_size`` must equal the launched
@@ -473,7 +488,14 @@ def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, 
     ``device="cuda"`` binds every rank to a GPU (NCCL always does). ``tag`` keeps a separate
     cached pool (fresh processes for that tag). ``timeout_s=`` and ``allow_failures=`` go to
     ``RankPool.run`` (spawned pools only; use ``fresh=True`` when ranks are killed on purpose).
+
+    ``env`` is the rank processes' environment from their start (a pool per distinct ``env``);
+    ``call_env`` is set around this call only and restored after, for variables the code reads
+    when called: calls that differ only in those share one pool (each pool start imports torch
+    in every rank, the largest fixed cost of a multi-rank test on 2 cores).
     """
+    if call_env:
+        fn, args = _call_with_env, (dict(call_env), fn) + args
     launched = launched_world_size()
     if launched is not None:
         import torch.distributed as dist

@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from vllm_moonep.testing.models import model
+
 __all__ = [
     "BF16_UNIT_ROUNDOFF",
     "SHAPES",
@@ -48,11 +50,8 @@ __all__ = [
     "vllm_moe_config_used",
 ]
 
-#: real model widths (per expert; ``E`` routed experts, top-``K``)
-SHAPES: dict[str, dict[str, int]] = {
-    "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
-    "kimi-k2": dict(H=7168, I=2048, E=384, K=8),
-}
+#: real model widths (per expert; ``E`` routed experts, top-``K``): ``vllm_moonep.testing.models``
+SHAPES: dict[str, dict[str, int]] = {key: model(key).dims() for key in ("qwen3-30b-a3b", "kimi-k2")}
 #: bf16 keeps 8 significant bits: one round-to-nearest moves a value by at most 2**-8 of its size
 BF16_UNIT_ROUNDOFF = 2.0**-8
 

@@ -36,17 +36,15 @@ import torch.distributed as dist
 
 from vllm_moonep.engine import TRANSPORTS, Buffer, current_cuda_device, default_num_slots
 from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV, NodeMap
-from vllm_moonep.engine.symmetric_transport import DEFAULT_PROGRAMS_PER_SM, PROGRAMS_PER_SM
+from vllm_moonep.engine.transports.symmetric import DEFAULT_PROGRAMS_PER_SM, PROGRAMS_PER_SM
 from vllm_moonep.testing.launch import (add_launch_arguments, finish_launched_group, is_driver, resolve_launch,
                                         run_on_ranks, shutdown_pools)
+from vllm_moonep.testing.models import MODELS
 from vllm_moonep.testing.routing import route, sigma_for_maxvio
 from vllm_moonep.tools.timing import capture_graph, sync_device, timed_median
 
-SHAPES = {  # hidden size, experts, top-k
-    "qwen3-30b-a3b": (2048, 128, 8),
-    "deepseek-v3": (7168, 256, 8),
-    "kimi-k2": (7168, 384, 8),
-}
+#: the model shapes it runs at: hidden size, experts, top-k (vllm_moonep.testing.models)
+SHAPES = {m.key: (m.H, m.E, m.dims()["K"]) for m in MODELS}
 
 
 def _payload(S, K, H, dev):
@@ -393,7 +391,7 @@ def main(argv=None) -> int:
         return 0
     if launch.note:
         print(launch.note)
-    from vllm_moonep.engine.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS
+    from vllm_moonep.engine.transports.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS
     from vllm_moonep.engine.launch import FAST_LAUNCH
 
     how = (f"eager calls replay private CUDA graphs up to {EAGER_GRAPH_MAX_TOKENS} tokens" if EAGER_GRAPHS

@@ -24,7 +24,7 @@ from dataclasses import fields
 import torch
 
 from vllm_moonep.engine import default_num_slots
-from vllm_moonep.engine.planner import place_entries, plan_global
+from vllm_moonep.engine.planning.planner import place_entries, plan_global
 from vllm_moonep.testing.routing import route, sigma_for_maxvio
 
 
@@ -54,7 +54,7 @@ def _median(measure, fn, iters: int, warmup: int) -> float:
 
 def bench_one(R, E, K, S, B, tp, maxvio, dev, iters, warmup, plan_warps=None, rule4_chunk=None, rule4=None, wide=None):
     """Times of one configuration (seconds) after an exactness check against the host planner."""
-    from vllm_moonep.engine.device_planner import DevicePlanner
+    from vllm_moonep.engine.planning.device_planner import DevicePlanner
 
     sigma = sigma_for_maxvio(maxvio, E, K, S * R)
     ids = [route(S, E, K, sigma=sigma, seed=1, rank=r)[0] for r in range(R)]

@@ -7,6 +7,7 @@ functions the layouts report with (``vllm_moonep.common.memory``).
 
 Counts routed-expert weights only (bf16): attention, dense layers, shared experts, embeddings,
 activations and KV cache come on top, so "fits" is a necessary condition, not a sufficient one.
+The built-in models are ``vllm_moonep.testing.models.MODELS`` (the shapes every tool uses).
 """
 
 from __future__ import annotations
@@ -14,31 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
 
 from vllm_moonep.common.memory import expert_bytes, replicated_accounting, symmetric_accounting
+from vllm_moonep.testing.models import MODELS, ModelShape
 from vllm_moonep.tools.cli import positive
 
-__all__ = ["MODELS", "Model", "model_from_hf_config", "projection_rows", "main"]
-
-
-@dataclass(frozen=True)
-class Model:
-    name: str
-    moe_layers: int
-    E: int
-    H: int
-    I: int
-    source: str
-
-
-#: MoE layer counts from the public configs: Qwen3-30B-A3B 48 layers, all MoE; DeepSeek-V3 61
-#: layers, first 3 dense; Kimi-K2 61 layers, first 1 dense.
-MODELS = (
-    Model("Qwen3-30B-A3B", 48, 128, 2048, 768, "config.json: num_hidden_layers 48, decoder_sparse_step 1"),
-    Model("DeepSeek-V3", 58, 256, 7168, 2048, "61 layers, n_dense_layers/first_k_dense_replace 3"),
-    Model("Kimi-K2", 60, 384, 7168, 2048, "61 layers, first_k_dense_replace 1"),
-)
+__all__ = ["model_from_hf_config", "projection_rows", "main"]
 
 
 def _first(cfg: dict, *keys):
@@ -48,8 +30,8 @@ def _first(cfg: dict, *keys):
     return None, None
 
 
-def model_from_hf_config(path: str, name: str | None = None) -> Model:
-    """A ``Model`` from a Hugging Face ``config.json`` (or a folder holding one).
+def model_from_hf_config(path: str, name: str | None = None) -> ModelShape:
+    """A ``ModelShape`` from a Hugging Face ``config.json`` (or a folder holding one).
 
     Experts: ``n_routed_experts`` (DeepSeek, Kimi), ``num_experts`` (Qwen MoE), ``num_local_experts``
     (Mixtral); expert width: ``moe_intermediate_size``, else ``intermediate_size``; MoE layers:
@@ -93,7 +75,9 @@ def model_from_hf_config(path: str, name: str | None = None) -> Model:
     if step > 1 or mlp_only:
         notes.append(f"decoder_sparse_step {step}" + (f", mlp_only_layers {sorted(mlp_only)}" if mlp_only else ""))
     default_name = (cfg.get("architectures") or [None])[0] or os.path.basename(os.path.dirname(os.path.abspath(path)))
-    return Model(name or default_name, len(moe), int(E), int(H), int(I), f"{os.path.basename(path)}: " + ", ".join(notes))
+    K = cfg.get("num_experts_per_tok")
+    return ModelShape(name or default_name, len(moe), int(E), int(H), int(I),
+                      f"{os.path.basename(path)}: " + ", ".join(notes), K=int(K) if K else None)
 
 
 def projection_rows(slots: int = 8, eps=(8, 16, 32, 64), gpu_bytes: float = 141e9, models=MODELS):
@@ -186,7 +170,7 @@ def main(argv=None, prog: str | None = None) -> int:
         except ValueError as exc:
             ap.error(str(exc))
     elif given:
-        models = (Model(args.name or "custom", args.layers, args.experts, args.hidden, args.intermediate,
+        models = (ModelShape(args.name or "custom", args.layers, args.experts, args.hidden, args.intermediate,
                         "from the command line"),)
     rows = projection_rows(args.slots, args.ep, args.gpu_gb * 1e9, models)
     skipped = [(m, R) for m in models for R in args.ep if m.E % R]

@@ -11,8 +11,8 @@ table lists CUDA kernels; the time of a kernel that waits for a peer includes th
 between the ranks lands in whichever kernel waits first). On CPU ranks it lists the profiler's
 CPU ops of an eager step (no graph; inclusive times: an op's children count in it too). Weights are random (values do not change the time), so full
 widths cost only the memory of one layer: ``E/R`` experts plus ``B`` slots per rank. The step is
-the product's (``MoonEPMoE`` over the symmetric or replicated layout); docs/PERFORMANCE.md quotes
-its tables ("fifth session").
+the product's (``MoonEPMoE`` over the symmetric or replicated layout);
+docs/PERFORMANCE.md#the-whole-moe-step quotes its tables.
 
     python3 -m vllm_moonep.tools.profile_step --device cuda --ranks 2 --preset kimi-k2 --tokens 1 128 4096
 """
@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.common.layout import WeightLayout
-from vllm_moonep.engine.defaults import current_cuda_device, default_num_slots
+from vllm_moonep.engine.defaults import current_cuda_device, default_num_slots, slots_beyond_experts
 from vllm_moonep.testing.launch import run_on_ranks
-from vllm_moonep.tools.ab import PRESETS
+from vllm_moonep.tools.ab.configs import PRESETS
 from vllm_moonep.tools.timing import capture_graph, timed_median
 
 __all__ = ["main", "profile_rank"]
@@ -69,8 +69,8 @@ def profile_rank(preset: str, tokens: list[int], layout_kind: str, device: str, 
     r, R = dist.get_rank(), dist.get_world_size()
     cuda = device == "cuda"
     dev = current_cuda_device() if cuda else torch.device("cpu")
-    p = PRESETS[preset]
-    H, I, E, K = p.hidden, p.intermediate, p.experts, p.topk
+    d = PRESETS[preset].dims()
+    H, I, E, K = d["H"], d["I"], d["E"], d["K"]
     epn = E // R
     B = slots or default_num_slots(E, R)
     g = torch.Generator(device=dev).manual_seed(r)
@@ -133,8 +133,12 @@ def main(argv=None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
-    if a.ranks < 1 or p.experts % a.ranks:
-        ap.error(f"--ranks {a.ranks} must be positive and divide the {a.preset} preset's {p.experts} experts")
+    if a.ranks < 1 or p.E % a.ranks:
+        ap.error(f"--ranks {a.ranks} must be positive and divide the {a.preset} preset's {p.E} experts")
+    if a.slots is not None:  # the engine's rule, as moonep-ab and the plugin apply it
+        wrong = "must be >= 1" if a.slots < 1 else slots_beyond_experts(a.slots, p.E, a.ranks)
+        if wrong:
+            ap.error(f"--slots {a.slots} {wrong}")
     if min(a.tokens) < 1 or a.steps < 1 or a.iters < 1:
         ap.error("--tokens, --steps and --iters must be positive")
     if a.device == "cuda" and not torch.cuda.is_available():

@@ -1,5 +1,9 @@
 """The ``vllm-poc`` configuration of ``moonep-ab``: vLLM 0.33's own in-tree MoonEP classes.
 
+    measure.rank_build("vllm-poc") -> import_poc (vLLM imported before the memory baseline)
+      -> build_poc(shape, local): per layer, all-gather the home experts into vLLM's replicated
+         layout, MoonEPPrepareAndFinalize + MoonEPExperts in a FusedMoEKernel -> configs.Built
+
 vLLM's ``MoonEPPrepareAndFinalize``, ``MoonEPBufferPool``, ``make_moonep_weight_layout`` and
 ``MoonEPExperts`` run unmodified inside vLLM's ``FusedMoEKernel``; the only stand-in is the
 ``moonep`` module they import, which here is our built-in engine (``install_engine_as_moonep``).
@@ -15,6 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,16 +29,19 @@ from vllm_moonep.common.moe_step import StepInfo
 from vllm_moonep.common.timing import NullTimer
 from vllm_moonep.engine import Buffer
 from vllm_moonep.testing.vllm_harness import LayoutHolder, ensure_workspace, vllm_moe_config
+from vllm_moonep.tools.ab.configs import Built
+
+__all__ = ["PocRunner", "build_poc", "import_poc", "install_engine_as_moonep"]
 
 
 def install_engine_as_moonep() -> types.ModuleType:
     """Make ``import moonep`` give our built-in engine (only where no real ``moonep`` is loaded)."""
     mod = sys.modules.get("moonep")
     if mod is None or getattr(mod, "__vllm_moonep_shim__", False):
-        mod = types.ModuleType("moonep")
-        mod.Buffer = Buffer
-        mod.__vllm_moonep_shim__ = True
-        sys.modules["moonep"] = mod
+        shim: Any = types.ModuleType("moonep")  # a module built attribute by attribute
+        shim.Buffer = Buffer
+        shim.__vllm_moonep_shim__ = True
+        sys.modules["moonep"] = mod = shim
     return mod
 
 
@@ -99,9 +107,7 @@ def import_poc() -> None:
 
 
 def build_poc(shape: dict, local, device: torch.device):
-    """``moonep-ab``'s ``vllm-poc`` configuration on this rank (an ``ab.Built``)."""
-    from vllm_moonep.tools.ab import Built
-
+    """``moonep-ab``'s ``vllm-poc`` configuration on this rank (a ``configs.Built``)."""
     import_poc()
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
