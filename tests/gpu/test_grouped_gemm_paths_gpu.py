@@ -62,13 +62,11 @@ def test_path_matches_float64(impl, lens, I, H):
 def test_quack_fused_w13_matches_float64(lens, I, H):
     """quack with gate and up as views of one w13 (one GEMM with the swiglu_route epilogue, then down) drifting from
     float64, leaving rows unwritten, or not taking the fused form."""
-    from vllm_moonep.common.grouped_gemm.quack_impl import gate_up_as_one
-
     x, rw, cu, w = _case(lens, I, H, seed=len(lens) + I, w13=True)
     why = impl_unusable("quack", x, w)
     if why is not None:
         pytest.skip(f"quack is not available here: {why}")
-    assert gate_up_as_one(w) is not None
+    assert w.gate_up_as_one() is not None
     out = torch.full_like(x, float("nan"))
     expert_ffn(x, rw, cu, w, impl="quack", out=out)
     torch.cuda.synchronize()

@@ -93,7 +93,7 @@ def test_expert_ffn_validation():
 
 def test_grouped_mm_path_on_cpu_matches_float64():
     """The PoC's three-grouped-GEMM path, where this torch runs ``_grouped_mm`` on CPU."""
-    from vllm_moonep.common.grouped_gemm.api import _cpu_grouped_mm_works
+    from vllm_moonep.common.grouped_gemm.torch_grouped_mm import _cpu_grouped_mm_works
 
     if not _cpu_grouped_mm_works():
         pytest.skip("this torch build has no CPU torch._grouped_mm")
@@ -115,7 +115,10 @@ def test_tiles_follow_the_steps_tokens_not_the_buffers_slack():
     (282 us of expert compute on an H200 instead of ~170). Keyed by the step's tokens it gets the
     decode entry; without them, the NvS rule as before."""
     tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
-    entries = [e for e in tk.load_tuning() if e["H"] == 7168 and e["I"] == 2048]
+    from vllm_moonep.common.grouped_gemm import policy
+
+    table = list(policy.policy_for("NVIDIA H200", (9, 0)).tiles)
+    entries = [e for e in table if e["H"] == 7168 and e["I"] == 2048]
     by_tokens = {e["tokens_per_rank"]: e for e in entries}
     assert {1, 4096} <= set(by_tokens), "the packaged table tunes Kimi-K2 at 1 and 4096 tokens per rank"
     nvs_ws1 = 128 * 8 + 2 * 127 * 384
@@ -123,11 +126,11 @@ def test_tiles_follow_the_steps_tokens_not_the_buffers_slack():
     def tiles(e):  # the entry's tiles, and its one-launch settings where it has them
         return {k: e[k] for k in ("gate_up", "down", "fused") if k in e}
 
-    assert tk.select_config(7168, 2048, nvs_ws1, 388) == tiles(by_tokens[4096])
-    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=1) == tiles(by_tokens[1])
-    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=3000) == tiles(by_tokens[4096])
+    assert tk.select_config(7168, 2048, nvs_ws1, 388, entries=table) == tiles(by_tokens[4096])
+    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=1, entries=table) == tiles(by_tokens[1])
+    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=3000, entries=table) == tiles(by_tokens[4096])
     # more tokens than any entry: the NvS rule (the largest entry here)
-    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=10**6) == tiles(by_tokens[4096])
+    assert tk.select_config(7168, 2048, nvs_ws1, 388, tokens=10**6, entries=table) == tiles(by_tokens[4096])
 
 
 def test_one_launch_counters_survive_a_table_rebuild():

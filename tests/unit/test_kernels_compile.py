@@ -20,9 +20,9 @@ HOPPER = GPUTarget("cuda", 90, 32)
 
 def _kernels():
     from vllm_moonep.common import pad_kernel
-    from vllm_moonep.engine import device_planner as dp
+    from vllm_moonep.engine.planning import device_planner as dp
     from vllm_moonep.engine import row_copy
-    from vllm_moonep.engine import symmetric_kernels as k
+    from vllm_moonep.engine.transports import symmetric_kernels as k
 
     i32, i64, bf16 = "i32", "i64", "*bf16"
     rows_sig = dict(x=bf16, w="*fp32", ids="*i32", dest="*i64", row="*i64", ob="*i64", cum="*i64", rb="*i64",
@@ -73,16 +73,16 @@ def _kernels():
     flags = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True)
     fused_cx = dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128,
                     BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, SWAP1=False, SWAP2=False, ZT=True,
-                    HAS_ENDS=False)
+                    HAS_ENDS=False, W13I1=False)
     cases += [
         ("gate_up(decode tiles)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=False)),
+         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=False, W13I=False)),
         ("gate_up(TMA, warp-specialized, 8 warps)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=64, BN=256, BK=64, TMA=True, WS=True, FLAT=False, STREAMK=False, SWAP=False), 8),
+         dict(flags, GP2=512, BM=64, BN=256, BK=64, TMA=True, WS=True, FLAT=False, STREAMK=False, SWAP=False, W13I=False), 8),
         ("gate_up(stream-K, decode tiles)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=True, SWAP=False)),
+         dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=True, SWAP=False, W13I=False)),
         ("gate_up(stream-K, TMA, 8 warps)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=64, BN=128, BK=64, TMA=True, WS=False, FLAT=False, STREAMK=True, SWAP=False), 8),
+         dict(flags, GP2=512, BM=64, BN=128, BK=64, TMA=True, WS=False, FLAT=False, STREAMK=True, SWAP=False, W13I=False), 8),
         ("down(TMA, tile loop flattened)", gk._down_kernel, dn_sig,
          dict(flags, SKIP=False, GP2=512, BM=128, BN=256, BK=64, ZM=64, TMA=True, WS=False, FLAT=True, STREAMK=False, SWAP=False,
               ZT=True), 8),
@@ -95,7 +95,7 @@ def _kernels():
               ZT=False)),
         # swapped tiles (weights on the MMA's M side): the rows as the warpgroup MMA's N (16, 32)
         ("gate_up(swapped, decode tiles)", gk._gate_up_kernel, gu_sig,
-         dict(flags, GP2=512, BM=32, BN=64, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=True)),
+         dict(flags, GP2=512, BM=32, BN=64, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=True, W13I=False)),
         ("down(swapped, TMA, stream-K)", gk._down_kernel, dn_sig,
          dict(flags, GP2=512, BM=16, BN=128, BK=64, ZM=64, TMA=True, WS=False, FLAT=False, STREAMK=True, SWAP=True,
               ZT=True)),

@@ -1,6 +1,6 @@
 """``impl="quack"`` (quack-kernels' varlen GEMM, an optional extra) without quack and without a GPU:
 the core imports without it, an explicit request names the import error, ``auto`` never picks it
-where it cannot run and picks it only where ``QUACK_FROM_TOKENS`` lists the shape and step size, an explicit impl's
+where it cannot run and picks it only where the GPU's policy (``tuning.json``'s ``auto`` regimes) lists the shape and step size, an explicit impl's
 own errors propagate (no fallback), and the data plumbing of ``quack_impl`` (cu_seqlens_m, the
 gate/up view, the transposes) through a torch stand-in for quack's two calls."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, api, available_impls, expert_ffn, resolve_impl
+from vllm_moonep.common.grouped_gemm import GroupedWeights, api, available_impls, expert_ffn, policy, probes, resolve_impl
 from vllm_moonep.engine import MoonEPInputError
 from vllm_moonep.engine import defaults as defaults_mod
 from vllm_moonep.testing.reference import expert_ffn_float64
@@ -43,10 +43,16 @@ def _case(lens, I=16, H=32, seed=0, w13=False):
     return x, rw, cu, w
 
 
+def _measured(mp, impl, H, I, from_tokens, to_tokens=None):
+    """Every device's policy says ``impl`` was measured faster at ``(H, I)`` from ``from_tokens`` on."""
+    pol = policy.DevicePolicy("test", (), (policy.Regime(impl, H, I, from_tokens, to_tokens),))
+    mp.setattr(policy, "policy_of", lambda x, path=None: pol)
+
+
 @pytest.fixture
 def fresh(monkeypatch):
     """Each case probes imports afresh and says its choices afresh."""
-    monkeypatch.setattr(api, "_IMPORTS", {})
+    monkeypatch.setattr(probes, "_IMPORTS", {})
     monkeypatch.setattr(defaults_mod, "_SAID", set())
     return monkeypatch
 
@@ -95,11 +101,11 @@ def test_quack_unusable_reasons(fresh):
     real = quack_unusable(x, w)
     assert real is not None  # CPU rows at least
     fresh.setitem(sys.modules, EPI, types.ModuleType(EPI))  # quack "imports"
-    fresh.setattr(api, "_IMPORTS", {})
+    fresh.setattr(probes, "_IMPORTS", {})
     assert "need a CUDA GPU of sm_90 or newer, the rows are on cpu" in quack_unusable(x, w)
-    fresh.setattr(api, "_cuda_capability", lambda t: (8, 0))
+    fresh.setattr(probes, "cuda_capability", lambda t: (8, 0))
     assert "sm_80" in quack_unusable(x, w)
-    fresh.setattr(api, "_cuda_capability", lambda t: (9, 0))
+    fresh.setattr(probes, "cuda_capability", lambda t: (9, 0))
     assert quack_unusable(x, w) is None
     assert "bf16" in quack_unusable(x.float(), w)
     table = GroupedWeights(w.gate, w.up, w.down, w.group_pool, w.group_row, None)
@@ -113,11 +119,11 @@ def test_auto_takes_quack_only_from_the_measured_tokens_on(fresh, caplog):
     x, rw, cu, w = _case([3, 0, 5])
 
     def must_not_probe(*a):
-        raise AssertionError("auto probed quack where QUACK_FROM_TOKENS does not list the shape and step size")
+        raise AssertionError("auto probed quack where no auto regime lists the shape and step size")
 
     fresh.setattr(api, "quack_unusable", must_not_probe)
     assert resolve_impl("auto", x, w, 10**6) != "quack"  # shape not listed
-    fresh.setattr(api, "QUACK_FROM_TOKENS", {(w.hidden, w.intermediate): 64})
+    _measured(fresh, "quack", w.hidden, w.intermediate, 64)
     assert resolve_impl("auto", x, w, 63) != "quack" and resolve_impl("auto", x, w) != "quack"  # below / unknown
     # listed and usable: quack, and the reason says so
     fresh.setattr(api, "quack_unusable", lambda x, w: None)
@@ -125,7 +131,7 @@ def test_auto_takes_quack_only_from_the_measured_tokens_on(fresh, caplog):
         assert resolve_impl("auto", x, w, 64) == "quack"
         assert resolve_impl("auto", x, w, 4096) == "quack"
     said = [r.getMessage() for r in caplog.records if "-> quack" in r.getMessage()]
-    assert len(said) == 1 and "QUACK_FROM_TOKENS" in said[0] and "from 64 tokens" in said[0], said
+    assert len(said) == 1 and "tuning.json" in said[0] and "from 64 tokens" in said[0], said
 
 
 def test_startup_line_names_each_auto_regime(fresh):
@@ -134,8 +140,8 @@ def test_startup_line_names_each_auto_regime(fresh):
     from vllm_moonep.vllm_plugin.checks import resolve_kernel
 
     cpu = torch.device("cpu")
-    fresh.setattr(api, "QUACK_FROM_TOKENS", {(7168, 2048): 4096})
-    fresh.setattr(api, "_triton_unusable", lambda x: None)  # as on a GPU
+    _measured(fresh, "quack", 7168, 2048, 4096)
+    fresh.setattr(api, "triton_unusable", lambda x: None)  # as on a GPU
     fresh.setattr(api, "quack_unusable", lambda x, w: None)
     assert resolve_kernel("auto", cpu, True, (7168, 2048)) == "triton below 4096 tokens per rank, quack from 4096"
     assert resolve_kernel("auto", cpu, True, (2048, 768)) == "triton"  # a shape nobody measured
@@ -145,28 +151,31 @@ def test_startup_line_names_each_auto_regime(fresh):
     assert resolve_kernel("auto", cpu, True, (7168, 2048)) == "triton"
 
 
-def test_bench_names_where_quack_won_from_on():
-    """The bench's summary naming a start where quack lost at a larger point, or a shape it never beat."""
-    from vllm_moonep.tools.bench_experts import SHAPES, quack_from_tokens
+def test_bench_names_where_a_library_won():
+    """The bench's auto regimes starting where quack lost at a larger point, ending a run at a point it lost, leaving
+    a run open that stops before the largest point, or naming a shape it never beat at both routings."""
+    from vllm_moonep.tools.bench_experts import SHAPES, auto_entries, faster_regimes
 
-    def rows(shape, wins):
-        return [{"shape": shape, "tokens": t, "triton_us": 10.0, "quack_us": 9.0 if won else 11.0}
+    def rows(shape, wins, col="quack"):
+        return [{"shape": shape, "tokens": t, "triton_us": 10.0, f"{col}_us": 9.0 if won else 11.0}
                 for t, won in wins for _ in ("balanced", "skewed")]
 
-    kimi = SHAPES["kimi-k2"]
-    got = quack_from_tokens(rows("kimi-k2", [(1, True), (256, False), (1024, True), (4096, True)])
-                            + rows("qwen3-30b-a3b", [(1024, True), (4096, False)]))
-    assert got == {(kimi["H"], kimi["I"]): 1024}
+    kimi, qwen = SHAPES["kimi-k2"], SHAPES["qwen3-30b-a3b"]
+    got = faster_regimes(rows("kimi-k2", [(1, True), (256, False), (1024, True), (4096, True)])
+                         + rows("qwen3-30b-a3b", [(16, True), (64, True), (1024, False), (4096, False)]), "quack")
+    assert got == {(kimi["H"], kimi["I"]): [(1, 1), (1024, None)], (qwen["H"], qwen["I"]): [(16, 64)]}
     mixed = rows("kimi-k2", [(4096, True)])
     mixed[1]["quack_us"] = 12.0  # lost on the other routing
-    assert quack_from_tokens(mixed) == {}
+    assert faster_regimes(mixed, "quack") == {}
+    entries = auto_entries(rows("qwen3-30b-a3b", [(16, False), (64, True)], "deepgemm"))
+    assert entries == [{"H": qwen["H"], "I": qwen["I"], "impl": "deepgemm", "from_tokens": 64, "to_tokens": None}]
 
 
 def test_auto_never_picks_quack_when_absent(no_quack, caplog):
-    """Where quack is not installed, auto picked it (then failed at the first layer) because QUACK_FROM_TOKENS
+    """Where quack is not installed, auto picked it (then failed at the first layer) because an auto regime
     listed the shape; or it dropped it silently."""
     x, rw, cu, w = _case([3, 0, 5])
-    no_quack.setattr(api, "QUACK_FROM_TOKENS", {(w.hidden, w.intermediate): 1})
+    _measured(no_quack, "quack", w.hidden, w.intermediate, 1)
     with caplog.at_level(logging.INFO, logger="vllm_moonep.common"):
         out = expert_ffn(x, rw, cu, w, impl="auto", tokens=1)
     assert torch.isfinite(out[: int(cu[-1])]).all()
@@ -178,7 +187,7 @@ def test_auto_never_picks_quack_when_absent(no_quack, caplog):
 def test_explicit_triton_names_its_import_error(fresh):
     """impl='triton' on a GPU where the kernels do not import said only 'cannot run here' (not the import error)."""
     x, rw, cu, w = _case([3, 0, 5])
-    fresh.setattr(api, "_cuda_capability", lambda t: (9, 0))
+    fresh.setattr(probes, "cuda_capability", lambda t: (9, 0))
     fresh.setitem(sys.modules, TRITON, None)
     with pytest.raises(MoonEPInputError, match=r"impl='triton' cannot run here: the Triton kernels do not import "
                                                r"\(ModuleNotFoundError: import of " + TRITON.replace(".", r"\.")):
@@ -189,7 +198,7 @@ def test_explicit_triton_names_its_import_error(fresh):
 def test_explicit_impl_errors_propagate_without_fallback(fresh, impl):
     """An explicit impl whose kernel fails to compile or launch was replaced by another impl (the error hidden)."""
     x, rw, cu, w = _case([3, 0, 5])
-    fresh.setattr(api, "_cuda_capability", lambda t: (9, 0))
+    fresh.setattr(probes, "cuda_capability", lambda t: (9, 0))
 
     def broken(*a, **k):
         raise RuntimeError(f"{impl} compile failed: out of shared memory")
@@ -243,13 +252,11 @@ def _stand_in(calls):
 def test_quack_plumbing_matches_float64(fresh, w13, lens):
     """quack_impl handing quack the wrong cu_seqlens_m (no leading 0, int64, END offsets), B untransposed, gate and
     up swapped in the concat, the route weight dropped, or the view of w13 not found (a copy or the split form)."""
-    from vllm_moonep.common.grouped_gemm.quack_impl import gate_up_as_one
-
     x, rw, cu, w = _case(lens, w13=w13, seed=len(lens))
     calls: list = []
-    fresh.setattr(api, "_cuda_capability", lambda t: (9, 0))
+    fresh.setattr(probes, "cuda_capability", lambda t: (9, 0))
     fresh.setitem(sys.modules, EPI, _stand_in(calls))
-    one = gate_up_as_one(w)
+    one = w.gate_up_as_one()
     assert (one is not None) == w13
     if w13:
         assert one.data_ptr() == w.gate[0].data_ptr() and torch.equal(one[:, 16:], w.up[0])  # a view, no copy
@@ -281,7 +288,7 @@ def test_quack_plumbing_dense_groups_subset(fresh):
     gr = torch.tensor([-1, -1, 0, 1, -1, 2])
     ws = GroupedWeights([one[:, :16]], [one[:, 16:]], [sub[2]], gp, gr, torch.tensor([2, 3, 5]))
     calls: list = []
-    fresh.setattr(api, "_cuda_capability", lambda t: (9, 0))
+    fresh.setattr(probes, "cuda_capability", lambda t: (9, 0))
     fresh.setitem(sys.modules, EPI, _stand_in(calls))
     out = expert_ffn_quack(x, rw, cu, ws)
     ref = expert_ffn_float64(x, rw, cu, ws)
@@ -293,10 +300,10 @@ def test_quack_plumbing_dense_groups_subset(fresh):
 _COMPILE_CHILD = r'''
 import pathlib, sys
 import torch
-from vllm_moonep.common.grouped_gemm import GroupedWeights, api
+from vllm_moonep.common.grouped_gemm import GroupedWeights, probes
 from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack
 
-api._cuda_capability = lambda t: (9, 0)  # the CPU rows pass for an sm_90 GPU's
+probes.cuda_capability = lambda t: (9, 0)  # the CPU rows pass for an sm_90 GPU's
 cache = pathlib.Path(sys.argv[1])
 H, I, G, M = 512, 256, 4, 300
 x = torch.randn(M, H).bfloat16()

@@ -1,5 +1,5 @@
 """Choices made for the user are said: the engine ``auto`` picks (INFO, once per process) and a
-tile table that cannot be read (WARNING, once, then generic tiles)."""
+kernel policy table that cannot be read (WARNING, once, then generic tiles), a GPU that borrows another's policy (INFO, once)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import logging
 import pytest
 
 import vllm_moonep.engine.defaults as defaults_mod
+from vllm_moonep.common.grouped_gemm import policy
 from vllm_moonep.engine import make_buffer, resolve_engine
 
 
@@ -28,57 +29,92 @@ def test_auto_engine_choice_is_said_once_at_info(monkeypatch, caplog):
 
 @pytest.fixture
 def triton_kernels(monkeypatch):
-    """The Triton kernels module, as if no tile table had been read yet in this process."""
+    """The Triton kernels module, as if no policy table had been read yet in this process."""
     tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
-    monkeypatch.setattr(tk, "_TUNING", {})
+    monkeypatch.setattr(policy, "_TABLES", {})
+    monkeypatch.setattr(defaults_mod, "_SAID", set())
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter has its own tiles
     return tk
 
 
 @pytest.mark.parametrize(
-    "content, error",
+    "content,error",
     [
-        ('{"entries": [', "JSONDecodeError"),
+        ('{"devices": {', "JSONDecodeError"),
         ("[1, 2]", "ValueError"),
+        ('{"entries": []}', "ValueError"),
         (None, "FileNotFoundError"),
     ],
-    ids=["truncated", "not-an-object", "missing"],
+    ids=["truncated", "not-an-object", "no-device-sections", "missing"],
 )
-def test_unreadable_tile_table_warns_once_and_uses_generic_tiles(triton_kernels, tmp_path, caplog, content, error):
-    """A tuning.json that failed to read or parse silently gave every shape the generic tiles."""
+def test_unreadable_policy_table_warns_once_and_uses_generic_tiles(triton_kernels, tmp_path, caplog, content, error):
+    """A tuning.json that failed to read or parse (or kept the old per-shape form without device sections)
+    silently gave every shape the generic tiles."""
     path = tmp_path / "tuning.json"
     if content is not None:
         path.write_text(content)
-    with caplog.at_level(logging.WARNING, logger=triton_kernels.__name__):
-        entries = triton_kernels.load_tuning(path)
-        assert triton_kernels.load_tuning(path) is entries  # read once
+    with caplog.at_level(logging.WARNING, logger=policy.__name__):
+        table = policy.load_table(path)
+        assert policy.load_table(path) is table  # read once
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1, [r.getMessage() for r in warned]
     msg = warned[0].getMessage()
     assert str(path) in msg and error in msg and "generic tiles" in msg
-    assert entries == []
+    assert table["devices"] == {}
+    pol = policy.policy_for("NVIDIA H200", (9, 0), path)
+    assert pol is policy.NO_POLICY
     # a shape the packaged table tunes gets the generic regime from a broken table
-    cfg = triton_kernels.select_config(2048, 768, 4000, 64, entries=entries)
+    cfg = triton_kernels.select_config(2048, 768, 4000, 64, entries=list(pol.tiles))
     assert cfg in triton_kernels.DEFAULT_CONFIGS.values()
 
 
-def test_tile_table_entries_without_tiles_are_dropped_with_a_warning(triton_kernels, tmp_path, caplog):
-    """An entry without 'gate_up'/'down' made select_config raise KeyError inside the first expert call."""
+def test_policy_entries_without_their_keys_are_dropped_with_a_warning(triton_kernels, tmp_path, caplog):
+    """A tile entry without 'gate_up'/'down' made select_config raise KeyError inside the first expert call; an auto
+    regime without its impl did the same inside resolve_impl."""
     good = {"H": 256, "I": 256, "max_rows": 1024, "gate_up": {"BM": 16}, "down": {"BM": 32}}
+    regime = {"H": 256, "I": 256, "impl": "quack", "from_tokens": 64}
     path = tmp_path / "tuning.json"
-    path.write_text(json.dumps({"entries": [good, {"H": 256, "I": 256, "max_rows": 4096}]}))
-    with caplog.at_level(logging.WARNING, logger=triton_kernels.__name__):
-        entries = triton_kernels.load_tuning(path)
-    assert entries == [good]
-    assert any("1 of 2 entries" in r.getMessage() for r in caplog.records)
-    assert triton_kernels.select_config(256, 256, 4000, 8, entries=entries) == {"gate_up": {"BM": 16}, "down": {"BM": 32}}
+    path.write_text(json.dumps({"devices": {"GPU X": {"tiles": [good, {"H": 256, "I": 256, "max_rows": 4096}],
+                                                      "auto": [regime, {"H": 256, "I": 256, "from_tokens": 1}]}}}))
+    with caplog.at_level(logging.WARNING, logger=policy.__name__):
+        pol = policy.policy_for("GPU X", (9, 0), path)
+    assert list(pol.tiles) == [good] and pol.regimes == (policy.Regime("quack", 256, 256, 64),)
+    assert any("1 of 2 tile entries" in r.getMessage() for r in caplog.records)
+    assert any("1 of 2 auto regimes" in r.getMessage() for r in caplog.records)
+    assert triton_kernels.select_config(256, 256, 4000, 8, entries=list(pol.tiles)) == {"gate_up": {"BM": 16}, "down": {"BM": 32}}
 
 
-def test_packaged_tile_table_reads_without_warning(triton_kernels, caplog):
+def test_packaged_policy_reads_without_warning(triton_kernels, caplog):
     """The shipped tuning.json must parse: a broken one would put every GPU on generic tiles."""
-    with caplog.at_level(logging.WARNING, logger=triton_kernels.__name__):
-        entries = triton_kernels.load_tuning()
-    assert entries and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    with caplog.at_level(logging.WARNING, logger=policy.__name__):
+        table = policy.load_table()
+    assert table["devices"]["NVIDIA H200"]["tiles"] and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    for arch, name in table["fallback"].items():
+        assert name in table["devices"], f"fallback {arch} names {name}, which has no section"
+
+
+def test_a_gpu_without_its_own_policy_says_which_it_borrows(triton_kernels, tmp_path, caplog):
+    """An H100 or a B200 silently ran the H200's tiles (the table had no device key): now a GPU of a measured
+    capability borrows that section and says so once at INFO, and a GPU of another capability gets the generic
+    tiles and Triton at every step size, said once too; a GPU with its own section says nothing."""
+    tiles = [{"H": 256, "I": 256, "max_rows": 1024, "gate_up": {"BM": 16}, "down": {"BM": 32}}]
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"fallback": {"sm_90": "GPU A"},
+                                "devices": {"GPU A": {"tiles": tiles, "auto": [
+                                    {"H": 256, "I": 256, "impl": "deepgemm", "from_tokens": 16, "to_tokens": 256}]}}}))
+    with caplog.at_level(logging.INFO, logger="vllm_moonep.common"):
+        own = policy.policy_for("GPU A", (9, 0), path)
+        for _ in range(2):
+            borrowed = policy.policy_for("GPU B", (9, 0), path)
+            other = policy.policy_for("GPU C", (10, 0), path)
+    said = [r.getMessage() for r in caplog.records]
+    assert own.section == "GPU A" and borrowed.section == "GPU A" and list(borrowed.tiles) == tiles
+    assert other is policy.NO_POLICY
+    assert len(said) == 2, said
+    assert "GPU B" in said[0] and "GPU A" in said[0] and "sm_90" in said[0]
+    assert "GPU C" in said[1] and "generic tiles" in said[1]
+    assert [r.impl for r in own.regimes_at(256, 256, 16)] == ["deepgemm"]
+    assert own.regimes_at(256, 256, 257) == [] and own.regimes_at(256, 256, 15) == [] and own.regimes_at(256, 256, None) == []
 
 
 def test_expert_impl_choice_is_said_once_and_explicit_triton_says_why(monkeypatch, caplog):

@@ -6,7 +6,7 @@ One run measures the ceilings (bf16 8192^3 matmul TFLOP/s, device copy GB/s coun
 plus written), then for each shape, tokens per rank and routing (balanced, skewed) builds rank
 0's realistic ``cu_seqlens`` of an EP=8 deployment: eight ranks' routing
 (``vllm_moonep.testing.routing.route``) gives ``tpe[8, E]``, the real planner
-(``vllm_moonep.engine.planner.plan_global``, ``B = E/8`` slots, padding 128) gives
+(``vllm_moonep.engine.planning.planner.plan_global``, ``B = E/8`` slots, padding 128) gives
 ``cu_seqlens[0]`` over ``E+B`` groups; real rows carry random hidden states and weights,
 padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM runs the
 layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed
@@ -23,6 +23,14 @@ before each run by ``triton.testing.do_bench``:
   GEMM with the fused ``silu(gate) * up * route_w`` epilogue, then down), on the same rows; where
   quack cannot run (not installed, compile error) the column reads ``-`` and the reason is printed.
   quack's own tiles unless ``--quack-tuned`` (its autotuner: minutes per new shape);
+- ``deepgemm``: ``expert_ffn_deepgemm`` (DeepGEMM's contiguous grouped bf16 GEMMs, vLLM's bundled
+  copy or a standalone ``deep_gemm``) over the same ``w13`` views: gate/up GEMM, our ``swiglu_route``
+  activation, down GEMM, grouped by the segments' ends (``--deepgemm-layout``); and, at points up to
+  ``MASKED_MAX_TOKENS`` tokens per rank, ``deepgemm masked``: its masked form (the low-latency decode
+  form: every group a fixed ``[max_m, H]`` block with a row count) with the same three steps, on the
+  point's rows copied into those blocks before timing (what MoonEP's contiguous segments would have to
+  be copied into: the copy is not in the time). Where DeepGEMM cannot run the columns read ``-`` and
+  the reason is printed;
 - ``vllm``: vLLM 0.33's own ``fused_experts`` (its Triton fused-MoE path: what a user gets without
   our backend; ``vllm_moonep.testing.vllm_fused.vllm_fused_experts`` says how it is called), on the
   same rows and weights: the point's real rows as top-1 tokens (``topk_ids`` = the row's group,
@@ -51,10 +59,10 @@ also timed cut by stream-K (``"streamk"``) and kept cut where faster at both rou
 tiles (the ``three launches`` column). Prints a markdown table; writes
 ``bench_experts.json`` to ``$OUT`` if set.
 
-After the table it names, per shape ``(H, I)``, the smallest measured tokens per rank from which
-quack beat Triton at every measured point, both routings (CUDA-graph times): what
-``vllm_moonep.common.grouped_gemm.api.QUACK_FROM_TOKENS`` takes (``impl=auto`` then uses quack from
-there on, for callers that pass the step's tokens).
+After the table it names, per library and shape ``(H, I)``, the runs of measured tokens per rank where
+the library beat Triton at both routings (CUDA-graph times): the ``auto`` regimes of this GPU's
+section of ``tuning.json`` (``vllm_moonep.common.grouped_gemm.policy``; ``impl=auto`` then takes the
+library there, for callers that pass the step's tokens).
 """
 
 from __future__ import annotations
@@ -71,13 +79,12 @@ import sys
 import torch
 
 from vllm_moonep.engine import default_num_slots
+from vllm_moonep.testing.models import model
 from vllm_moonep.testing.reference import relative_error
 from vllm_moonep.tools.timing import capture_graph
 
-SHAPES = {
-    "qwen3-30b-a3b": dict(H=2048, I=768, E=128, K=8),
-    "kimi-k2": dict(H=7168, I=2048, E=384, K=8),
-}
+#: the shapes it sweeps by default (vllm_moonep.testing.models)
+SHAPES = {key: model(key).dims() for key in ("qwen3-30b-a3b", "kimi-k2")}
 R = 8
 PAD = 128
 SKEW_SIGMA = 1.0
@@ -95,7 +102,7 @@ GU_CANDIDATES = [
     {"BM": 128, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 1},
     # tensor-descriptor (TMA) loads, and the warp-specialized loop ("ws"): the regimes from 256
-    # tokens per rank gained 4-20% on an H200 in a probe (docs/PERFORMANCE.md, seventh session)
+    # tokens per rank gained 4-20% on an H200 in a probe (docs/PERFORMANCE.md#tile-options)
     {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True},
     {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "ws": True},
     {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True},
@@ -105,14 +112,14 @@ GU_CANDIDATES = [
     {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     # one wave: tiles whose shared memory lets 3-4 programs share an SM, so that a launch of a few
     # hundred tiles runs them all at once (no second round for a few programs): 2-4% less for gate/up
-    # at 16-64 tokens of Qwen3 on an H200 (docs/PERFORMANCE.md, twelfth session)
+    # at 16-64 tokens of Qwen3 on an H200 (docs/PERFORMANCE.md#tile-options)
     {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
     {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 3},
     {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 4},
     {"BM": 32, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 3},
     {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 3, "tma": True},
     # swap-AB ("swap": weights on the MMA's M side): within 4% either way of the same tiles unswapped
-    # (docs/PERFORMANCE.md, twelfth session); kept where a point's sweep finds it faster
+    # (docs/PERFORMANCE.md#tile-options); kept where a point's sweep finds it faster
     {"BM": 32, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "swap": True},
     {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2, "swap": True},
 ]
@@ -136,7 +143,7 @@ DOWN_CANDIDATES = [
     {"BM": 16, "BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     # the persistent tile loop flattened ("flat": the next tile's loads overlap this one's epilogue): 1-3%
     # less at 256-4096 tokens on an H200 for these down tiles, slower for every gate_up tile tried
-    # (docs/PERFORMANCE.md, ninth session)
+    # (docs/PERFORMANCE.md#tile-options)
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True, "flat": True},
     {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True, "flat": True},
     {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "flat": True},
@@ -161,7 +168,7 @@ KEEP_MARGIN = 0.01
 #: the best candidates of each kernel that ``--tune`` also times cut by stream-K (``"streamk"``)
 STREAMK_TRIES = 3
 #: decode tiles (16 rows) that suit one launch: narrower than the three launches' best, so that a few
-#: busy groups still give every SM a work item (a probe on an H200, docs/PERFORMANCE.md, ninth session)
+#: busy groups still give every SM a work item (a probe on an H200, docs/PERFORMANCE.md#tile-options)
 FUSED_TILES = [
     {"gate_up": {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
      "down": {"BM": 16, "BN": n, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}}
@@ -235,7 +242,7 @@ def _ceiling_line(ceil: dict, where: str) -> str:
 def rank0_case(shape: dict, tokens: int, sigma: float, seed: int = 0):
     """Rank 0's cu_seqlens [E+B] int32, real rows per segment [E+B], NvS, maxvio."""
     from vllm_moonep.engine.buffer import nvs_rows
-    from vllm_moonep.engine.planner import plan_global
+    from vllm_moonep.engine.planning.planner import plan_global
     from vllm_moonep.testing.routing import maxvio, route
 
     E, K = shape["E"], shape["K"]
@@ -306,6 +313,79 @@ def set_floor(row: dict, ceil: dict) -> None:
         row["quack_over_floor"] = row["quack_us"] / row["floor_us"]
     if row.get("vllm_us") is not None:
         row["vllm_over_floor"] = row["vllm_us"] / row["floor_us"]
+    for name in ("deepgemm", "deepgemm_masked"):
+        if row.get(f"{name}_us") is not None:
+            row[f"{name}_over_floor"] = row[f"{name}_us"] / row["floor_us"]
+
+
+#: the largest tokens per rank the masked DeepGEMM form is timed at (its regime: decode)
+MASKED_MAX_TOKENS = 256
+
+
+def _deepgemm_point(x, rw, cu, weights, out_p, n, args):
+    """The DeepGEMM contiguous column at one point: ``(fields, error)`` as ``_quack_point``."""
+    from vllm_moonep.common.grouped_gemm.deepgemm_impl import expert_ffn_deepgemm
+
+    out_d = torch.full_like(x, float("nan"))
+
+    def f_d():
+        return expert_ffn_deepgemm(x, rw, cu, weights, out=out_d, layout=args.deepgemm_layout)
+
+    _, err = _first_call(f_d)
+    if err:
+        return {"deepgemm_us": None}, err
+    return {
+        "deepgemm_unwritten": int(torch.isnan(out_d[:n]).sum()),
+        "err_deepgemm_vs_poc": relative_error(out_d[:n], out_p[:n]),
+        **_column_times("deepgemm", f_d, args),
+    }, None
+
+
+def _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args):
+    """DeepGEMM's masked form at one point: each group's live rows copied (untimed) into a
+    ``[G, max_m, H]`` block, then the gate/up GEMM, the activation and the down GEMM as the masked
+    kernels run them. ``(fields, error)``; the check scatters the blocks back onto the rows."""
+    from vllm_moonep.common.grouped_gemm.deepgemm_act import swiglu_route
+    from vllm_moonep.common.grouped_gemm.deepgemm_impl import deep_gemm
+
+    dg = deep_gemm()
+    G, I2, H = w13.shape
+    I = I2 // 2
+    starts = [0] + cu_h.tolist()[:-1]
+    counts = real.tolist()
+    max_m = max(128, -(-max(counts) // 128) * 128)
+    expected = max(1, -(-sum(counts) // max(1, sum(1 for c in counts if c))))
+    a = torch.zeros(G, max_m, H, dtype=x.dtype, device=x.device)
+    w = torch.zeros(G, max_m, dtype=torch.float32, device=x.device)
+    src, dst = [], []
+    for g, (s0, c) in enumerate(zip(starts, counts)):
+        src.extend(range(s0, s0 + c))
+        dst.extend(g * max_m + j for j in range(c))
+    src_t = torch.tensor(src, dtype=torch.int64, device=x.device)
+    dst_t = torch.tensor(dst, dtype=torch.int64, device=x.device)
+    a.view(-1, H)[dst_t] = x[src_t]
+    w.view(-1)[dst_t] = rw[src_t].float()
+    masked_m = torch.tensor(counts, dtype=torch.int32, device=x.device)
+    h = torch.empty(G, max_m, I2, dtype=x.dtype, device=x.device)
+    act = torch.empty(G * max_m, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(G, max_m, H, dtype=x.dtype, device=x.device)
+    hv = h.view(-1, I2)
+    wv = w.view(-1)
+
+    def f_m():
+        dg.m_grouped_bf16_gemm_nt_masked(a, w13, h, masked_m, expected)
+        swiglu_route(hv[:, :I], hv[:, I:], wv, act)
+        dg.m_grouped_bf16_gemm_nt_masked(act.view(G, max_m, I), w_down, y, masked_m, expected)
+        return y
+
+    _, err = _first_call(f_m)
+    if err:
+        return {"deepgemm_masked_us": None}, err
+    return {
+        "deepgemm_masked_max_m": max_m,
+        "err_deepgemm_masked_vs_poc": relative_error(y.view(-1, H)[dst_t], out_p[src_t]),
+        **_column_times("deepgemm_masked", f_m, args),
+    }, None
 
 
 def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args):
@@ -391,46 +471,46 @@ def _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args):
     return fields, None
 
 
-def quack_from_tokens(rows: list) -> dict:
-    """Per ``(H, I)``: the smallest measured tokens per rank from which quack's graph time beat
-    Triton's at every measured point (both routings), the values ``api.QUACK_FROM_TOKENS`` may take;
-    shapes where quack lost at the largest point are left out."""
+def faster_regimes(rows: list, column: str, margin: float = KEEP_MARGIN) -> dict:
+    """Per ``(H, I)``: the runs of consecutive measured tokens per rank where ``column``'s graph time beat
+    Triton's by more than ``margin`` at every routing (a tie within noise keeps our kernels), as ``[(from_tokens, to_tokens), ...]`` (``to_tokens`` ``None`` where the
+    run reaches the largest measured point): the ``auto`` regimes ``tuning.json`` may take for it."""
     wins: dict = {}
     for r in rows:
         shp = SHAPES[r["shape"]]
-        won = r.get("quack_us") is not None and r["quack_us"] < r["triton_us"]
+        won = r.get(f"{column}_us") is not None and r[f"{column}_us"] < r["triton_us"] * (1 - margin)
         by_tokens = wins.setdefault((shp["H"], shp["I"]), {})
         by_tokens[r["tokens"]] = by_tokens.get(r["tokens"], True) and won
     out = {}
     for key, by_tokens in wins.items():
-        start = None
-        for t in sorted(by_tokens, reverse=True):
-            if not by_tokens[t]:
-                break
-            start = t
-        if start is not None:
-            out[key] = start
+        points = sorted(by_tokens)
+        runs, start = [], None
+        for i, t in enumerate(points):
+            if by_tokens[t] and start is None:
+                start = t
+            if start is not None and (not by_tokens[t] or i == len(points) - 1):
+                last = i == len(points) - 1 and by_tokens[t]
+                runs.append((start, None if last else (t if by_tokens[t] else points[i - 1])))
+                start = None
+        if runs:
+            out[key] = runs
     return out
 
 
-#: what tuning.json says about itself (the tile options are explained in triton_kernels' module doc)
-TUNING_COMMENT = ("tile configs per (H, I, tokens per rank); written by python -m vllm_moonep.tools.bench_experts "
-                  "--tune or --tune-streamk (points it measured replaced, others kept). Beside the tiles: \"tma\" "
-                  "tensor-descriptor loads, \"ws\" the warp-specialized main loop, \"flat\" the persistent tile loop "
-                  "flattened, \"streamk\" the last tiles cut between programs, \"swap\" weights on the MMA's M "
-                  "side (swap-AB), \"fused\" one launch (triton_fused) of "
-                  "the entry's tiles; each where it measured faster (docs/PERFORMANCE.md)")
+def auto_entries(rows: list, columns=("quack", "deepgemm")) -> list:
+    """The ``auto`` regimes of a policy section from a sweep's rows (``faster_regimes`` per library)."""
+    return [{"H": H, "I": I, "impl": col, "from_tokens": lo, "to_tokens": hi}
+            for col in columns for (H, I), runs in sorted(faster_regimes(rows, col).items()) for lo, hi in runs]
 
 
-def merged_tuning(shipped: list, tuned: list) -> dict:
-    """The tile table ``--tune`` writes: the shipped entries with every point it measured
+def merged_tuning(shipped: list, tuned: list) -> list:
+    """The tile entries ``--tune`` writes for this GPU: the shipped ones with every point it measured
     replaced (same ``H``, ``I`` and tokens per rank) or added, ordered by shape and tokens; points
     it did not measure keep their tiles."""
     key = lambda e: (e["H"], e["I"], e.get("tokens_per_rank", e["max_rows"]))  # noqa: E731
     table = {key(e): e for e in shipped}
     table.update({key(e): e for e in tuned})
-    return {"comment": TUNING_COMMENT,
-            "entries": [table[k] for k in sorted(table)]}
+    return [table[k] for k in sorted(table)]
 
 
 def _three_note(t_three) -> str:
@@ -460,6 +540,24 @@ def _quack_note(row: dict) -> str:
 
 def _vllm_note(row: dict) -> str:
     return _column_note(row, "vllm", f" x{row.get('vllm_over_floor', 0):.2f} err {row.get('err_vllm_vs_triton', 0):.1e}")
+
+
+def _deepgemm_version() -> str | None:
+    from vllm_moonep.common.grouped_gemm.deepgemm_impl import deep_gemm
+
+    try:
+        return str(getattr(deep_gemm(), "__version__", "?"))
+    except Exception:
+        return None
+
+
+def _deepgemm_note(row: dict) -> str:
+    note = _column_note(row, "deepgemm", f" x{row.get('deepgemm_over_floor', 0):.2f} err "
+                                         f"{row.get('err_deepgemm_vs_poc', 0):.1e} unw {row.get('deepgemm_unwritten')}")
+    if row.get("deepgemm_masked_us") is not None:
+        note += (f"; masked {row['deepgemm_masked_us']:.1f} us x{row.get('deepgemm_masked_over_floor', 0):.2f} err "
+                 f"{row.get('err_deepgemm_masked_vs_poc', 0):.1e}")
+    return note
 
 
 def _quack_version() -> str | None:
@@ -509,6 +607,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
     ap.add_argument("--quack-tuned", action="store_true",
                     help="quack column: quack's autotuner (compiles and times its config space per new shape: minutes)")
+    ap.add_argument("--no-deepgemm", action="store_true", help="leave out the DeepGEMM columns")
+    ap.add_argument("--deepgemm-layout", choices=("psum", "rows"), default=None,
+                    help="the grouped layout handed to DeepGEMM's contiguous GEMMs (default: deepgemm_impl.ROW_LAYOUT)")
     ap.add_argument("--no-vllm", action="store_true",
                     help="leave out the vLLM column (vLLM's own fused_experts on the same rows and weights)")
     ap.add_argument("--profile-case", metavar="SHAPE:TOKENS", default=None,
@@ -530,7 +631,12 @@ def main(argv=None) -> int:
 
     from vllm_moonep.common.grouped_gemm import GroupedWeights
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
+    from vllm_moonep.common.grouped_gemm import policy
+    from vllm_moonep.common.grouped_gemm.deepgemm_impl import ROW_LAYOUT, deepgemm_unusable
     from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack, quack_unusable
+
+    if args.deepgemm_layout is None:
+        args.deepgemm_layout = ROW_LAYOUT
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -558,6 +664,9 @@ def main(argv=None) -> int:
     resources = {}
     quack_absent: dict[str, str] = {}  # shape -> why the quack column is empty
     quack_error = None  # the first error quack raised: no further quack runs
+    deepgemm_absent: dict[str, str] = {}  # shape (or "masked") -> why the DeepGEMM column is empty
+    deepgemm_error = "left out (--no-deepgemm)" if args.no_deepgemm else None
+    masked_error = deepgemm_error
     tokens_list = [int(t) for t in args.tokens.split(",")]
     for sname in args.shapes.split(","):
         shp = SHAPES[sname]
@@ -569,15 +678,19 @@ def main(argv=None) -> int:
         prep = tk.prepare_weights(weights, dev)
         q_weights = w13 = None
         why_q = quack_error or quack_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights)
-        if why_q is None or vllm_error is None:  # quack and vLLM read gate and up as one w13 (gate rows first)
+        why_d = deepgemm_error or deepgemm_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights)
+        if why_d is not None:
+            deepgemm_absent[sname] = why_d
+            print(f"# deepgemm: - ({why_d})", flush=True)
+        if why_q is None or why_d is None or vllm_error is None:  # they read gate and up as one w13 (gate rows first)
             w13 = torch.empty(G, 2 * I, H, device=dev, dtype=torch.bfloat16)
             w13[:, :I].copy_(w_gate)
             w13[:, I:].copy_(w_up)
-        if why_q is None:
+        if why_q is None or why_d is None:
             assert w13 is not None  # made just above
             q_weights = GroupedWeights([w13[:, :I]], [w13[:, I:]], [w_down], weights.group_pool, weights.group_row,
                                        weights.dense_groups)
-        else:
+        if why_q is not None:
             quack_absent[sname] = why_q
             print(f"# quack: - ({why_q})", flush=True)
         for tokens in tokens_list:
@@ -721,8 +834,21 @@ def main(argv=None) -> int:
                                                                      zero_tail=False))
                     t_three = _bench(r_3, rep=args.rep) * 1e3
                     del g_3
+                drow: dict = {"deepgemm_us": None, "deepgemm_masked_us": None}
+                if q_weights is not None and why_d is None and deepgemm_error is None:
+                    dfields, deepgemm_error = _deepgemm_point(x, rw, cu, q_weights, out_p, n, args)
+                    drow.update(dfields)
+                    if deepgemm_error is not None:
+                        deepgemm_absent[sname] = deepgemm_error
+                        print(f"# deepgemm: - ({deepgemm_error}); no further DeepGEMM runs", flush=True)
+                if w13 is not None and why_d is None and masked_error is None and tokens <= MASKED_MAX_TOKENS:
+                    mfields, masked_error = _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args)
+                    drow.update(mfields)
+                    if masked_error is not None:
+                        deepgemm_absent["masked"] = masked_error
+                        print(f"# deepgemm masked: - ({masked_error}); no further masked runs", flush=True)
                 qrow = {"quack_us": None}
-                if q_weights is not None and quack_error is None:
+                if q_weights is not None and why_q is None and quack_error is None:
                     qrow, quack_error = _quack_point(expert_ffn_quack, x, rw, cu, q_weights, out_p, n, args)
                     if quack_error is not None:
                         quack_absent[sname] = quack_error
@@ -742,7 +868,7 @@ def main(argv=None) -> int:
                     "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
                     "err_vs_poc": err_tp, "unwritten": unwritten, "config": conf,
                     "groups": G, "rows_per_group": nvs_ / G,
-                    **qrow, **vrow,
+                    **qrow, **vrow, **drow,
                 }
                 set_floor(row, ceil)
                 rows.append(row)
@@ -751,7 +877,8 @@ def main(argv=None) -> int:
                     f"# {sname:14s} t={tokens:5d} {routing:8s} rows={n:6d} real={real_rows:6d} busy={busy:3d} "
                     f"triton {t_tri:9.1f} us  poc {t_poc:9.1f} us  floor {floor_us:9.1f} us ({row['floor_kind']}) "
                     f"x{row['triton_over_floor']:.2f}{_three_note(t_three)}  {row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
-                    f"quack {_us(row['quack_us'])} us{_quack_note(row)}  vllm {_us(row['vllm_us'])} us{_vllm_note(row)}",
+                    f"quack {_us(row['quack_us'])} us{_quack_note(row)}  deepgemm {_us(row['deepgemm_us'])} us{_deepgemm_note(row)}  "
+                    f"vllm {_us(row['vllm_us'])} us{_vllm_note(row)}",
                     flush=True,
                 )
             # resource report of the kernels used at this point
@@ -791,26 +918,31 @@ def main(argv=None) -> int:
     print("vLLM us: vLLM's own fused_experts on the same real rows and weights (rows as top-1 tokens; its time includes "
           "its grouping of rows by expert and the K-sum).")
     print()
-    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | vLLM us | floor us | Triton/floor | Triton/(floor+launch) | PoC/floor | quack/floor | vLLM/floor | vLLM/Triton | useful TFLOP/s | weight GB/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | DeepGEMM us | DeepGEMM masked us | vLLM us | floor us | Triton/floor | Triton/(floor+launch) | PoC/floor | quack/floor | DeepGEMM/floor | masked/floor | vLLM/floor | DeepGEMM/Triton | vLLM/Triton | useful TFLOP/s | weight GB/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         v_t = None if r.get("vllm_us") is None else r["vllm_us"] / r["triton_us"]
+        d_t = None if r.get("deepgemm_us") is None else r["deepgemm_us"] / r["triton_us"]
         print(
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['rows']} ({r['real_rows']}) | {r['busy_groups']} | "
             f"{r['triton_us']:.1f} | {_us(r.get('triton_three_launches_us'))} | {r['poc_us']:.1f} | {_us(r['quack_us'])} | "
+            f"{_us(r.get('deepgemm_us'))} | {_us(r.get('deepgemm_masked_us'))} | "
             f"{_us(r.get('vllm_us'))} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
             f"{r['triton_over_floor']:.2f} | {r['triton_over_floor_launch']:.2f} | {r['poc_over_floor']:.2f} | "
-            f"{_ratio(r.get('quack_over_floor'))} | {_ratio(r.get('vllm_over_floor'))} | {_ratio(v_t)} | "
-            f"{r['triton_tflops_useful']:.0f} | {r['triton_weight_gbs']:.0f} |"
+            f"{_ratio(r.get('quack_over_floor'))} | {_ratio(r.get('deepgemm_over_floor'))} | "
+            f"{_ratio(r.get('deepgemm_masked_over_floor'))} | {_ratio(r.get('vllm_over_floor'))} | {_ratio(d_t)} | "
+            f"{_ratio(v_t)} | {r['triton_tflops_useful']:.0f} | {r['triton_weight_gbs']:.0f} |"
         )
     print()
     if vllm_error is not None:
         print(f"# vllm column: - ({vllm_error})")
     for sname, why in quack_absent.items():
         print(f"# quack column for {sname}: - ({why})")
-    faster = quack_from_tokens(rows)
-    print(f"# quack faster than Triton at every measured point from these tokens per rank on, both routings "
-          f"(QUACK_FROM_TOKENS, (H, I): tokens): {faster or 'none'}")
+    for name, why in deepgemm_absent.items():
+        print(f"# deepgemm column for {name}: - ({why})")
+    regimes = auto_entries(rows)
+    print(f"# library kernels faster than Triton at both routings over these tokens per rank (tuning.json's auto "
+          f"regimes for {props.name}): {regimes or 'none'}")
     for k, v in resources.items():
         print(f"# resources {k}: {v}")
     result = {
@@ -821,16 +953,21 @@ def main(argv=None) -> int:
         "vllm": {**vllm_info, "absent": vllm_error,
                  "method": "vLLM's fused_experts on the point's real rows as top-1 tokens over w13 [E+B, 2I, H] and "
                            "w_down: the same weights and route weights as the Triton column"},
-        "quack": {"version": _quack_version(), "tuned": args.quack_tuned, "absent": quack_absent,
-                  "faster_regimes": sorted(faster)},
+        "quack": {"version": _quack_version(), "tuned": args.quack_tuned, "absent": quack_absent},
+        "deepgemm": {"version": _deepgemm_version(), "layout": args.deepgemm_layout, "absent": deepgemm_absent,
+                     "masked_max_tokens": MASKED_MAX_TOKENS},
+        "auto_regimes": regimes,
     }
     if out_dir:
         with open(os.path.join(out_dir, "bench_experts.json"), "w") as f:
             json.dump(result, f, indent=1)
     if args.tune or args.tune_streamk:
         path = os.path.join(out_dir or ".", "tuning.json")
+        own_tiles = list(policy.policy_for(props.name, (props.major, props.minor)).tiles)
+        table = policy.with_tiles(policy.load_table(), props.name, merged_tuning(own_tiles, tuned_entries),
+                                  (props.major, props.minor))
         with open(path, "w") as f:
-            json.dump(merged_tuning(tk.load_tuning(), tuned_entries), f, indent=1)
+            json.dump(table, f, indent=1)
             f.write("\n")
         print(f"# wrote {path}")
     return 0

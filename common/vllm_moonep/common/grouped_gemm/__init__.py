@@ -19,8 +19,10 @@ are others, with no copies. Implementations (``impl=``):
   bodies in ``triton_tiles.py``; at decode the tiles may run as one launch, ``triton_fused.py``).
 - ``quack``: quack-kernels' varlen grouped GEMM (``quack_impl.py``; an optional extra,
   ``vllm-moonep[quack]``), bf16 on sm90+, over a dense source like ``grouped_mm``.
-- ``auto``: quack where ``api.QUACK_FROM_TOKENS`` says it was measured faster than triton (per
-  shape, from a number of tokens per rank on; the caller passes ``tokens``) and it runs, else
+- ``deepgemm``: DeepGEMM's contiguous grouped bf16 GEMMs (``deepgemm_impl.py``; vLLM bundles it,
+  ``vllm.third_party.deep_gemm``), sm_90/sm_100, over a dense source like ``grouped_mm``.
+- ``auto``: the library kernel of a regime where it was measured faster than triton on this GPU
+  (``policy.py``: per shape, a range of tokens per rank; the caller passes ``tokens``) and it runs, else
   triton on CUDA when it is importable, else grouped_mm where it applies on CUDA, else reference
   (always on CPU: torch's CPU ``_grouped_mm`` is bf16 matmuls, slower there than the reference's
   float32 ones; ``impl="grouped_mm"`` still runs it on CPU). Said once per process (per
@@ -36,7 +38,6 @@ then leave them as they were; the MoE step passes it for the built-in engine).
 
 from vllm_moonep.common.grouped_gemm.api import (
     IMPLS,
-    GroupedWeights,
     auto_regimes,
     available_impls,
     expert_ffn,
@@ -44,6 +45,7 @@ from vllm_moonep.common.grouped_gemm.api import (
     resolve_impl,
 )
 from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
 
 __all__ = [
     "IMPLS",

@@ -1,6 +1,6 @@
 """The quack-kernels pieces of ``impl="quack"``; this module imports quack (an optional
 dependency), so only ``quack_impl`` imports it, lazily, and importing it is the probe of whether
-quack is usable (``api.quack_unusable``).
+quack is usable (``quack_impl.quack_unusable``).
 
 ``swiglu_route`` is a fused GEMM epilogue in quack's ``@gemm_epilogue`` contract: with gate and up
 concatenated along N (``concat_layout=("B",)``) the accumulator arrives paired per output column

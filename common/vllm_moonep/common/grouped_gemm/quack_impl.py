@@ -2,7 +2,7 @@
 ``pip install 'vllm-moonep[quack]'``). A third path beside the Triton kernels and the PoC's
 ``torch._grouped_mm``, kept so the three can be measured on the same rows
 (``tools/vllm_moonep/tools/bench_experts.py``) and ``impl="auto"`` can take it where it was
-measured faster (``api.QUACK_FROM_TOKENS``).
+measured faster (``policy.py``: the GPU's ``auto`` regimes in ``tuning.json``).
 
 Like ``grouped_mm`` it takes the weights only when the used groups are the rows of one dense
 tensor (``GroupedWeights.dense_groups``: pool 0 row ``j`` serves group ``dense_groups[j]``, every
@@ -39,33 +39,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_moonep.common.grouped_gemm.api import GroupedWeights, quack_unusable
+from vllm_moonep.common.grouped_gemm import probes
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
 from vllm_moonep.engine.errors import MoonEPInputError
 
-__all__ = ["QUACK_TUNED", "expert_ffn_quack", "gate_up_as_one", "quack_unusable"]
+__all__ = ["QUACK_TUNED", "expert_ffn_quack", "quack_unusable"]
 
 #: quack's autotuner off by default (see the module doc)
 QUACK_TUNED = False
 
-_GATE_UP_KEY = "quack_gate_up"
-
-
-def gate_up_as_one(weights: GroupedWeights) -> torch.Tensor | None:
-    """Pool 0's gate and up as one ``[N, 2I, H]`` view (gate rows, then up rows, per expert) when
-    up's rows follow gate's in one storage with the same strides; ``None`` otherwise. Found once
-    per weights object (kept in its ``_device_copies``; a view: no memory)."""
-    cache = weights._device_copies
-    if _GATE_UP_KEY not in cache:
-        g, u = weights.gate[0], weights.up[0]
-        n, I, H = g.shape
-        one = None
-        if (g.stride() == u.stride() and g.stride(2) == 1 and g.stride(1) == H
-                and (n <= 1 or g.stride(0) >= 2 * I * H)
-                and g.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
-                and u.storage_offset() - g.storage_offset() == I * H):
-            one = g.as_strided((n, 2 * I, H), (g.stride(0), H, 1))
-        cache[_GATE_UP_KEY] = one
-    return cache[_GATE_UP_KEY]
+def quack_unusable(x: torch.Tensor, w: GroupedWeights) -> str | None:
+    """Why quack-kernels' varlen GEMM (``impl="quack"``) cannot run on ``x`` and ``w``
+    (``None``: it can). The first call imports quack (the CuTe DSL: seconds)."""
+    err = probes.import_error("vllm_moonep.common.grouped_gemm.quack_epilogue")  # imports quack
+    if err is not None:
+        return f"quack-kernels does not import ({err}; pip install 'vllm-moonep[quack]')"
+    cap = probes.cuda_capability(x)
+    if cap is None:
+        return f"quack-kernels' GEMMs need a CUDA GPU of sm_90 or newer, the rows are on {x.device}"
+    if cap[0] < 9:
+        return f"quack-kernels' GEMMs need sm_90 or newer, this GPU is sm_{cap[0]}{cap[1]}"
+    if x.dtype != torch.bfloat16:
+        return f"the quack path takes bf16 rows and weights, got {x.dtype}"
+    if w.dense_groups is None:
+        return ("the quack path needs the used groups' weights as the rows of one tensor (GroupedWeights.dense_groups: "
+                "per-layer slots, B >= E/R, no shared slot pool)")
+    return None
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +101,7 @@ def expert_ffn_quack(
     cu_m = F.pad(cu_seqlens.index_select(0, groups).to(torch.int32), (1, 0))
     xa = _aligned(x)
     act = torch.empty(x.shape[0], weights.intermediate, dtype=x.dtype, device=x.device)
-    w13 = gate_up_as_one(weights)
+    w13 = weights.gate_up_as_one()
     if w13 is not None:
         rw = route_w if route_w.stride(0) == 1 and route_w.data_ptr() % 16 == 0 else route_w.clone()
         swiglu_route(xa, w13.mT, out={"act": act}, store_d=False, tuned=tuned, cu_seqlens_m=cu_m,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_moonep.common.grouped_gemm.api import GroupedWeights
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
 
 
 def _segments(cu_seqlens: torch.Tensor):

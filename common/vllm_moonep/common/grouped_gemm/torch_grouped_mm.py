@@ -9,8 +9,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_moonep.common.grouped_gemm.api import GroupedWeights
+from vllm_moonep.common.grouped_gemm import probes
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
 from vllm_moonep.engine.errors import MoonEPInputError
+
+_CPU_GROUPED_MM: bool | None = None
+
+
+def _cpu_grouped_mm_works() -> bool:
+    """Whether this torch build runs ``torch._grouped_mm`` on CPU (recent builds do); probed once."""
+    global _CPU_GROUPED_MM
+    if _CPU_GROUPED_MM is None:
+        try:
+            x = torch.ones(4, 8, dtype=torch.bfloat16)
+            w = torch.ones(2, 8, 8, dtype=torch.bfloat16)
+            y = torch._grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32))
+            _CPU_GROUPED_MM = bool((y == 8).all())
+        except Exception:
+            _CPU_GROUPED_MM = False
+    return _CPU_GROUPED_MM
+
+
+def grouped_mm_unusable(x: torch.Tensor, w: GroupedWeights) -> str | None:
+    """Why ``torch._grouped_mm`` cannot take ``x`` and ``w`` (``None``: it can)."""
+    ok = w.dense_groups is not None and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    if ok:
+        cap = probes.cuda_capability(x)
+        ok = cap[0] >= 9 if cap is not None else (x.device.type == "cpu" and _cpu_grouped_mm_works())
+    return None if ok else ("it needs the dense [home ; slots] weights (per-layer slots, B >= E/R), bf16 rows, and "
+                            "sm_90 on CUDA or a torch that runs it on CPU")
 
 
 def expert_ffn_grouped_mm(

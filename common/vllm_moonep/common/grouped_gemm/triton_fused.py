@@ -22,7 +22,8 @@ at once (a grid barrier, or a fixed split of items between programs, could). The
 operands are loaded with pointer loads (act is written by other programs of this launch; the
 tensor-descriptor path is for gate/up, whose rows come from the launch before).
 
-``SWAP1`` and ``SWAP2``: the gate/up and down tiles' swap-AB (``triton_tiles.mma``), as in three launches.
+``SWAP1`` and ``SWAP2``: the gate/up and down tiles' swap-AB (``triton_tiles.mma``), as in three launches;
+``W13I1``: the gate/up tiles read gate and up interleaved in one weight (``triton_tiles.gate_up_acc``).
 
 The counters are ``int32 [2 + G]`` (``next``, ``left``, ``ready[G]``), zeroed once per weights
 (``prepare_weights``) and restored by each launch, so launches of one weights object must run
@@ -51,7 +52,7 @@ def fused_kernel(
     BM1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N1: tl.constexpr,
     BM2: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, EVEN_K2: tl.constexpr, EVEN_N2: tl.constexpr,
     DOT_F32: tl.constexpr, SKIP: tl.constexpr, TMA1: tl.constexpr, SWAP1: tl.constexpr, SWAP2: tl.constexpr,
-    ZT: tl.constexpr, HAS_ENDS: tl.constexpr,
+    ZT: tl.constexpr, HAS_ENDS: tl.constexpr, W13I1: tl.constexpr,
 ):
     nprog = tl.num_programs(0)
     gidx = tl.arange(0, GP2)
@@ -86,7 +87,7 @@ def fused_kernel(
                 rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, I, BM1, BN1, EVEN_N1)
                 gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
                              I, H, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
-                             BM1, BN1, BK1, EVEN_K1, DOT_F32, SKIP, TMA1, False, SWAP1)
+                             BM1, BN1, BK1, EVEN_K1, DOT_F32, SKIP, TMA1, False, SWAP1, W13I1)
             tl.debug_barrier()  # every thread's act stores, then one release carries them
             tl.atomic_add(ready + g, 1, sem="release", scope="gpu")
         else:

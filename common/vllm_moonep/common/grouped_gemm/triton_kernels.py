@@ -58,13 +58,23 @@ rows then runs Hopper's warpgroup MMA with the rows as its N, where unswapped it
 MMA; the sums are transposed back before the epilogue, so every schedule takes it (three launches,
 one launch, stream-K). Measured within 4% either way of the same tiles unswapped (the regime is
 memory-bound): it is one more candidate for ``--tune``.
+``"w13i": true`` (gate/up tiles, every schedule; off unless a config asks) runs each gate/up main-loop step as
+one ``[2BN, BK]`` weight block and one MMA of ``2BN`` columns (on Hopper one warpgroup MMA of N = 2BN, the
+rows' block read from shared memory once, instead of two of N = BN) on gate and up interleaved row by row
+(``interleave_gate_up``); the sums are split into gate and up columns for the same epilogue. The weights stay
+as they are: ``prepare_weights(w13i=True)`` (``expert_ffn_triton``, when a config asks) keeps an interleaved
+copy of the groups' gate and up rows beside the pointer table, one more copy of gate and up in memory (a
+lever to measure, ``python -m vllm_moonep.tools.bench_levers``: a layout would store its ``w13``
+interleaved if it is kept).
 ``"flat": true`` flattens a kernel's persistent tile loop into its main loop (Triton's
 ``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue), on steps
 without padding (``padded=False``) and without ``ws`` (``_flat``). Same bits either way.
 
-Tile configurations come from ``tuning.json`` (keyed by ``H``, ``I`` and the row count ``NvS``,
-which the buffer derives from the token capacity); unknown shapes use a generic rule, and so does
-every shape when the file cannot be read or parsed (reported once, WARNING, by ``load_tuning``).
+Tile configurations come from the GPU's section of ``tuning.json`` (``policy.py``: its own, or the one
+its compute capability borrows, said once), looked up by ``H``, ``I`` and the step's tokens per rank
+where the caller passes them, else by the row count ``NvS`` (``max_rows``, which the buffer derives
+from the token capacity); unknown shapes use a generic rule, and so does every shape when the file
+cannot be read or parsed (reported once, WARNING, by ``policy.load_table``).
 An entry with ``"fused": {"num_warps", "num_stages", "progs_per_sm"}`` runs its gate_up and down
 tiles in one launch (where ``bench_experts --tune`` measured that faster than three).
 
@@ -77,19 +87,17 @@ tile list, trimming, masks, epilogues) is the code the GPU runs.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import pathlib
 import warnings
 import weakref
-from importlib import resources
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm_moonep.common.grouped_gemm.api import GroupedWeights, check_tail_args
+from vllm_moonep.common.grouped_gemm import policy
+from vllm_moonep.common.grouped_gemm.probes import interpreting
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_args
 from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
 from vllm_moonep.common.grouped_gemm.triton_tiles import (down_acc, down_store, down_tile, gate_up_acc, gate_up_store,
                                                           gate_up_tile, pick, tile_index, trim_end, zero_rows)
@@ -101,16 +109,12 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "expert_ffn_triton",
-    "load_tuning",
+    "interleave_gate_up",
     "prepare_weights",
     "select_config",
     "interpreting",
     "DEFAULT_CONFIGS",
 ]
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,6 +239,7 @@ def _gate_up_kernel(
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
+    W13I: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -257,7 +262,7 @@ def _gate_up_kernel(
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
         gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
                      N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
-                     BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
+                     BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP, W13I)
     if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
         while it < it_end:
             ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
@@ -267,7 +272,7 @@ def _gate_up_kernel(
             wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
             acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0,
                                        kk0 * BK, kk1 * BK, N, K, stride_xm, s_gn, s_gk, s_un, s_uk,
-                                       BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
+                                       BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP, W13I)
             if (kk0 == 0) & (kk1 == ipt):
                 gate_up_store(acc_g, acc_u, rw_ptr, act_ptr, rows, rows_ld, ee, cols, N, stride_am)
             else:
@@ -361,12 +366,67 @@ def _down_kernel(
 
 
 class _Prepared:
-    __slots__ = ("key", "table", "strides", "keep", "device", "sync")
+    __slots__ = ("key", "table", "strides", "keep", "device", "sync", "w13i")
 
     def __init__(self, key, table, strides, keep, device, sync):
         self.key, self.table, self.strides, self.keep, self.device = key, table, strides, keep, device
         #: the one-launch kernel's counters (``triton_fused``): zero here, restored by each launch
         self.sync = sync
+        #: ``_Interleaved`` once a tile config asked for ``"w13i"`` (``prepare_weights(w13i=True)``), else None
+        self.w13i = None
+
+
+class _Interleaved:
+    """The ``"w13i"`` tiles' weights: an interleaved copy (``interleave_gate_up``) of the gate and up rows the
+    groups read, ``[U, 2I, H]``, and a pointer table like ``_Prepared.table`` whose gate and up columns both
+    point at a group's row of it (its down column is the group's down, so the one launch reads one table)."""
+    __slots__ = ("table", "strides", "copy")
+
+    def __init__(self, table, strides, copy):
+        self.table, self.strides, self.copy = table, strides, copy
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, 2I, H]`` with gate and up interleaved row by row (row ``2j``: ``gate[:, j]``, ``2j + 1``:
+    ``up[:, j]``) from ``gate``, ``up`` ``[N, I, H]``: the ``"w13i"`` tiles' weight (one ``[2BN, BK]`` block
+    holds the gate and up rows of ``BN`` columns). Written into ``out`` when given (no temporary)."""
+    if gate.dim() != 3 or gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise MoonEPInputError(f"interleave_gate_up: gate and up must be [N, I, H] of one dtype and device, got "
+                               f"{list(gate.shape)} {gate.dtype} {gate.device} and {list(up.shape)} {up.dtype} "
+                               f"{up.device}")
+    n, i, h = gate.shape
+    if out is None:
+        out = torch.empty((n, 2 * i, h), dtype=gate.dtype, device=gate.device)
+    elif tuple(out.shape) != (n, 2 * i, h) or out.dtype != gate.dtype or out.device != gate.device:
+        raise MoonEPInputError(f"interleave_gate_up: out must be [{n}, {2 * i}, {h}] {gate.dtype} on {gate.device}, "
+                               f"got {list(out.shape)} {out.dtype} {out.device}")
+    out[:, 0::2].copy_(gate)
+    out[:, 1::2].copy_(up)
+    return out
+
+
+def _interleaved(weights: GroupedWeights, table: torch.Tensor, device) -> _Interleaved:
+    """The ``"w13i"`` weights of ``weights`` on ``device`` (``_Interleaved``): every distinct ``(pool, row)`` a
+    group reads, interleaved once. Memory: one more copy of those rows' gate and up (``2 * I * H`` elements
+    each; said once at INFO). A copy, not a view: weights written after it without a version bump of their
+    pool (``_weights_key``; writes that bypass torch) are not seen, so a layout whose rows change under the
+    kernels (prefetch into slots) would have to store its ``w13`` interleaved instead."""
+    gp = weights.group_pool.tolist()
+    gr = weights.group_row.tolist()
+    used = sorted({(p, r) for p, r in zip(gp, gr) if p >= 0})
+    I, H = weights.intermediate, weights.hidden
+    copy = torch.empty((len(used), 2 * I, H), dtype=weights.dtype, device=device)
+    at = {}
+    for i, (p, r) in enumerate(used):
+        interleave_gate_up(weights.gate[p][r:r + 1].to(device), weights.up[p][r:r + 1].to(device), out=copy[i:i + 1])
+        at[(p, r)] = copy.data_ptr() + i * copy.stride(0) * copy.element_size()
+    down = table.cpu().tolist()
+    tab = [(0, 0, 0) if p < 0 else (at[(p, r)], at[(p, r)], row[2]) for p, r, row in zip(gp, gr, down)]
+    say_once(f"MoonEP expert kernels: tiles with \"w13i\" read gate and up interleaved in one weight: an "
+             f"interleaved copy of the {len(used)} experts' gate and up the groups read is kept beside the weights "
+             f"({copy.numel() * copy.element_size() / 2**20:.1f} MiB on {device}, I={I}, H={H})", __name__)
+    return _Interleaved(torch.tensor(tab, dtype=torch.int64).reshape(-1, 3).to(device),
+                        ((copy.stride(1), copy.stride(2)),) * 2, copy)
 
 
 _CACHE: dict[int, _Prepared] = {}
@@ -404,17 +464,22 @@ def _conform(pools, what: str) -> tuple[list[torch.Tensor], tuple[int, int], lis
     return out, inner, keep
 
 
-def prepare_weights(weights: GroupedWeights, device: torch.device | str | None = None) -> _Prepared:
+def prepare_weights(weights: GroupedWeights, device: torch.device | str | None = None, *,
+                    w13i: bool = False) -> _Prepared:
     """Build (or fetch from the cache) the per-group pointer table of ``weights``.
 
     Call it once before CUDA-graph capture; ``expert_ffn_triton`` calls it too (a dictionary
-    lookup and a key check once built). The table is ``int64 [G, 3]`` on ``device``.
+    lookup and a key check once built). The table is ``int64 [G, 3]`` on ``device``. ``w13i``: also the
+    ``"w13i"`` tiles' interleaved copy of gate and up (``_interleaved``: built once, kept with the table,
+    rebuilt with it; its memory is one more copy of the groups' gate and up).
     """
     device = torch.device(device) if device is not None else weights.gate[0].device
     key = _weights_key(weights, device)
     wid = id(weights)
     hit = _CACHE.get(wid)
     if hit is not None and hit.key == key:
+        if w13i and hit.w13i is None:
+            hit.w13i = _interleaved(weights, hit.table, device)
         return hit
     weights.validate()
     gate, gs, k1 = _conform(list(weights.gate), "gate")
@@ -446,6 +511,8 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
     else:
         sync = torch.zeros(SYNC_WORDS + len(gp), dtype=torch.int32, device=device)
     prep = _Prepared(key, table, (gs, us, ds), k1 + k2 + k3, device, sync)
+    if w13i:
+        prep.w13i = _interleaved(weights, table, device)
     _CACHE[wid] = prep
     try:
         weakref.finalize(weights, _CACHE.pop, wid, None)
@@ -479,57 +546,22 @@ _INTERP_CONFIG = {
     "down": {"BM": 16, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1, "ZM": 32},
 }
 
-#: keys every tuning.json entry has (``tools/vllm_moonep/tools/bench_experts.py --tune`` writes them)
-_TUNING_KEYS = ("H", "I", "max_rows", "gate_up", "down")
-#: tile tables read so far, by path (each file is read, and any problem reported, once)
-_TUNING: dict[str, list] = {}
-
-
-def load_tuning(path=None) -> list:
-    """The entries of a tile table: ``path``, or (``None``) the ``tuning.json`` shipped in this
-    package. Read once per path. A file that cannot be read or parsed is reported once with a
-    WARNING naming it and the error, and gives no entries (every shape then uses the generic
-    tiles); entries without the keys ``select_config`` needs are dropped, with a WARNING."""
-    if path is None:
-        path = resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json")
-    elif isinstance(path, (str, os.PathLike)):
-        path = pathlib.Path(path)
-    key = str(path)
-    if key in _TUNING:
-        return _TUNING[key]
-    try:
-        table = json.loads(path.read_text())
-        entries = table.get("entries") if isinstance(table, dict) else None
-        if not isinstance(entries, list):
-            raise ValueError('expected a JSON object with an "entries" list')
-    except Exception as exc:
-        log.warning("expert kernel tile table %s could not be read (%s: %s); every shape uses the generic tiles",
-                    key, type(exc).__name__, exc)
-        entries = []
-    good = [e for e in entries if isinstance(e, dict) and all(k in e for k in _TUNING_KEYS)]
-    if len(good) != len(entries):
-        log.warning("expert kernel tile table %s: %d of %d entries lack one of %s and are ignored",
-                    key, len(entries) - len(good), len(entries), _TUNING_KEYS)
-    _TUNING[key] = good
-    return good
-
-
-def _tuning_table() -> list:
-    return load_tuning()
-
-
 def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None = None,
                   tokens: int | None = None) -> dict:
-    """Tile configs for ``(gate_up, down)``: tuning.json's entry for ``(H, I)`` with the smallest
+    """Tile configs for ``(gate_up, down)``: the tile entry for ``(H, I)`` with the smallest
     ``tokens_per_rank >= tokens`` when the caller knows the step's tokens per rank (the rows a
     rank computes follow them, whatever the buffer's slack), else the smallest ``max_rows >= NvS``
     (``NvS`` = ``S*K`` plus ``2*(tp-1)*E/R`` rows of slack: at world size 1 the slack alone
     passes every entry tuned at EP=8); with no entry, a generic regime from the rows per group
-    the buffer implies. ``entries``: a tile table's entries (``load_tuning``); ``None``: the
-    packaged one."""
+    the buffer implies. ``entries``: tile entries (a ``policy.DevicePolicy``'s ``tiles``); ``None``:
+    those of the current CUDA device's policy (``policy.py``: its own section of ``tuning.json``, or the
+    one it borrows)."""
     if interpreting():
         return _INTERP_CONFIG
-    table = _tuning_table() if entries is None else entries
+    if entries is None:
+        x = torch.empty(0, device=torch.cuda.current_device()) if torch.cuda.is_available() else torch.empty(0)
+        entries = list(policy.policy_of(x).tiles)
+    table = entries
     best = None
     if tokens is not None:
         for e in table:
@@ -610,6 +642,23 @@ def _descriptors(c: dict, a: torch.Tensor, w_row_strides: tuple) -> tuple[bool, 
     return True, ws
 
 
+def _w13i(prep: _Prepared, gu: dict) -> tuple[bool, torch.Tensor, tuple]:
+    """``(W13I, table, gate/up strides)`` for a launch with gate/up tiles ``gu``: a tile config's ``"w13i"`` (gate and
+    up interleaved in one weight, ``triton_tiles.gate_up_acc``; off unless the config asks; every schedule takes
+    it) reads the interleaved copy's table (``prepare_weights(w13i=True)`` builds it; ``expert_ffn_triton`` does)."""
+    if not gu.get("w13i", False):
+        return False, prep.table, prep.strides[:2]
+    if gu.get("ws", False):
+        raise MoonEPInputError("expert_ffn_triton: \"w13i\" with the warp-specialized loop (\"ws\") is refused: it made an "
+                               "illegal memory access on an H200 (Kimi-K2's 4096-token tiles, BN=256; "
+                               "docs/PERFORMANCE.md#tried-and-not-kept)")
+    if prep.w13i is None:
+        raise MoonEPInputError("expert_ffn_triton: a gate_up tile config asks for \"w13i\" but these weights have no "
+                               "interleaved copy: prepare_weights(weights, device, w13i=True) builds it "
+                               "(expert_ffn_triton does)")
+    return True, prep.w13i.table, prep.w13i.strides
+
+
 def _swap(c: dict) -> bool:
     """A tile config's ``swap`` (swap-AB, ``triton_tiles.mma``): off unless the config asks; every
     schedule and both operand loads take it, so it is never dropped."""
@@ -660,18 +709,18 @@ def _launch_trim(cu, route_w, eff):
 def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     I, H = act.shape[1], x.shape[1]
     G = int(cu.numel())
-    (s_gn, s_gk), (s_un, s_uk), _ = prep.strides
+    w13i, table, ((s_gn, s_gk), (s_un, s_uk)) = _w13i(prep, c)
     tma, ws = _descriptors(c, x, (s_gn, s_un))
     flat = _flat(c, ws, skip)
     grid = (max(1, sm_count(x.device) * int(c.get("progs_per_sm", 1))),)
     sk, wsp, tks = _streamk(c, x.device, grid[0], 2, (act, eff))
     return _gate_up_kernel[grid](
-        x, route_w, cu, eff, prep.table, act, wsp, tks,
+        x, route_w, cu, eff, table, act, wsp, tks,
         x.shape[0], G, I, H, x.stride(0), act.stride(0),
         s_gn, s_gk, s_un, s_uk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
         EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, SWAP=_swap(c), num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, SWAP=_swap(c), W13I=w13i, num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
@@ -711,18 +760,19 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
         say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its down operands are "
                  "pointer loads, its loops neither warp-specialized nor flattened, its tiles whole); it runs without "
                  "them", __name__)
-    (s_gn, s_gk), (s_un, s_uk), (s_dn, s_dk) = prep.strides
+    w13i, table, ((s_gn, s_gk), (s_un, s_uk)) = _w13i(prep, gu)  # its table's down column is the group's down
+    s_dn, s_dk = prep.strides[2]
     tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
     grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)
     return fused_kernel[grid](
-        x, route_w, cu, cu if row_ends is None else row_ends, prep.table, act, dst, prep.sync,
+        x, route_w, cu, cu if row_ends is None else row_ends, table, act, dst, prep.sync,
         x.shape[0], G, I, H, x.stride(0), act.stride(0), dst.stride(0),
         s_gn, s_gk, s_un, s_uk, s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
         BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
         BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
         DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu), SWAP2=_swap(dn), ZT=zero_tail,
-        HAS_ENDS=row_ends is not None,
+        HAS_ENDS=row_ends is not None, W13I1=w13i,
         num_warps=f["num_warps"], num_stages=f["num_stages"],
     )
 
@@ -768,7 +818,12 @@ def expert_ffn_triton(
     dst = out if out.stride(1) == 1 else torch.empty_like(x)
     if act is None or act.shape != (NvS, I) or act.dtype != x.dtype or act.stride(1) != 1:
         act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
-    cfg = config or select_config(H, I, NvS, G, tokens=tokens)
+    cfg = config or select_config(H, I, NvS, G, entries=list(policy.policy_of(x).tiles), tokens=tokens)
+    if cfg["down"].get("w13i"):
+        raise MoonEPInputError("expert_ffn_triton: \"w13i\" is a gate_up tile option (gate and up interleaved in one "
+                               "weight); the down tiles have one weight and do not take it")
+    if cfg["gate_up"].get("w13i") and prep.w13i is None:  # the interleaved copy, once per weights
+        prep = prepare_weights(weights, dev, w13i=True)
     check_tail_args(row_ends, zero_tail, "expert_ffn_triton")
     ends = None if row_ends is None else row_ends.contiguous()  # no copy when it is already
     dot_f32 = interpreting() or x.dtype == torch.float32

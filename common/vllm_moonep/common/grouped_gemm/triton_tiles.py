@@ -15,6 +15,10 @@ epilogues and the stream-K workspace never see a swapped tile. Both reach a grou
 pointer table (``wg``, ``wu``, ``wd``: the group's base addresses), so the tiles do not know where
 the pools live. The row masks are the tile's: ``ee`` is the group's trimmed end (rows at or past it
 are never loaded past it, and their activations or outputs are written as 0 or not at all).
+``W13I`` (a gate/up tile config's ``"w13i"``, every schedule): gate and up interleaved row by row in one
+weight (``wg``; ``triton_kernels.interleave_gate_up``), one ``[2BN, BK]`` block and one MMA of ``2BN``
+columns per main-loop step instead of two of ``BN``; its sums are split into gate and up before the
+epilogue, so the epilogues and the stream-K workspace see the same two ``[BM, BN]`` tiles either way.
 """
 
 from __future__ import annotations
@@ -142,39 +146,64 @@ def gate_up_acc(
     x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0, k0, k1,
     N, K, stride_xm, s_gn, s_gk, s_un, s_uk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SWAP: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SWAP: tl.constexpr, W13I: tl.constexpr,
 ):
     """The float32 sums ``x @ gate^T`` and ``x @ up^T`` of a tile over ``k`` in ``[k0, k1)`` (a whole
     tile: ``[0, K)``; a stream-K piece: part of it); ``xd``: the rows' tensor descriptor when ``TMA``
-    (then the group's gate and up are described here)."""
+    (then the group's gate and up are described here). ``W13I``: gate and up interleaved row by row
+    in one ``[2N, K]`` weight at ``wg`` (row ``2j`` gate row ``j``, ``2j + 1`` up row ``j``; ``wu``,
+    ``s_un``, ``s_uk`` unused): one ``[2BN, BK]`` block and one MMA twice as wide per step (the rows'
+    block read once), its ``[BM, 2BN]`` sums split into gate and up columns after the loop."""
     offs_k = tl.arange(0, BK)
     if TMA:  # this group's gate and up, described on the device (columns past N load zeros)
-        gd = tl.make_tensor_descriptor(wg, shape=[N, K], strides=[s_gn, 1], block_shape=[BN, BK])
-        ud = tl.make_tensor_descriptor(wu, shape=[N, K], strides=[s_un, 1], block_shape=[BN, BK])
+        if W13I:
+            gd = tl.make_tensor_descriptor(wg, shape=[2 * N, K], strides=[s_gn, 1], block_shape=[2 * BN, BK])
+        else:
+            gd = tl.make_tensor_descriptor(wg, shape=[N, K], strides=[s_gn, 1], block_shape=[BN, BK])
+            ud = tl.make_tensor_descriptor(wu, shape=[N, K], strides=[s_un, 1], block_shape=[BN, BK])
     a_ptrs = x_ptr + rows_ld[:, None] * stride_xm + (k0 + offs_k)[None, :]
-    g_ptrs = wg + cols_ld[:, None] * s_gn + (k0 + offs_k)[None, :] * s_gk
-    u_ptrs = wu + cols_ld[:, None] * s_un + (k0 + offs_k)[None, :] * s_uk
-    acc_g = acc_zeros(BM, BN, SWAP)
-    acc_u = acc_zeros(BM, BN, SWAP)
+    if W13I:  # the tile's 2*BN weight rows, gate and up alternating (clamped below 2N: always safe to load)
+        w_rows = tl.minimum(2 * col0 + tl.arange(0, 2 * BN), 2 * N - 1)
+        g_ptrs = wg + w_rows[:, None] * s_gn + (k0 + offs_k)[None, :] * s_gk
+        acc = acc_zeros(BM, 2 * BN, SWAP)
+    else:
+        g_ptrs = wg + cols_ld[:, None] * s_gn + (k0 + offs_k)[None, :] * s_gk
+        u_ptrs = wu + cols_ld[:, None] * s_un + (k0 + offs_k)[None, :] * s_uk
+        acc_g = acc_zeros(BM, BN, SWAP)
+        acc_u = acc_zeros(BM, BN, SWAP)
     k_end = k1
     if SKIP:  # every row of the tile has weight 0: no main loop, act = 0 (see live)
         k_end = tl.where(live(tl.load(rw_ptr + rows_ld), rows, ee), k1, k0)
     for k in tl.range(k0, k_end, BK, warp_specialize=WS):
         if TMA:
             a = xd.load([row0, k])
-            bg = gd.load([col0, k])
-            bu = ud.load([col0, k])
         else:
             a = load_k(a_ptrs, k, offs_k, K, EVEN_K)
-            bg = load_k(g_ptrs, k, offs_k, K, EVEN_K)
-            bu = load_k(u_ptrs, k, offs_k, K, EVEN_K)
-        acc_g = mma(a, bg, acc_g, DOT_F32, SWAP)
-        acc_u = mma(a, bu, acc_u, DOT_F32, SWAP)
+        if W13I:
+            if TMA:
+                b = gd.load([2 * col0, k])
+            else:
+                b = load_k(g_ptrs, k, offs_k, K, EVEN_K)
+            acc = mma(a, b, acc, DOT_F32, SWAP)
+        else:
+            if TMA:
+                bg = gd.load([col0, k])
+                bu = ud.load([col0, k])
+            else:
+                bg = load_k(g_ptrs, k, offs_k, K, EVEN_K)
+                bu = load_k(u_ptrs, k, offs_k, K, EVEN_K)
+            acc_g = mma(a, bg, acc_g, DOT_F32, SWAP)
+            acc_u = mma(a, bu, acc_u, DOT_F32, SWAP)
         if not TMA:
             a_ptrs += BK
             g_ptrs += BK * s_gk
-            u_ptrs += BK * s_uk
-    return acc_out(acc_g, SWAP), acc_out(acc_u, SWAP)
+            if not W13I:
+                u_ptrs += BK * s_uk
+    if W13I:  # column 2c holds gate column c, 2c + 1 up column c
+        acc_g, acc_u = tl.split(tl.reshape(acc_out(acc, SWAP), (BM, BN, 2)))
+    else:
+        acc_g, acc_u = acc_out(acc_g, SWAP), acc_out(acc_u, SWAP)
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -191,12 +220,12 @@ def gate_up_tile(
     x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
     N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
-    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SWAP: tl.constexpr,
+    SKIP: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr, SWAP: tl.constexpr, W13I: tl.constexpr,
 ):
     """``act[rows, cols] = silu(x @ gate^T) * (x @ up^T) * route_w`` over ``K = H``."""
     acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0, 0, K,
                                N, K, stride_xm, s_gn, s_gk, s_un, s_uk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS,
-                               SWAP)
+                               SWAP, W13I)
     gate_up_store(acc_g, acc_u, rw_ptr, act_ptr, rows, rows_ld, ee, cols, N, stride_am)
 
 

@@ -1,0 +1,55 @@
+"""The activation between DeepGEMM's two grouped GEMMs: ``act = bf16(silu(g) * u * route_w)`` per row,
+exactly 0 where the row's route weight is 0 (the padding tail, whose ``g``/``u`` rows may hold anything).
+
+    g [M, I], u [M, I] (bf16, any row stride)  --one Triton launch-->  act [M, I] (dense)
+
+On CPU tensors (outside Triton's interpreter) the same arithmetic runs in torch: what the plumbing
+tests on CPU exercise; the kernel itself is checked against it under the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_moonep.common.grouped_gemm.probes import interpreting
+
+#: columns per program at most
+BLOCK = 1024
+
+
+@triton.jit
+def swiglu_route_kernel(g_ptr, u_ptr, rw_ptr, act_ptr, I, stride_g, stride_u, stride_a, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < I
+    w = tl.load(rw_ptr + row).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+    a = g / (1.0 + tl.exp(-g)) * u * w
+    a = tl.where(w != 0.0, a, 0.0)
+    tl.store(act_ptr + row * stride_a + cols, a.to(act_ptr.dtype.element_ty), mask=m)
+
+
+def swiglu_route_torch(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in torch: float32 from the bf16 inputs, rounded once, 0 where the weight is."""
+    w = route_w.float()[:, None]
+    a = torch.nn.functional.silu(g.float()) * u.float() * w
+    act.copy_(torch.where(w != 0, a, torch.zeros((), dtype=a.dtype, device=a.device)))
+    return act
+
+
+def swiglu_route(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """``act[r] = bf16(silu(g[r]) * u[r] * route_w[r])``, 0 where ``route_w[r] == 0``; ``act`` dense."""
+    M, I = act.shape
+    if M == 0:
+        return act
+    if act.device.type != "cuda" and not interpreting():
+        return swiglu_route_torch(g, u, route_w, act)
+    if g.stride(1) != 1 or u.stride(1) != 1 or act.stride(1) != 1:
+        raise ValueError("swiglu_route: g, u and act need unit column strides")
+    blk = min(BLOCK, triton.next_power_of_2(I))
+    swiglu_route_kernel[(M, triton.cdiv(I, blk))](g, u, route_w, act, I, g.stride(0), u.stride(0), act.stride(0),
+                                                 BLOCK=blk)
+    return act

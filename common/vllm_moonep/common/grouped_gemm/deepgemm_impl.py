@@ -1,0 +1,158 @@
+"""DeepGEMM's grouped bf16 GEMMs as MoonEP's expert compute (``impl="deepgemm"``; optional: present
+where vLLM's bundled DeepGEMM, ``vllm.third_party.deep_gemm``, or a standalone ``deep_gemm`` imports,
+on an sm_90 or sm_100 GPU; DeepGEMM compiles each kernel with the CUDA toolkit at its first use).
+
+Like ``grouped_mm`` and ``quack`` it takes the weights only when the used groups are the rows of one
+dense tensor (``GroupedWeights.dense_groups``: pool 0 row ``j`` serves group ``dense_groups[j]``,
+every other group empty), in ascending group order. MoonEP's segments are already DeepGEMM's
+"contiguous" layout: each group's rows start at a multiple of the padding (128), which DeepGEMM's
+M alignment divides. Data flow (``G0`` = rows of pool 0)::
+
+    ends = cu_seqlens[dense_groups]                       int32 [G0]: group j's rows end there
+    x [NvS, H] --m_grouped_bf16_gemm_nt_contiguous--> h [NvS, 2I] bf16   (w13 [G0, 2I, H], one operand)
+    h          --swiglu_route (deepgemm_act.py)-----> act [NvS, I] = bf16(silu(g) * u * route_w)
+    act        --m_grouped_bf16_gemm_nt_contiguous--> out [NvS, H]        (down [G0, H, I])
+
+The grouped layout DeepGEMM reads is either those ends (``ROW_LAYOUT = "psum"``: its prefix-sum
+form, each group starting at the previous end rounded up to its block) or one group index per row
+(``"rows"``: ``-1`` past the last segment, built on the device). Gate and up as separate tensors
+(the replicated layout) take two GEMMs into the two halves of ``h``. Rows whose route weight is 0
+(the padding tail) get an activation of exactly 0, so their outputs are 0 whatever the rows held;
+rows past ``cu_seqlens[-1]`` are not written. No host synchronisation: it captures in a CUDA graph.
+
+The activation rounds DeepGEMM's bf16 ``h`` (the float32 sums rounded once), as vLLM's DeepGEMM MoE
+does; the Triton kernels keep them in float32 up to the activation: the two differ by bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moonep.common.grouped_gemm import probes
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
+from vllm_moonep.engine.errors import MoonEPInputError
+
+__all__ = ["DEEPGEMM_MODULES", "ROW_LAYOUT", "deep_gemm", "deepgemm_unusable", "expert_ffn_deepgemm"]
+
+#: where DeepGEMM is looked for, in order: vLLM's bundled copy, then a standalone install
+DEEPGEMM_MODULES = ("vllm.third_party.deep_gemm", "deep_gemm")
+
+#: the grouped layout handed to DeepGEMM (see the module doc)
+ROW_LAYOUT = "psum"
+
+#: the padding MoonEP's engine pads each segment to by default (``token_padding``): DeepGEMM's M
+#: alignment must divide it, or a group's first rows would be read as the previous group's
+SEGMENT_ALIGN = 128
+
+
+def deep_gemm():
+    """The DeepGEMM module (the first of ``DEEPGEMM_MODULES`` that imports); raises
+    ``MoonEPInputError`` naming each import error where none does."""
+    errors = []
+    for name in DEEPGEMM_MODULES:
+        err = probes.import_error(name)
+        if err is None:
+            import importlib
+
+            return importlib.import_module(name)
+        errors.append(f"{name}: {err}")
+    raise MoonEPInputError("DeepGEMM does not import (" + "; ".join(errors) + ")")
+
+
+_ASCENDING_KEY = "deepgemm_ascending"
+
+
+def _ascending(w: GroupedWeights) -> bool:
+    """Whether pool 0's rows serve groups in ascending order (found once per weights object)."""
+    cache = w._device_copies
+    if _ASCENDING_KEY not in cache:
+        d = w.dense_groups
+        cache[_ASCENDING_KEY] = d is not None and (d.numel() < 2 or bool((d[1:] > d[:-1]).all()))
+    return cache[_ASCENDING_KEY]
+
+
+def deepgemm_unusable(x: torch.Tensor, w: GroupedWeights) -> str | None:
+    """Why ``impl="deepgemm"`` cannot run on ``x`` and ``w`` (``None``: it can). Imports DeepGEMM only
+    on a GPU it supports (vLLM's copy imports vLLM's package: seconds, once)."""
+    cap = probes.cuda_capability(x)
+    if cap is None:
+        return f"DeepGEMM's GEMMs need a CUDA GPU (sm_90 or sm_100), the rows are on {x.device}"
+    if cap[0] not in (9, 10):
+        return f"DeepGEMM's GEMMs need sm_90 or sm_100, this GPU is sm_{cap[0]}{cap[1]}"
+    if x.dtype != torch.bfloat16:
+        return f"the DeepGEMM path takes bf16 rows and weights, got {x.dtype}"
+    if w.dense_groups is None:
+        return ("the DeepGEMM path needs the used groups' weights as the rows of one tensor "
+                "(GroupedWeights.dense_groups: per-layer slots, B >= E/R, no shared slot pool)")
+    if not _ascending(w):
+        return "the DeepGEMM path needs the dense rows to serve groups in ascending order (GroupedWeights.dense_groups)"
+    if w.hidden % 128 or w.intermediate % 128:
+        return f"the DeepGEMM path needs H and I multiples of 128, got H={w.hidden}, I={w.intermediate}"
+    try:
+        dg = deep_gemm()
+    except MoonEPInputError as exc:
+        return str(exc)
+    align = int(dg.get_mk_alignment_for_contiguous_layout())
+    if SEGMENT_ALIGN % align:
+        return (f"DeepGEMM's M alignment ({align}) does not divide MoonEP's segment padding ({SEGMENT_ALIGN}): "
+                "its blocks would straddle two groups")
+    return None
+
+
+def _grouped_layout(cu_seqlens: torch.Tensor, w: GroupedWeights, rows: int, layout: str) -> torch.Tensor:
+    """The grouped layout DeepGEMM reads: the ends of pool 0's groups (``"psum"``), or one group index
+    per row (``"rows"``)."""
+    ends = cu_seqlens.index_select(0, w.dense_groups_on(cu_seqlens.device)).to(torch.int32)
+    if layout == "psum":
+        return ends
+    idx = torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=torch.int32), right=True)
+    return torch.where(idx < ends.numel(), idx, -1).to(torch.int32)
+
+
+def expert_ffn_deepgemm(
+    x: torch.Tensor,
+    route_w: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    weights: GroupedWeights,
+    *,
+    out: torch.Tensor | None = None,
+    layout: str = ROW_LAYOUT,
+) -> torch.Tensor:
+    """The expert compute through DeepGEMM's contiguous grouped GEMMs (see the module doc; ``layout``:
+    the grouped layout handed to DeepGEMM, ``"psum"`` or ``"rows"``). Raises
+    ``MoonEPInputError`` where it cannot run (``deepgemm_unusable``); DeepGEMM's compile and launch
+    errors propagate."""
+    why = deepgemm_unusable(x, weights)
+    if why is not None:
+        raise MoonEPInputError(f"expert_ffn_deepgemm: {why}")
+    from vllm_moonep.common.grouped_gemm.deepgemm_act import swiglu_route
+
+    dg = deep_gemm()
+    if out is None:
+        out = torch.empty_like(x)
+    M, I = x.shape[0], weights.intermediate
+    if M == 0:
+        return out
+    if layout not in ("psum", "rows"):
+        raise MoonEPInputError(f"expert_ffn_deepgemm: layout must be 'psum' or 'rows', got {layout!r}")
+    psum = layout == "psum"
+    layout_t = _grouped_layout(cu_seqlens, weights, M, layout)
+    xc = x.contiguous()
+    w13 = weights.gate_up_as_one()
+    if w13 is not None and w13.is_contiguous():
+        h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
+        dg.m_grouped_bf16_gemm_nt_contiguous(xc, w13, h, layout_t, use_psum_layout=psum)
+        g, u = h[:, :I], h[:, I:]
+    else:
+        gd = torch.empty(M, I, dtype=x.dtype, device=x.device)  # DeepGEMM writes dense outputs
+        ud = torch.empty(M, I, dtype=x.dtype, device=x.device)
+        dg.m_grouped_bf16_gemm_nt_contiguous(xc, weights.gate[0].contiguous(), gd, layout_t, use_psum_layout=psum)
+        dg.m_grouped_bf16_gemm_nt_contiguous(xc, weights.up[0].contiguous(), ud, layout_t, use_psum_layout=psum)
+        g, u = gd, ud
+    act = torch.empty(M, I, dtype=x.dtype, device=x.device)
+    swiglu_route(g, u, route_w, act)
+    dst = out if out.is_contiguous() else torch.empty_like(x)
+    dg.m_grouped_bf16_gemm_nt_contiguous(act, weights.down[0].contiguous(), dst, layout_t, use_psum_layout=psum)
+    if dst is not out:
+        out.copy_(dst)
+    return out

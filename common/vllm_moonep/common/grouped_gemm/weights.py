@@ -1,0 +1,120 @@
+"""The expert compute's shared types: where each group's weights live (``GroupedWeights``) and the
+padding-tail argument rule every implementation follows. A leaf: the dispatcher (``api``) and every
+implementation import it; it imports none of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from vllm_moonep.engine.errors import MoonEPInputError
+
+
+#: where ``gate_up_as_one`` keeps what it found, beside the device copies
+_GATE_UP_KEY = "gate_up_as_one"
+
+
+@dataclass(frozen=True)
+class GroupedWeights:
+    """Where each ``cu_seqlens`` group's expert weights live.
+
+    Attributes:
+        gate, up: pools of rows, each ``[N_p, I, H]``; ``down``: pools ``[N_p, H, I]`` (same
+            pool count; pool ``p`` of each projection holds the same experts).
+        group_pool, group_row: ``[G]`` int64 on the host: group ``g`` reads row
+            ``group_row[g]`` of pool ``group_pool[g]``; ``-1`` means the group has no weights
+            and must be empty.
+        dense_groups: optional ``[N_0]`` int64: when set, row ``j`` of pool 0 serves group
+            ``dense_groups[j]`` and every other group is empty by construction, so pool 0 can
+            be handed to ``torch._grouped_mm`` as one dense tensor.
+    """
+
+    gate: Sequence[torch.Tensor]
+    up: Sequence[torch.Tensor]
+    down: Sequence[torch.Tensor]
+    group_pool: torch.Tensor
+    group_row: torch.Tensor
+    dense_groups: torch.Tensor | None = None
+    _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def dense_groups_on(self, device: torch.device) -> torch.Tensor:
+        """``dense_groups`` on ``device``, copied once (not on every expert call)."""
+        key = str(device)
+        t = self._device_copies.get(key)
+        if t is None:
+            assert self.dense_groups is not None, "dense_groups_on: these weights are not dense"
+            t = self._device_copies[key] = self.dense_groups.to(device)
+        return t
+
+    @staticmethod
+    def contiguous(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> "GroupedWeights":
+        """One ``[G, out, in]`` tensor per projection; group ``g`` reads row ``g``."""
+        G = gate.shape[0]
+        ar = torch.arange(G, dtype=torch.int64)
+        return GroupedWeights([gate], [up], [down], torch.zeros(G, dtype=torch.int64), ar, ar)
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.group_pool.numel())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate[0].dtype
+
+    @property
+    def hidden(self) -> int:
+        return int(self.gate[0].shape[2])
+
+    @property
+    def intermediate(self) -> int:
+        return int(self.gate[0].shape[1])
+
+    def rows(self, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(gate [I,H], up [I,H], down [H,I])`` of group ``g``."""
+        p = int(self.group_pool[g])
+        if p < 0:
+            raise MoonEPInputError(f"group {g} has rows but no weights (its row source is -1)")
+        r = int(self.group_row[g])
+        return self.gate[p][r], self.up[p][r], self.down[p][r]
+
+    def gate_up_as_one(self) -> torch.Tensor | None:
+        """Pool 0's gate and up as one ``[N, 2I, H]`` view (gate rows, then up rows, per expert: vLLM's
+        ``w13``) when up's rows follow gate's in one storage with the same strides; ``None`` otherwise
+        (separate tensors: the replicated layout). The libraries' grouped GEMMs run gate and up as one
+        operand through it. Found once per weights object (a view: no memory)."""
+        if _GATE_UP_KEY not in self._device_copies:
+            g, u = self.gate[0], self.up[0]
+            n, I, H = g.shape
+            one = None
+            if (g.stride() == u.stride() and g.stride(2) == 1 and g.stride(1) == H
+                    and (n <= 1 or g.stride(0) >= 2 * I * H)
+                    and g.untyped_storage().data_ptr() == u.untyped_storage().data_ptr()
+                    and u.storage_offset() - g.storage_offset() == I * H):
+                one = g.as_strided((n, 2 * I, H), (g.stride(0), H, 1))
+            self._device_copies[_GATE_UP_KEY] = one
+        return self._device_copies[_GATE_UP_KEY]
+
+    def validate(self) -> None:
+        n = len(self.gate)
+        if not (n == len(self.up) == len(self.down)) or n == 0:
+            raise MoonEPInputError("GroupedWeights: gate, up and down need the same, non-zero number of pools")
+        I, H = self.intermediate, self.hidden
+        for p in range(n):
+            g, u, d = self.gate[p], self.up[p], self.down[p]
+            if g.dim() != 3 or tuple(g.shape[1:]) != (I, H) or tuple(u.shape) != tuple(g.shape):
+                raise MoonEPInputError(f"GroupedWeights pool {p}: gate/up must be [N, I={I}, H={H}], got {list(g.shape)}, {list(u.shape)}")
+            if d.dim() != 3 or tuple(d.shape[1:]) != (H, I) or d.shape[0] != g.shape[0]:
+                raise MoonEPInputError(f"GroupedWeights pool {p}: down must be [N={g.shape[0]}, H={H}, I={I}], got {list(d.shape)}")
+            if len({g.dtype, u.dtype, d.dtype, self.dtype}) != 1:
+                raise MoonEPInputError(f"GroupedWeights pool {p}: all weights must share one dtype")
+
+
+def check_tail_args(row_ends: torch.Tensor | None, zero_tail: bool, who: str) -> None:
+    """``zero_tail=False`` only with ``row_ends``: without each segment's end of entries an entry row of
+    weight 0 (a sanitized invalid id's), which combine reads, cannot be told from the padding tail."""
+    if not zero_tail and row_ends is None:
+        raise MoonEPInputError(f"{who}: zero_tail=False needs row_ends (each segment's end of entries): without "
+                               "them an entry row of weight 0, which combine reads, cannot be told from the "
+                               "padding tail")

@@ -1,0 +1,102 @@
+"""``impl="deepgemm"`` on the GPU (DeepGEMM imports and compiles there): MoonEP's padded segments through
+DeepGEMM's contiguous grouped GEMMs, against the float64 reference, in both grouped layouts, with gate and
+up as one ``w13`` or two tensors, padding tails of NaN with weight 0, and replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
+from vllm_moonep.common.grouped_gemm.deepgemm_impl import deepgemm_unusable, expert_ffn_deepgemm
+from vllm_moonep.testing.reference import expert_ffn_float64
+
+pytestmark = pytest.mark.gpu
+
+PAD = 128
+
+
+def _case(counts, G, H, I, seed, w13=True, dev="cuda"):
+    """Group ``g`` gets ``counts[g]`` live rows padded to a multiple of 128 with weight-0 rows that hold NaN; pool 0
+    serves every group (``dense_groups`` = all of them, the replicated ``[E+B]`` form)."""
+    g = torch.Generator().manual_seed(seed)
+    gate = (torch.randn(G, I, H, generator=g) / H**0.5).bfloat16()
+    up = (torch.randn(G, I, H, generator=g) / H**0.5).bfloat16()
+    down = (torch.randn(G, H, I, generator=g) / I**0.5).bfloat16()
+    seg = [-(-c // PAD) * PAD for c in counts]
+    cu = torch.tensor(seg).cumsum(0).to(torch.int32)
+    n = int(cu[-1]) + PAD
+    x = torch.randn(n, H, generator=g).bfloat16()
+    rw = torch.rand(n, generator=g) + 0.05
+    start = 0
+    for c, s in zip(counts, seg):
+        x[start + c:start + s] = float("nan")
+        rw[start + c:start + s] = 0.0
+        start += s
+    rw[int(cu[-1]):] = 0.0
+    if w13:
+        one = torch.cat([gate, up], dim=1).to(dev)
+        w = GroupedWeights([one[:, :I]], [one[:, I:]], [down.to(dev)], torch.zeros(G, dtype=torch.int64),
+                           torch.arange(G), torch.arange(G))
+    else:
+        w = GroupedWeights.contiguous(gate.to(dev), up.to(dev), down.to(dev))
+    return x.to(dev), rw.to(dev), cu.to(dev), w
+
+
+def _skip_unless_usable():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    x, rw, cu, w = _case([1], 1, 128, 128, 0)
+    why = deepgemm_unusable(x, w)
+    if why is not None:
+        pytest.skip(f"DeepGEMM cannot run here: {why}")
+
+
+CASES = [  # (live rows per group, H, I): decode (one row in some groups, empty ones), mid, and uneven prefill
+    ([1, 0, 1, 3, 0, 0, 2, 1], 2048, 768),
+    ([40, 0, 130, 7, 256, 1], 2048, 768),
+    ([300, 5, 0, 129], 7168, 2048),
+]
+
+
+@pytest.mark.parametrize("layout", ["psum", "rows"])
+@pytest.mark.parametrize("w13", [True, False], ids=["w13", "separate"])
+@pytest.mark.parametrize("counts,H,I", CASES, ids=["decode", "mid", "prefill"])
+def test_deepgemm_matches_float64(counts, H, I, w13, layout):
+    """DeepGEMM reading a group's rows from a neighbour (its M block straddling two segments: an alignment that does
+    not divide the padding), gate and up swapped, the route weight dropped, a padding tail's NaN reaching an output,
+    or rows left unwritten."""
+    _skip_unless_usable()
+    x, rw, cu, w = _case(counts, len(counts), H, I, seed=len(counts) + H, w13=w13)
+    out = torch.full_like(x, float("nan"))
+    expert_ffn_deepgemm(x, rw, cu, w, out=out, layout=layout)
+    torch.cuda.synchronize()
+    end = int(cu[-1])
+    ref = expert_ffn_float64(x.nan_to_num(), rw, cu, w)
+    assert torch.isfinite(out[:end]).all(), "rows unwritten or a padding NaN reached the output"
+    assert (out[:end][rw[:end] == 0] == 0).all(), "weight-0 rows must be exactly 0"
+    live = rw[:end] != 0
+    err = float((out[:end][live].double() - ref[:end][live]).norm() / ref[:end][live].norm())
+    assert err < 1.5e-2, f"relative error {err:.2e} against float64"
+
+
+def test_deepgemm_replays_from_a_cuda_graph_through_the_dispatcher():
+    """impl='deepgemm' synchronising with the host (a capture error) or reading a buffer the graph does not keep
+    (a different result on replay after the inputs changed in place)."""
+    _skip_unless_usable()
+    x, rw, cu, w = _case([3, 0, 17, 1], 4, 2048, 768, seed=5)
+    out = torch.empty_like(x)
+    expert_ffn(x, rw, cu, w, impl="deepgemm", out=out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        expert_ffn(x, rw, cu, w, impl="deepgemm", out=out)
+    x2, rw2, _, _ = _case([3, 0, 17, 1], 4, 2048, 768, seed=6)
+    x.copy_(x2)
+    rw.copy_(rw2)
+    g.replay()
+    torch.cuda.synchronize()
+    want = torch.empty_like(x)
+    expert_ffn(x, rw, cu, w, impl="deepgemm", out=want)
+    end = int(cu[-1])
+    assert torch.equal(out[:end], want[:end])
