@@ -1,0 +1,85 @@
+"""``bench_levers``'s command line and the variants it times (nothing is timed here: no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_moonep.tools import bench_levers
+
+
+def _error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        bench_levers.parse_args(argv)
+    assert exc.value.code == 2, "argparse errors exit with status 2"
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_defaults_are_the_issue_points():
+    """The default sweep drifting from the two shapes at 256, 1024 and 4096 tokens the lever is measured on."""
+    a = bench_levers.parse_args([])
+    assert a.shapes == ["kimi-k2", "qwen3-30b-a3b"] and a.tokens == [256, 1024, 4096] and a.rep == bench_levers.DEFAULT_REP
+    a = bench_levers.parse_args(["--shapes", "qwen3-30b-a3b", "--tokens", "1024", "--rep", "20"])
+    assert a.shapes == ["qwen3-30b-a3b"] and a.tokens == [1024] and a.rep == 20
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--shapes", "kimi"], "unknown shape(s) ['kimi']"),
+    (["--tokens", "256,0"], "--tokens must be comma-separated positive integers"),
+    (["--tokens", "many"], "--tokens must be comma-separated positive integers"),
+    (["--rep", "0"], "--rep must be a positive number"),
+])
+def test_bad_flags_refused_with_a_sentence(capsys, argv, needle):
+    """A typo in a shape or tokens reaching the GPU as a KeyError or ValueError traceback minutes into a device call."""
+    msg = _error(capsys, argv)
+    assert msg.startswith("bench_levers: error:") and needle in msg, msg
+
+
+def test_variants_add_half_bn_only_past_the_widest_mma():
+    """The BN/2 variant missing where 2*BN exceeds 256 (BN 256 tiles: the w13i MMA would be two anyway), or timed
+    where it is not, or the committed tiles changed by the variants."""
+    gu = {"BM": 64, "BN": 256, "BK": 64, "tma": True}
+    dn = {"BM": 128, "BN": 256, "BK": 64}
+    v = bench_levers.variants({"gate_up": gu, "down": dn})
+    assert list(v) == ["committed", "w13i", "w13i_bn_half"]
+    assert v["committed"]["gate_up"] == gu and "w13i" not in gu
+    assert v["w13i"]["gate_up"] == {**gu, "w13i": True} and v["w13i"]["down"] is dn
+    assert v["w13i_bn_half"]["gate_up"] == {**gu, "BN": 128, "w13i": True}
+    assert list(bench_levers.variants({"gate_up": {**gu, "BN": 128}, "down": dn})) == ["committed", "w13i"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: main would run the benchmark")
+def test_refuses_without_a_gpu(capsys):
+    """Without a GPU the tool crashed in its first CUDA call instead of saying it needs one."""
+    assert bench_levers.main(["--tokens", "256"]) == 2
+    assert "bench_levers: needs a CUDA GPU" in capsys.readouterr().err
+
+
+def _row(tokens, half, **fields):
+    gu = {"BM": 64, "BN": 256 if half else 128, "BK": 64, "tma": True}
+    confs = bench_levers.variants({"gate_up": gu, "down": {"BM": 128, "BN": 256, "BK": 64}})
+    row = {"shape": "kimi-k2", "tokens": tokens, "routing": "balanced", "configs": confs, "absent": {}}
+    for k in confs:
+        row.update({f"{k}_us": 100.0, f"{k}_gate_up_us": 60.0, f"{k}_unwritten": 0,
+                    f"{k}_err": None if k == "committed" else 1e-4})
+        if k != "committed":
+            row.update({f"{k}_ratio": 0.95, f"{k}_gate_up_ratio": 0.9})
+    row.update(fields)
+    return row
+
+
+def test_table_reads_every_row_kind():
+    """The table (printed after minutes of device time) raising on a row whose variant could not run or that has no
+    BN/2 variant, or a wrong output not named."""
+    rows = [_row(1024, True), _row(256, False),
+            _row(4096, True, w13i_us=None, w13i_gate_up_us=None, w13i_unwritten=None, w13i_err=None,
+                 absent={"w13i": "OutOfResources: shared memory"}),
+            _row(4096, False, w13i_err=0.5)]
+    for r in rows[2:3]:
+        del r["w13i_ratio"], r["w13i_gate_up_ratio"]
+    lines = bench_levers.table(rows)
+    assert len(lines) == 2 + 4 + 2, lines
+    assert "| 64x256x64 tma | 100.0 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 |" in lines[2]
+    assert lines[3].endswith("| - | - | - | - |") and "| - | - | - |" in lines[4]
+    assert bench_levers.wrong(rows) == [("kimi-k2", 4096, "balanced", "w13i")]
+    assert "WRONG OUTPUTS" in lines[6] and "OutOfResources" in lines[7]
