@@ -24,6 +24,14 @@
 #             server on loopback (vllm_moonep.tools.vllm_model_check; MODEL_ARGS adds options, e.g.
 #             "--dp 2 --plugin on --compare-backend allgather_reducescatter" on two GPUs)
 #             -> model.json, summary.txt, model-logs.tar.gz
+#   serve_ab  (two GPUs: nvidia-h200-x2) the serving A/B inside vLLM, DP=2 EP=2: moonep replicated /
+#             symmetric / symmetric with a shared slot pool against allgather_reducescatter and naive,
+#             eager and with CUDA graphs, one `vllm serve` per configuration
+#             (vllm_moonep.tools.serve_ab; docs/SERVING.md, "Serving A/B"). Rows are kept in
+#             $STAGE_ROOT/serve-ab on the warm machine: each call runs the configurations not yet
+#             there that fit its budget, so the same step again continues (SERVE_AB_ARGS adds
+#             options, e.g. "--configs moonep-symmetric allgather_reducescatter"; "--rerun")
+#             -> serve-ab-summary.md, serve-ab.tar.gz (every <config>.json so far and the servers' logs)
 #
 # Device-side workarounds (never in the product; docs/TESTING.md lists them):
 #   - vllm/vllm_flash_attn/__init__.py raises ImportError at import unless _vllm_fa2_C or _vllm_fa3_C
@@ -173,8 +181,8 @@ from vllm.platforms import current_platform
 print(f"platform: {type(current_platform).__name__} (device_type={current_platform.device_type!r})")
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-from vllm_moonep.vllm_plugin import hooks
-print(f"plugin hooked through its entry point: {hooks.patched()}")
+from vllm_moonep.vllm_plugin import state
+print(f"plugin hooked through its entry point: {state.patched()}")
 for ns, op in (("_C", "silu_and_mul"), ("_C", "rms_norm"), ("_moe_C", "topk_softmax"), ("_moe_C", "moe_align_block_size")):
     ok = hasattr(getattr(torch.ops, ns), op)
     failed += not ok
@@ -225,16 +233,32 @@ step_model() {
   return "$rc"
 }
 
+step_serve_ab() {
+  echo "=== serving A/B on two GPUs (vllm_moonep.tools.serve_ab ${SERVE_AB_ARGS:-}) ==="
+  local rc l
+  l=$(left)
+  # the tool leaves a configuration that no longer fits its --budget for the next call; bounded's
+  # SIGTERM (a configuration that overran) makes it stop its server before it leaves
+  # shellcheck disable=SC2086
+  bounded "$(( l - 20 ))" "$PYTHON" -m vllm_moonep.tools.serve_ab run --out "$ROOT/serve-ab" \
+    --budget "$(( l - 45 ))" ${SERVE_AB_ARGS:-} 2>&1 | tail -150
+  rc=${PIPESTATUS[0]}
+  cp "$ROOT/serve-ab/summary.md" "$OUT/serve-ab-summary.md" 2>/dev/null
+  tar czf "$OUT/serve-ab.tar.gz" -C "$ROOT" serve-ab 2>/dev/null
+  if (( rc == 3 )); then echo "gpu_vllm: serve_ab: configurations left for the next call: run the step again"; rc=0; fi
+  return "$rc"
+}
+
 main() {
   echo "gpu_vllm: $(date -u +%FT%TZ), steps: $*, budget ${BUDGET}s"
   local rc=0 r s
   for s in "$@"; do
     case "$s" in
       stage) stage; r=$?; (( r == 3 )) && r=0;;  # parts still to come is not a failure
-      imports|tests|experts|model)
+      imports|tests|experts|model|serve_ab)
         if [ -z "${VLLM_ENV_SET:-}" ]; then vllm_env || return 2; VLLM_ENV_SET=1; fi
         "step_$s"; r=$?;;
-      *) echo "gpu_vllm: unknown step '$s' (stage imports tests experts model)"; return 2;;
+      *) echo "gpu_vllm: unknown step '$s' (stage imports tests experts model serve_ab)"; return 2;;
     esac
     echo "gpu_vllm: step $s exit $r ($(( $(date +%s) - T0 ))s so far)"
     (( rc == 0 )) && rc=$r

@@ -82,8 +82,6 @@ import os
 import random
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -92,12 +90,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vllm_moonep.testing.models import model as model_shape
+from vllm_moonep.tools.vllm_server import (SERVED_NAME, SERVE_CMD, ServerProcess, _group_alive, free_port,  # noqa: F401
+                                            kill_group, serve_command)
+
 __all__ = ["QWEN3_30B_A3B", "baseline_verdict", "build_parser", "compare_tokens", "engine_argv", "expected_lines",
            "main", "make_prompts", "register_check_plugin", "scan_log", "text_to_ids", "token_text", "write_model_dir"]
 
 # ------------------------------------------------------------------------------------------ model
+#: the routed-expert shape every tool measures at (``vllm_moonep.testing.models``); every layer of
+#: Qwen3-30B-A3B is a MoE layer, so its MoE layers are its hidden layers
+_SHAPE = model_shape("qwen3-30b-a3b")
 #: Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B, public values), the keys vLLM 0.33's
-#: qwen3_moe.py and transformers' Qwen3MoeConfig read
+#: qwen3_moe.py and transformers' Qwen3MoeConfig read; the MoE sizes from ``_SHAPE``
 QWEN3_30B_A3B: dict[str, Any] = {
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
@@ -108,18 +113,18 @@ QWEN3_30B_A3B: dict[str, Any] = {
     "decoder_sparse_step": 1,
     "head_dim": 128,
     "hidden_act": "silu",
-    "hidden_size": 2048,
+    "hidden_size": _SHAPE.H,
     "initializer_range": 0.02,
     "intermediate_size": 6144,
     "max_position_embeddings": 40960,
-    "max_window_layers": 48,
+    "max_window_layers": _SHAPE.moe_layers,
     "mlp_only_layers": [],
-    "moe_intermediate_size": 768,
+    "moe_intermediate_size": _SHAPE.I,
     "norm_topk_prob": True,
     "num_attention_heads": 32,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 48,
+    "num_experts": _SHAPE.E,
+    "num_experts_per_tok": _SHAPE.K,
+    "num_hidden_layers": _SHAPE.moe_layers,
     "num_key_value_heads": 4,
     "output_router_logits": False,
     "rms_norm_eps": 1e-06,
@@ -140,7 +145,6 @@ QWEN3_30B_A3B: dict[str, Any] = {
 SPECIAL_TOKENS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 #: ids prompts draw from (below the special tokens)
 PROMPT_VOCAB = 151643
-SERVED_NAME = "moonep-check"
 
 
 def token_text(i: int) -> str:
@@ -459,47 +463,6 @@ def baseline_verdict(on: dict[str, Any], off: dict[str, Any], off2: dict[str, An
 
 
 # --------------------------------------------------------------------------- subprocess handling
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` is alive (zombies left to an init that does not reap do not count)."""
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2:].split()
-        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
-            return True
-    return False
-
-
-def kill_group(proc: subprocess.Popen, grace: float = 15.0, sig: int = signal.SIGTERM) -> str:
-    """Stop ``proc``'s process group (started with ``start_new_session``): ``sig``, then SIGKILL after
-    ``grace`` seconds; waits (bounded) until none of its processes is left. Returns what it did."""
-    pgid = proc.pid
-    did = "exited"
-    for s, wait in ((sig, grace), (signal.SIGKILL, 20.0)):
-        if not _group_alive(pgid) and proc.poll() is not None:
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, s)
-        did = signal.Signals(s).name
-        end = time.monotonic() + wait
-        while time.monotonic() < end:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=0.2)
-            if proc.poll() is not None and not _group_alive(pgid):
-                return did
-    return did if not _group_alive(pgid) else did + " (processes left)"
-
-
 def child_env(base: dict[str, str], *, plugin: bool, site_dir: str | None, weights: str, weights_seed: int,
               extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(base)
@@ -917,77 +880,54 @@ def run_serve(run: Run, a: argparse.Namespace, env: dict[str, str], out: Path, p
         r.update({"status": "skipped", "why": f"budget: {budget.left():.0f}s left"})
         _say(f"{run.name}: SKIPPED ({r['why']})")
         return
-    port = free_port()
-    cmd = [sys.executable, *shlex.split(a.serve_cmd), *run.argv, "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", SERVED_NAME, "--disable-uvicorn-access-log"]
+    cmd = serve_command(a.serve_cmd, run.argv, free_port())
     r["cmd"] = cmd
     t0 = time.monotonic()
     end = t0 + timeout
-    base = f"http://127.0.0.1:{port}"
-    with open(log, "w") as lf:
-        lf.write(f"# {run.name}: VLLM_MOONEP_PLUGIN={'<unset>' if run.plugin else '0'}\n# {shlex.join(cmd)}\n")
-        lf.flush()
-        p = subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
-        _say(f"{run.name}: started (pid {p.pid}) on {base}, timeout {timeout:.0f}s, log {log}")
-        healthy = False
-        try:
-            while time.monotonic() < end and p.poll() is None:
-                try:
-                    with urllib.request.urlopen(base + "/health", timeout=2) as resp:
-                        if resp.status == 200:
-                            healthy = True
-                            break
-                except (urllib.error.URLError, OSError):
-                    pass
-                time.sleep(1.0)
-            r["ready_s"] = round(time.monotonic() - t0, 1)
-            if healthy:
-                body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": a.serve_tokens, "temperature": 0.0,
-                        "ignore_eos": True, "return_token_ids": True}
-                req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                             headers={"Content-Type": "application/json"})
-                t1 = time.monotonic()
-                try:
-                    with urllib.request.urlopen(req, timeout=max(5.0, end - time.monotonic())) as resp:
-                        reply = json.loads(resp.read().decode())
-                    dt = time.monotonic() - t1
-                    choice = reply["choices"][0]
-                    ids = choice.get("token_ids")
-                    text_ids = text_to_ids(choice.get("text", ""))
-                    r.update({"request_s": round(dt, 3), "text_head": choice.get("text", "")[:160],
-                              "finish_reason": choice.get("finish_reason"), "usage": reply.get("usage"),
-                              "tokens": [ids if ids is not None else text_ids], "token_ids_returned": ids is not None,
-                              "text_matches_ids": ids is None or without_specials(ids) == text_ids})
-                    n = (reply.get("usage") or {}).get("completion_tokens") or len(text_ids)
-                    r["tok_s"] = round(n / dt, 1) if dt > 0 else None
-                    r["status"] = "ok" if n == a.serve_tokens else "failed"
-                    if n != a.serve_tokens:
-                        r["error"] = f"{n} completion tokens, asked for {a.serve_tokens}"
-                except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
-                    detail = ""
-                    if isinstance(exc, urllib.error.HTTPError):
-                        with contextlib.suppress(Exception):
-                            detail = " " + exc.read().decode()[:500]
-                    r.update({"status": "failed", "error": f"completion request: {type(exc).__name__}: {exc}{detail}"})
-            else:
-                r.update({"status": "timeout" if p.poll() is None else "failed",
-                          "error": "no /health 200 " + (f"within {timeout:.0f}s" if p.poll() is None
-                                                       else f"(server exited with {p.returncode})")})
-        finally:
-            t2 = time.monotonic()
-            lf.flush()
-            stop_bytes = log.stat().st_size
-            # SIGTERM to the API server alone (it shuts its engine core down), then the whole group
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=20)
-            r["stop"] = kill_group(p, grace=10.0)
-            r["stop_s"] = round(time.monotonic() - t2, 1)
+    srv = ServerProcess(cmd, env, log, f"# {run.name}: VLLM_MOONEP_PLUGIN={'<unset>' if run.plugin else '0'}\n"
+                                       f"# {shlex.join(cmd)}")
+    srv.start()
+    _say(f"{run.name}: started (pid {srv.proc.pid if srv.proc else '?'}) on {srv.base}, timeout {timeout:.0f}s, log {log}")
+    try:
+        state, why = srv.wait_healthy(timeout)
+        r["ready_s"] = round(time.monotonic() - t0, 1)
+        if state == "ok":
+            body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": a.serve_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "return_token_ids": True}
+            req = urllib.request.Request(srv.base + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            t1 = time.monotonic()
+            try:
+                with urllib.request.urlopen(req, timeout=max(5.0, end - time.monotonic())) as resp:
+                    reply = json.loads(resp.read().decode())
+                dt = time.monotonic() - t1
+                choice = reply["choices"][0]
+                ids = choice.get("token_ids")
+                text_ids = text_to_ids(choice.get("text", ""))
+                r.update({"request_s": round(dt, 3), "text_head": choice.get("text", "")[:160],
+                          "finish_reason": choice.get("finish_reason"), "usage": reply.get("usage"),
+                          "tokens": [ids if ids is not None else text_ids], "token_ids_returned": ids is not None,
+                          "text_matches_ids": ids is None or without_specials(ids) == text_ids})
+                n = (reply.get("usage") or {}).get("completion_tokens") or len(text_ids)
+                r["tok_s"] = round(n / dt, 1) if dt > 0 else None
+                r["status"] = "ok" if n == a.serve_tokens else "failed"
+                if n != a.serve_tokens:
+                    r["error"] = f"{n} completion tokens, asked for {a.serve_tokens}"
+            except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
+                detail = ""
+                if isinstance(exc, urllib.error.HTTPError):
+                    with contextlib.suppress(Exception):
+                        detail = " " + exc.read().decode()[:500]
+                r.update({"status": "failed", "error": f"completion request: {type(exc).__name__}: {exc}{detail}"})
+        else:
+            r.update({"status": state, "error": why})
+    finally:
+        stopped = srv.stop()
+        r["stop"], r["stop_s"] = stopped["stop"], stopped["stop_s"]
     r["wall_s"] = round(time.monotonic() - t0, 1)
     raw = log.read_bytes()
     text = raw.decode(errors="replace")
-    before_stop = raw[:stop_bytes].decode(errors="replace")
+    before_stop = raw[:stopped["log_bytes_at_stop"]].decode(errors="replace")
     r["log_lines"] = scan_log(text, stop_at=len(before_stop))
     if r.get("status") != "ok" or "traceback" in r["log_lines"]:
         r["first_error"] = first_error(before_stop if r.get("status") == "ok" else text)
@@ -1037,7 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llm runs with the plugin (VLLM_MOONEP_PLUGIN unset) and/or without (=0)")
     c.add_argument("--serve", choices=("graphs", "eager", "none"), default="graphs", help="the serve run's mode")
     c.add_argument("--serve-plugin", choices=("on", "off"), default="on", help="the serve run with or without the plugin")
-    c.add_argument("--serve-cmd", default="-m vllm.entrypoints.cli.main serve",
+    c.add_argument("--serve-cmd", default=SERVE_CMD,
                    help="python arguments that start the server (what the `vllm serve` console script runs); the "
                         "engine arguments, --host, --port, --served-model-name follow")
     c.add_argument("--dp", type=int, default=1, help="data-parallel size (serve: --data-parallel-size; llm: SPMD ranks)")

@@ -1,0 +1,5 @@
+import sys
+
+from vllm_moonep.tools.serve_ab.run import main
+
+sys.exit(main())
