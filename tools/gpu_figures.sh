@@ -26,7 +26,7 @@ for part in ${FIGS:-dispatch planner ab}; do
   case $part in
     dispatch)
       # the engine's transport against NCCL and one-sided copies; eager calls through private graphs
-      # (engine/eager_graphs.py), then launching each kernel on both launch paths (engine/launch.py)
+      # (engine/transports/eager_graphs.py), then launching each kernel on both launch paths (engine/launch.py)
       for mode in "1 1" "0 1" "0 0"; do
         set -- $mode
         say "=== bench_dispatch, VLLM_MOONEP_EAGER_GRAPHS=$1 VLLM_MOONEP_FAST_LAUNCH=$2 ==="

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call: install (or link) the package, run the GPU tests, then the expert benchmark.
-# Usage (repo root, on the GPU machine): bash tools/gpu_triton_session.sh [bench args...]
+# Usage (repo root, on the GPU machine): bash tools/gpu_experts.sh [bench args...]
 source tools/gpu_env.sh
 python3 -c "import vllm_moonep.common.grouped_gemm.triton_kernels as t, triton, torch; print('import ok', triton.__version__, torch.__version__)" || exit 3
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
