@@ -45,6 +45,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a torchrun launch over >= 2 nodes (VLLM_MOONEP_NNODES)"))
         if "vllm" in item.keywords and not has_vllm:
             item.add_marker(pytest.mark.skip(reason="vLLM is not importable here"))
+    # the modules whose tests read one long Triton-interpreter child (tests/interpreter_child.py; minutes
+    # each on 2 cores) first: with pytest-xdist's workers (scripts/test.sh) they start at once and the
+    # rest of the suite fills the other worker, instead of one of them starting last and running alone
+    items.sort(key=lambda item: not _uses_interpreter_child(item))
+
+
+def _uses_interpreter_child(item) -> bool:
+    module = getattr(item, "module", None)
+    return module is not None and "interpreter_report" in vars(module)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -58,12 +67,16 @@ def _close_rank_pools():
 #: ``VLLM_MOONEP_TEST_DEVICE`` of the pytest process, read once: ``cuda`` makes ``ranks()`` default to one
 #: GPU per rank over NCCL (the rank processes inherit it: tests/vllm/workers.py puts their objects there)
 TEST_DEVICE = os.environ.get("VLLM_MOONEP_TEST_DEVICE", "cpu")
+#: variables of a test's ``env`` that the rank functions read when called (not at import or process
+#: start): ``ranks()`` sets them around the call, so cases differing only in them share a rank pool
+CALL_TIME_ENV = ("VLLM_MOONEP_TEST_TRANSPORT",)
 
 
 def ranks(world_size: int, fn, *args, **kwargs):
     """Run ``fn(*args)`` on ``world_size`` ranks; skip when launched with another world size. With
     ``VLLM_MOONEP_TEST_DEVICE=cuda``: ``backend="nccl"``, ``device="cuda"`` unless given. Spawned NCCL
-    ranks skip when there are fewer GPUs than ranks."""
+    ranks skip when there are fewer GPUs than ranks. ``env`` variables in ``CALL_TIME_ENV`` are set
+    for the call only (``call_env``), the rest from the processes' start."""
     from vllm_moonep.testing.launch import launched_world_size, run_on_ranks
 
     launched = launched_world_size()
@@ -72,6 +85,10 @@ def ranks(world_size: int, fn, *args, **kwargs):
     if TEST_DEVICE == "cuda":
         kwargs.setdefault("backend", "nccl")
         kwargs.setdefault("device", "cuda")
+    env = kwargs.get("env")
+    if env and any(k in CALL_TIME_ENV for k in env):
+        kwargs["call_env"] = {**kwargs.get("call_env", {}), **{k: v for k, v in env.items() if k in CALL_TIME_ENV}}
+        kwargs["env"] = {k: v for k, v in env.items() if k not in CALL_TIME_ENV} or None
     if launched is None and kwargs.get("backend") == "nccl":
         n_gpu = _cuda_count()
         if world_size > n_gpu:

@@ -1,14 +1,17 @@
 #!/bin/bash
 # The GPU test suite (docs/TESTING.md) on a machine with any number of CUDA GPUs and torch (no
-# vLLM needed, nothing downloaded): every test that runs there, then the environment and a
-# pass/fail summary. With 2 or more GPUs that includes the multi_gpu tests: NCCL ranks, one GPU
+# vLLM needed, nothing downloaded): the GPU cases (marked gpu or multi_gpu; the CPU suite is
+# scripts/test.sh's), then the environment and a pass/fail summary. With 2 or more GPUs that includes the multi_gpu tests: NCCL ranks, one GPU
 # each; every heap (PyTorch symmetric memory, and NVSHMEM when its wheel was carried: see
 # tools/gpu_env.sh) with per-layer slots, overflow reads, the shared slot pool and NVSHMEM's RMA
 # path; moonep-ab, moonep-balance and the soak on NCCL ranks, spawned and under torchrun.
 #
 # Usage (repo root): bash tools/gpu_suite.sh [extra pytest args]
-#   SUITE=all        (default) every test but the slow ones; multi_gpu tests skip with < 2 GPUs
+#   SUITE=gpu        (default) the GPU cases only: tests marked gpu or multi_gpu (-m "gpu or
+#                    multi_gpu"; the CPU suite is scripts/test.sh's, not run again here); multi_gpu
+#                    tests skip with < 2 GPUs
 #   SUITE=multi_gpu  only tests/distributed/test_multi_gpu.py (estimated 4 minutes on 2 H200s)
+#   SUITE=all        every test but the slow ones (the CPU suite too: longer than one device call)
 #   PYTEST_PATHS     narrows the run; SUITE_TIMEOUT (seconds) bounds pytest
 #   AB=1             also moonep-ab --device cuda on the full-size presets: one GPU per rank over
 #                    NCCL, spawned ranks and a torchrun launch (1 GPU: one rank); AB_PRESETS,
@@ -38,13 +41,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,no
 nvidia-smi topo -m 2>/dev/null | head -5 >>"$OUT/environment.txt"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1  # the one-GPU tests' rank processes share the GPU
-case "${SUITE:-all}" in
-  multi_gpu) paths=${PYTEST_PATHS:-tests/distributed/test_multi_gpu.py}; limit=${SUITE_TIMEOUT:-360};;
-  all) paths=${PYTEST_PATHS:-tests}; limit=${SUITE_TIMEOUT:-480};;
-  *) echo "gpu_suite: SUITE must be all or multi_gpu, got ${SUITE}"; exit 2;;
+case "${SUITE:-gpu}" in
+  gpu) paths=${PYTEST_PATHS:-tests}; limit=${SUITE_TIMEOUT:-360}; select="gpu or multi_gpu";;
+  multi_gpu) paths=${PYTEST_PATHS:-tests/distributed/test_multi_gpu.py}; limit=${SUITE_TIMEOUT:-360}; select="not slow";;
+  all) paths=${PYTEST_PATHS:-tests}; limit=${SUITE_TIMEOUT:-480}; select="not slow";;
+  *) echo "gpu_suite: SUITE must be gpu, multi_gpu or all, got ${SUITE}"; exit 2;;
 esac
 start=$(date +%s)
-timeout "$limit" python3 -m pytest $paths -q -rfEs -p no:cacheprovider -m "not slow" \
+timeout "$limit" python3 -m pytest $paths -q -rfEs -p no:cacheprovider -m "$select" \
   --junitxml="$OUT/gpu-suite.xml" "$@" 2>&1 | tee "$OUT/gpu-suite.log" | tail -45
 rc=${PIPESTATUS[0]}
 echo "gpu_suite: pytest exit $rc in $(( $(date +%s) - start ))s ($NGPU GPUs, nvshmem4py: $NVSHMEM_STATUS)"

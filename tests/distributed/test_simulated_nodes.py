@@ -372,6 +372,7 @@ def node_peer_never_signals():
     return out
 
 
+@pytest.mark.slow  # waits out the bound in fresh processes
 @spawned_only
 def test_node_peer_that_never_signals_is_named_within_the_bound():
     """A node-local wait that hangs forever, or gives up without naming the node peer that never
@@ -645,6 +646,7 @@ def node_peer_stops_before_combine():
     return out
 
 
+@pytest.mark.slow  # waits out the bound in fresh processes
 @spawned_only
 def test_node_peer_that_stops_before_combine_is_named():
     """A combine-phase wait that hangs, or gives up without naming the node peer that stopped between

@@ -11,7 +11,8 @@ import pytest
 from vllm_moonep.testing.launch import launched_world_size
 from vllm_moonep.tools.soak import DEFAULTS, pool_capacities, run, step_schedule
 
-pytestmark = pytest.mark.skipif(launched_world_size() is not None, reason="the soak spawns its own ranks")
+pytestmark = [pytest.mark.skipif(launched_world_size() is not None, reason="the soak spawns its own ranks"),
+              pytest.mark.slow]  # 600 steps: scripts/test.sh runs it in its slow stage
 
 CFG = dict(steps=600, ranks=2, layers=2, experts=8, hidden=128, intermediate=128, topk=2, slots=2,
            token_padding=8, max_tokens=256, min_capacity=8, period=97, warmup=150, mem_every=10,
