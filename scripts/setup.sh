@@ -45,13 +45,18 @@ if [ "$installer" = uv ] && ! { [ -x .venv/bin/uv ] || .venv/bin/python -m pip i
   installer=pip
 fi
 echo "setup: installing with $installer (SETUP_INSTALLER=uv|pip)"
+# cuda-python>=13: without it uv takes cuda-python 12.6.2.post1 (pip takes 13.4.4), whose files
+# overwrite cuda-bindings 13's, and quack-kernels' CUTLASS DSL then fails to import
+# ("cuda.bindings.runtime has no attribute cudaLibrary_t"); with it uv resolves what pip does.
+extra=()
 if [ "$installer" = uv ]; then
   install=(.venv/bin/uv pip install -q --python .venv/bin/python)
+  extra=("cuda-python>=13")
 else
   .venv/bin/python -m pip install -q --upgrade pip
   install=(.venv/bin/python -m pip install -q)
 fi
-"${install[@]}" -e ".[vllm,dev]" || { rc=$?; if low_space; then space_note; fi; exit "$rc"; }
+"${install[@]}" -e ".[vllm,dev]" "${extra[@]}" || { rc=$?; if low_space; then space_note; fi; exit "$rc"; }
 # versions from the installed metadata (importing torch and vLLM to print them takes 10-15 s)
 versions=$(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "vllm", v("vllm"))' 2>/dev/null || true)
 echo "setup: done in $(( $(date +%s) - start ))s with $installer ($versions)"
