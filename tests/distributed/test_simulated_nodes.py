@@ -12,7 +12,7 @@ works), a node heap failing on one node or an invalid ``VLLM_MOONEP_RANKS_PER_NO
 raises on every rank promptly, a node peer that stops before combine is named in the combine phase;
 CUDA graphs stay off only where simulated nodes split the EP group.
 
-Rank functions run in the cached pools of ``tests.conftest.ranks``; ``with_env`` sets the
+Rank functions run in the cached pools of ``tests.conftest.ranks``; ``call_with_env`` (``vllm_moonep.testing.launch``) sets the
 variables of one case inside the rank processes and restores them after, so every case here
 shares one pool of 4 processes.
 """
@@ -37,7 +37,7 @@ from tests.distributed.test_engine import (
 from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.engine import Buffer, MoonEPCollectiveTimeout, MoonEPInputError, MoonEPUnavailableError
 from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV, NodeMap, resolve_nodes
-from vllm_moonep.testing.launch import RankFailure, launched_world_size, run_on_ranks
+from vllm_moonep.testing.launch import RankFailure, call_with_env, launched_world_size, run_on_ranks
 from vllm_moonep.testing.routing import route
 
 #: the transport under test in test_engine's rank functions, and 2 simulated nodes of 2 ranks
@@ -45,20 +45,6 @@ HYBRID = {"VLLM_MOONEP_TEST_TRANSPORT": "hybrid", RANKS_PER_NODE_ENV: "2"}
 CUDA = {"VLLM_MOONEP_TEST_DEVICE": "cuda"}
 
 spawned_only = pytest.mark.skipif(launched_world_size() is not None, reason="needs spawned ranks (4 on one host)")
-
-
-def with_env(env: dict, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` in a rank with ``env`` set (restored after: the pool's processes are reused)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: str(v) for k, v in env.items()})
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _dev():
@@ -113,7 +99,7 @@ def config_refusals():
                           ("indivisible", {RANKS_PER_NODE_ENV: "3"}, {"transport": "hybrid"}),
                           ("disagree", {RANKS_PER_NODE_ENV: "2" if r < 2 else "4"}, {"transport": "hybrid"})):
         try:
-            with_env(env, Buffer, 16, 8, 2, 8, 4, None, 4, 2, device="cpu", **kw)
+            call_with_env(env, Buffer, 16, 8, 2, 8, 4, None, 4, 2, device="cpu", **kw)
             out[name] = ""
         except MoonEPInputError as exc:
             out[name] = str(exc)
@@ -181,7 +167,7 @@ def test_hybrid_is_bit_identical_to_collective(rpn):
     (or a remote one through a peer write), stale rows or signals reused across steps, or a combine
     that sums in another order than the collective transport (2x2: both paths; 4x1: every peer remote,
     no heap; 1x4: every peer on the node, no all-to-all)."""
-    stats = ranks(4, with_env, {RANKS_PER_NODE_ENV: str(rpn)}, same_as_collective, 32, 64, 4, 16, 4, 8,
+    stats = ranks(4, call_with_env, {RANKS_PER_NODE_ENV: str(rpn)}, same_as_collective, 32, 64, 4, 16, 4, 8,
                   [0.0, 2.5, 1.0], 3)
     local, remote = sum(s["local"] for s in stats), sum(s["remote"] for s in stats)
     assert (local > 0) == (rpn > 1) and (remote > 0) == (rpn < 4), stats
@@ -226,7 +212,7 @@ def test_a_slow_node_peer_is_waited_for(rpn):
     """A dispatch or combine that returns before a slow node peer's one-sided rows have landed (a
     missing or too-early node-local wait: the shard or the output then misses that peer's rows). 1x4:
     no all-to-all that could order the writes by accident."""
-    res = ranks(4, with_env, {RANKS_PER_NODE_ENV: str(rpn)}, slow_node_peer, 32, 64, 4, 16, 4, 8, 13)
+    res = ranks(4, call_with_env, {RANKS_PER_NODE_ENV: str(rpn)}, slow_node_peer, 32, 64, 4, 16, 4, 8, 13)
     assert res == [(True, True)] * 4, res
 
 
@@ -235,7 +221,7 @@ def test_a_slow_node_peer_is_waited_for(rpn):
 def test_rows_land_where_the_plan_says_hybrid(sigma):
     """A row at another position than the contract's planner gives it, a padding row not zeroed, or a
     weight that did not travel with its row, on 2 simulated nodes (test_engine's check)."""
-    slots = ranks(4, with_env, HYBRID, traceable_rows, 24, 16, 4, 16, 4, 8, sigma, 11)
+    slots = ranks(4, call_with_env, HYBRID, traceable_rows, 24, 16, 4, 16, 4, 8, sigma, 11)
     if sigma > 0:
         assert slots[0] > 0, "skewed routing must use prefetch slots"
 
@@ -245,11 +231,11 @@ def test_dense_scale_fp32_sum_prefetch_and_bad_inputs_hybrid():
     """On 2 simulated nodes: an output combined into the wrong token (dense check), a sum of bf16
     partials instead of one fp32 rounding, a slot filled with the wrong expert, or a rejected call that
     left a half-sent step behind."""
-    assert ranks(4, with_env, HYBRID, per_expert_scale, 40, 32, 3, 16, 4, 16, 3.0, 5)[0] > 0
-    res = ranks(4, with_env, HYBRID, combine_accumulates_in_fp32, 64, 64, 3, 24)
+    assert ranks(4, call_with_env, HYBRID, per_expert_scale, 40, 32, 3, 16, 4, 16, 3.0, 5)[0] > 0
+    res = ranks(4, call_with_env, HYBRID, combine_accumulates_in_fp32, 64, 64, 3, 24)
     assert all(exact for exact, _ in res) and any(d for _, d in res)
-    assert any(any(u) for u in ranks(4, with_env, HYBRID, prefetch_slots, 4, 4, 64, 4, 8, 3.0, 21))
-    assert ranks(4, with_env, HYBRID, bad_inputs_then_valid) == [9] * 4
+    assert any(any(u) for u in ranks(4, call_with_env, HYBRID, prefetch_slots, 4, 4, 64, 4, 8, 3.0, 21))
+    assert ranks(4, call_with_env, HYBRID, bad_inputs_then_valid) == [9] * 4
 
 
 def counts_short_on_one_rank_hybrid():
@@ -281,7 +267,7 @@ def counts_short_on_one_rank_hybrid():
 def test_bad_counts_refused_on_every_rank_before_a_row_moves_hybrid():
     """One rank's bad counts (no host check, the GPU default) planned and moved on some ranks while
     others refused (rows written into a peer that then raised), instead of every rank refusing."""
-    assert ranks(4, with_env, {RANKS_PER_NODE_ENV: "2"}, counts_short_on_one_rank_hybrid) == [(True, True)] * 4
+    assert ranks(4, call_with_env, {RANKS_PER_NODE_ENV: "2"}, counts_short_on_one_rank_hybrid) == [(True, True)] * 4
 
 
 # ------------------------------------------------------------------------------ the symmetric layout
@@ -327,7 +313,7 @@ def test_symmetric_layout_across_simulated_nodes(B):
     """The symmetric layout reading an owner on another node through a peer view (possible only on one
     host; across real nodes it fails), a slot filled wrong by the RMA path, or a step off the dense
     reference; with B < E/R the layout must refuse (overflow reads need every peer addressable)."""
-    res = ranks(4, with_env, HYBRID, symmetric_layout_across_nodes, B)
+    res = ranks(4, call_with_env, HYBRID, symmetric_layout_across_nodes, B)
     if B == 4:
         assert sum(res) > 0, "no slot was filled from the other simulated node: the RMA path did not run"
 
@@ -439,12 +425,12 @@ def test_hybrid_cuda_processes_sharing_one_gpu():
     says, a slow node peer's rows read before they landed (stream ordering), bad counts not refused on
     every rank before a row moves."""
     env = {**HYBRID, **CUDA}
-    stats = ranks(4, with_env, env, same_as_collective, 32, 256, 4, 16, 4, 8, [0.0, 2.5, 1.0], 3, env=env)
+    stats = ranks(4, call_with_env, env, same_as_collective, 32, 256, 4, 16, 4, 8, [0.0, 2.5, 1.0], 3, env=env)
     assert sum(s["local"] for s in stats) > 0 and sum(s["remote"] for s in stats) > 0
-    ranks(4, with_env, env, traceable_rows, 24, 16, 4, 16, 4, 8, 2.5, 11, env=env)
-    assert ranks(4, with_env, env, slow_node_peer, 32, 256, 4, 16, 4, 8, 13, env=env) == [(True, True)] * 4
-    assert ranks(4, with_env, env, counts_short_on_one_rank_hybrid, env=env) == [(True, True)] * 4
-    assert ranks(4, with_env, env, auto_transport_name, env=env) == ["hybrid"] * 4
+    ranks(4, call_with_env, env, traceable_rows, 24, 16, 4, 16, 4, 8, 2.5, 11, env=env)
+    assert ranks(4, call_with_env, env, slow_node_peer, 32, 256, 4, 16, 4, 8, 13, env=env) == [(True, True)] * 4
+    assert ranks(4, call_with_env, env, counts_short_on_one_rank_hybrid, env=env) == [(True, True)] * 4
+    assert ranks(4, call_with_env, env, auto_transport_name, env=env) == ["hybrid"] * 4
 
 
 def auto_transport_name():
@@ -461,7 +447,7 @@ def test_symmetric_layout_torch_heap_across_simulated_nodes_cuda():
     """The symmetric layout on the torch heap across 2 simulated nodes of one GPU: prefetch by the torch
     heap's emulated RMA, a step against the dense reference."""
     env = {**HYBRID, **CUDA}
-    res = ranks(4, with_env, env, symmetric_layout_across_nodes_cuda, env=env)
+    res = ranks(4, call_with_env, env, symmetric_layout_across_nodes_cuda, env=env)
     assert sum(res) > 0
 
 
@@ -568,7 +554,7 @@ def setup_failure_on_one_node():
     out["heap_kinds"] = {}
     for kind in ("nvshmem", "torch"):
         try:
-            with_env({RANKS_PER_NODE_ENV: "1"}, Buffer, S, H, K, E, R, B=2, token_padding=4, device="cpu",
+            call_with_env({RANKS_PER_NODE_ENV: "1"}, Buffer, S, H, K, E, R, B=2, token_padding=4, device="cpu",
                      transport="hybrid", heap=kind, timeout_s=30).destroy()
             out["heap_kinds"][kind] = None
         except MoonEPInputError as exc:
@@ -580,7 +566,7 @@ def setup_failure_on_one_node():
 def test_setup_failure_on_one_node_raises_on_every_rank():
     """A node heap that fails on one node only while the other node's ranks get a working buffer (and time
     out at their first dispatch); a heap kind refused only on ranks that share a node."""
-    res = ranks(4, with_env, {RANKS_PER_NODE_ENV: "2"}, setup_failure_on_one_node, timeout_s=120)
+    res = ranks(4, call_with_env, {RANKS_PER_NODE_ENV: "2"}, setup_failure_on_one_node, timeout_s=120)
     for o in res:
         assert o["failed"] is not None and o["failed"][0] == "MoonEPUnavailableError", o
         assert "rank(s) [2, 3]" in o["failed"][1] and "injected: no memory" in o["failed"][1], o
@@ -602,7 +588,7 @@ def bad_ranks_per_node_on_one_rank():
                      ("heap", lambda: make_heap("host", device="cpu"))):
         t0 = time.monotonic()
         try:
-            with_env(env, fn).destroy() if name == "buffer" else with_env(env, fn).close()
+            call_with_env(env, fn).destroy() if name == "buffer" else call_with_env(env, fn).close()
             out[name] = None
         except MoonEPInputError as exc:
             out[name] = str(exc)

@@ -379,7 +379,7 @@ class RankPool:
             self.close()
             if allow_failures:
                 return results
-            named = args[1] if fn is _call_with_env else fn
+            named = args[1] if fn is call_with_env else fn
             raise RankError(f"{named.__module__}.{named.__qualname__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return results
 
@@ -462,7 +462,7 @@ def finish_launched_group() -> None:
         dist.destroy_process_group()
 
 
-def _call_with_env(env: dict, fn: Callable, *args, **kwargs) -> Any:
+def call_with_env(env: dict, fn: Callable, *args, **kwargs) -> Any:
     """``fn(*args, **kwargs)`` with ``env`` set in this process, restored afterwards."""
     old = {k: os.environ.get(k) for k in env}
     os.environ.update({k: str(v) for k, v in env.items()})
@@ -495,7 +495,7 @@ def run_on_ranks(world_size: int, fn: Callable, *args, env: dict | None = None, 
     in every rank, the largest fixed cost of a multi-rank test on 2 cores).
     """
     if call_env:
-        fn, args = _call_with_env, (dict(call_env), fn) + args
+        fn, args = call_with_env, (dict(call_env), fn) + args
     launched = launched_world_size()
     if launched is not None:
         import torch.distributed as dist

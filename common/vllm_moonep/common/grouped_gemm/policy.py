@@ -143,10 +143,19 @@ def _policy(section: str, sec: dict) -> DevicePolicy:
 def policy_for(name: str | None, capability: tuple[int, int] | None, path=None) -> DevicePolicy:
     """The policy of a GPU called ``name`` with ``capability`` (``None`` for either: no GPU, no policy).
     A GPU without its own section borrows its capability's fallback section; either way the borrowing,
-    or the lack of any section, is said once at INFO."""
+    or the lack of any section, is said once at INFO. Built once per table and GPU (every expert call
+    asks)."""
     if name is None:
         return NO_POLICY
     table = load_table(path)
+    key = (name, capability)
+    cache = table.setdefault("_policies", {})
+    if key not in cache:
+        cache[key] = _resolve(table, name, capability)
+    return cache[key]
+
+
+def _resolve(table: dict, name: str, capability: tuple[int, int] | None) -> DevicePolicy:
     if name in table["devices"]:
         return _policy(name, table["devices"][name])
     arch = None if capability is None else f"sm_{capability[0]}{capability[1]}"
