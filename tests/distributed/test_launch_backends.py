@@ -10,6 +10,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -232,3 +233,25 @@ def test_call_time_env_reaches_the_call_only_and_shares_the_pool():
     assert [v for v, _ in sym] == ["symmetric"] * 2, sym
     assert [v for v, _ in plain] == [os.environ.get(var)] * 2, plain
     assert [p for _, p in sym] == [p for _, p in plain], "the call-time variable started another pool"
+
+
+def _rank1_waits_in_a_named_place():
+    if dist.get_rank() == 1:
+        time.sleep(120)  # sentinel: the stack must name this function
+    return dist.get_rank()
+
+
+def test_a_silent_rank_is_reported_with_the_line_it_waits_in():
+    """A hung case (seen on the GPU suite: a rank pool that never answered) cost the whole call's
+    bound and said only "did not answer": the report must carry the silent rank's Python stack,
+    naming the function it waits in, while the rank that answered keeps its result."""
+    pool = RankPool(2, start_timeout_s=60)
+    try:
+        res = pool.run(_rank1_waits_in_a_named_place, timeout_s=5, allow_failures=True)
+    finally:
+        pool.close()
+    assert res[0] == 0, res
+    failure = res[1]
+    assert failure.status == "timeout", failure
+    assert "its Python stacks:" in failure.detail, failure.detail
+    assert "_rank1_waits_in_a_named_place" in failure.detail, failure.detail

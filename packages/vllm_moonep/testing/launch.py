@@ -26,9 +26,12 @@ associated with device type cpu").
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -50,6 +53,47 @@ GROUP_TIMEOUT_S = float(os.environ.get("VLLM_MOONEP_TEST_GROUP_TIMEOUT_S", "120"
 
 def _group_timeout_s() -> float:
     return float(os.environ.get("VLLM_MOONEP_TEST_GROUP_TIMEOUT_S", GROUP_TIMEOUT_S))
+
+
+#: how long ``RankPool.run`` waits for every rank's answer unless the call says (seconds); the GPU
+#: suite sets VLLM_MOONEP_TEST_CALL_TIMEOUT_S lower so that one hung case cannot eat a device call
+CALL_TIMEOUT_S = float(os.environ.get("VLLM_MOONEP_TEST_CALL_TIMEOUT_S", "600"))
+
+
+def _stacks_of(proc, fd: int | None) -> str:
+    """The Python stacks of every thread of a live rank process that did not answer: on SIGUSR1 it
+    dumps them into an unlinked file (``_worker_main``) that is read here through /proc, so a hang
+    names the line it waits in and leaves no file behind."""
+    if fd is None:
+        return ""
+    path = f"/proc/{proc.pid}/fd/{fd}"
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+    except OSError:
+        return ""
+    text = ""
+    for _ in range(30):  # the dump is written by the rank's signal handler: wait until it stops growing
+        time.sleep(0.1)
+        try:
+            now = open(path).read()
+        except OSError:
+            return ""
+        if now and now == text:
+            break
+        text = now
+    return text.strip()
+    for _ in range(20):
+        time.sleep(0.1)
+        try:
+            text = open(path).read()
+        except OSError:
+            continue
+        if text.count("File ") and text.endswith("\n\n"):
+            break
+    try:
+        return open(path).read().strip()
+    except OSError:
+        return ""
 
 
 class RankError(RuntimeError):
@@ -262,12 +306,15 @@ def _worker_main(rank: int, world_size: int, init_method: str, backend: str, con
     os.environ.update(env)
     os.environ["VLLM_MOONEP_RANK"] = str(rank)
     _apply_malloc_env(env)
+    # a rank that does not answer in time is asked for its stacks (RankPool.run's timeout message)
+    stacks = tempfile.TemporaryFile("w+")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import torch
 
     torch.set_num_threads(max(1, int(env.get("VLLM_MOONEP_THREADS_PER_RANK", "1"))))
     try:
         _init_group(rank, world_size, init_method, backend, device)
-        conn.send(("ready", None))
+        conn.send(("ready", stacks.fileno()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -318,6 +365,7 @@ class RankPool:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         env = dict(env or {})
         self.procs, self.conns = [], []
+        self.stack_fds: list[int | None] = [None] * self.world_size
         for r in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, args=(r, self.world_size, init_method, self.backend, child, env, device),
@@ -332,6 +380,7 @@ class RankPool:
                 self.close()
                 self.broken = False
                 return f"rank {r} failed to start:\n{payload}"
+            self.stack_fds[r] = payload
         return None
 
     def _recv(self, rank: int, conn, timeout_s: float):
@@ -347,8 +396,10 @@ class RankPool:
                 return "died", f"rank {rank} died (exit code {self.procs[rank].exitcode})"
         return "timeout", f"rank {rank} did not answer within {timeout_s:.0f}s"
 
-    def run(self, fn: Callable, *args, timeout_s: float = 600.0, allow_failures: bool = False, **kwargs) -> list[Any]:
-        """``fn(*args, **kwargs)`` on every rank; results in rank order, or ``RankError``.
+    def run(self, fn: Callable, *args, timeout_s: float | None = None, allow_failures: bool = False,
+            **kwargs) -> list[Any]:
+        """``fn(*args, **kwargs)`` on every rank; results in rank order, or ``RankError``. A rank
+        silent for ``timeout_s`` (default ``CALL_TIMEOUT_S``) is reported with its Python stacks.
 
         With ``allow_failures`` a rank that raised, died or did not answer yields a
         ``RankFailure`` in its place instead of an exception (fault-injection tests kill ranks
@@ -364,7 +415,7 @@ class RankPool:
                 pass  # a dead rank: reported by _recv below
         results: list[Any] = [None] * self.world_size
         errors: list[str] = []
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (CALL_TIMEOUT_S if timeout_s is None else timeout_s)
         for r, c in enumerate(self.conns):
             # once a rank failed, peers stuck in a collective get a short grace period
             left = max(deadline - time.monotonic(), 0.1) if not errors else min(_group_timeout_s() + 15, max(deadline - time.monotonic(), 0.1))
@@ -372,6 +423,9 @@ class RankPool:
             if status == "ok":
                 results[r] = payload
             else:
+                if status == "timeout" and self.procs[r].is_alive():
+                    stacks = _stacks_of(self.procs[r], self.stack_fds[r])
+                    payload += f"\nits Python stacks:\n{stacks}" if stacks else " (no stacks came back)"
                 errors.append(f"--- rank {r} ({status}) ---\n{payload}")
                 results[r] = RankFailure(r, status, payload, self.procs[r].exitcode)
         if errors:
