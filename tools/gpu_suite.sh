@@ -12,7 +12,13 @@
 #                    tests skip with < 2 GPUs
 #   SUITE=multi_gpu  only tests/distributed/test_multi_gpu.py (estimated 4 minutes on 2 H200s)
 #   SUITE=all        every test but the slow ones (the CPU suite too: longer than one device call)
-#   PYTEST_PATHS     narrows the run; SUITE_TIMEOUT (seconds) bounds pytest
+#   SUITE_WORKERS    pytest-xdist workers sharing the GPU (default 8; 1 = one process): most of the
+#                    time is Triton compiling each case's kernels on the CPU (a fresh machine has no
+#                    cache), which spreads over the cores. xdist travels as a wheel in .whl/ where
+#                    it cannot be installed (tools/gpu_env.sh); without it the run is one process
+#   PYTEST_PATHS     narrows the run; SUITE_TIMEOUT (seconds) bounds pytest;
+#                    VLLM_MOONEP_TEST_CALL_TIMEOUT_S (default here 180) bounds one call on rank processes,
+#                    whose report then carries the silent ranks' Python stacks
 #   AB=1             also moonep-ab --device cuda on the full-size presets: one GPU per rank over
 #                    NCCL, spawned ranks and a torchrun launch (1 GPU: one rank); AB_PRESETS,
 #                    AB_LAYERS, AB_TOKENS, AB_IMPL, AB_HEAP (nvshmem: the NVSHMEM heap's memory), AB_TIMEOUT
@@ -41,14 +47,24 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,no
 nvidia-smi topo -m 2>/dev/null | head -5 >>"$OUT/environment.txt"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1  # the one-GPU tests' rank processes share the GPU
+export VLLM_MOONEP_TEST_CALL_TIMEOUT_S=${VLLM_MOONEP_TEST_CALL_TIMEOUT_S:-180}
 case "${SUITE:-gpu}" in
   gpu) paths=${PYTEST_PATHS:-tests}; limit=${SUITE_TIMEOUT:-360}; select="gpu or multi_gpu";;
   multi_gpu) paths=${PYTEST_PATHS:-tests/distributed/test_multi_gpu.py}; limit=${SUITE_TIMEOUT:-360}; select="not slow";;
   all) paths=${PYTEST_PATHS:-tests}; limit=${SUITE_TIMEOUT:-480}; select="not slow";;
   *) echo "gpu_suite: SUITE must be gpu, multi_gpu or all, got ${SUITE}"; exit 2;;
 esac
+workers=${SUITE_WORKERS:-8}
+parallel=()
+if [ "$workers" -gt 1 ]; then
+  if python3 -c "import xdist" 2>/dev/null; then
+    parallel=(-n "$workers" --dist worksteal)
+  else
+    echo "gpu_suite: pytest-xdist does not import here: one process (carry its wheel and execnet's in .whl/)"
+  fi
+fi
 start=$(date +%s)
-timeout "$limit" python3 -m pytest $paths -q -rfEs -p no:cacheprovider -m "$select" \
+timeout "$limit" python3 -m pytest $paths -q -rfEs -p no:cacheprovider -m "$select" --durations=40 "${parallel[@]}" \
   --junitxml="$OUT/gpu-suite.xml" "$@" 2>&1 | tee "$OUT/gpu-suite.log" | tail -45
 rc=${PIPESTATUS[0]}
 echo "gpu_suite: pytest exit $rc in $(( $(date +%s) - start ))s ($NGPU GPUs, nvshmem4py: $NVSHMEM_STATUS)"
