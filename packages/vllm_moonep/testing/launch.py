@@ -1,10 +1,11 @@
-"""Run a function on R ranks: spawned CPU/GPU processes (gloo, or NCCL with one GPU per rank),
-or the processes of a torchrun launch.
+"""Run a function on R ranks: processes started here (CPU or GPU; gloo, or NCCL with one GPU per
+rank), or the processes of a torchrun launch.
 
 ``RankPool(R)`` starts R processes once, each with an initialised process group, and runs
 picklable module-level functions on all of them (``pool.run(fn, *args)`` calls ``fn(*args)`` on
 every rank and returns the per-rank results in rank order). Tests and tools reuse pools across
-calls, which keeps a multi-rank test suite fast on a 2-core machine.
+calls, and the processes are forked from a forkserver that imported torch once
+(``FORKSERVER_PRELOAD``), which keeps a multi-rank test suite fast on a 2-core machine.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment, one node or
 several) ``run_on_ranks`` runs the function in the launched process on the launched group
@@ -116,6 +117,26 @@ class RankFailure:
 
 #: spawns of a pool whose rendezvous port was taken between picking and binding it
 _START_ATTEMPTS = 3
+
+
+#: what a forkserver imports once, so that each rank process it forks starts with them imported
+#: (on 2 cores torch's import is 2-5 s of every spawned rank's start)
+FORKSERVER_PRELOAD = ("torch", "torch.distributed")
+
+
+def _process_context(env: dict):
+    """How rank processes start: forked from a forkserver that imported torch once, or spawned
+    (``VLLM_MOONEP_RANK_START=spawn``, and always for a pool that sets ``MALLOC_ARENA_MAX``,
+    which glibc must read before anything allocates). A forked rank takes this process's
+    environment as of its start (``_worker_main`` sets it), as a spawned one does."""
+    how = os.environ.get("VLLM_MOONEP_RANK_START", "forkserver")
+    if how not in ("forkserver", "spawn"):
+        raise RankError(f"VLLM_MOONEP_RANK_START must be forkserver or spawn, got {how!r}")
+    if how == "spawn" or "MALLOC_ARENA_MAX" in env:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
 
 
 def _free_port() -> int:
@@ -302,7 +323,10 @@ def _apply_malloc_env(env: dict) -> None:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, backend: str, conn, env: dict,
-                 device: str | None = None) -> None:
+                 device: str | None = None, parent_env: dict | None = None) -> None:
+    if parent_env is not None:  # a forked rank has the forkserver's environment, not the caller's
+        os.environ.clear()
+        os.environ.update(parent_env)
     os.environ.update(env)
     os.environ["VLLM_MOONEP_RANK"] = str(rank)
     _apply_malloc_env(env)
@@ -361,15 +385,15 @@ class RankPool:
     def _start(self, env: dict | None, device: str | None, start_timeout_s: float) -> str | None:
         """Spawn the ranks on a fresh port; ``None`` when every rank is ready, else why not (the
         ranks that did start are closed)."""
-        ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
         env = dict(env or {})
+        ctx = _process_context(env)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.procs, self.conns = [], []
         self.stack_fds: list[int | None] = [None] * self.world_size
         for r in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker_main, args=(r, self.world_size, init_method, self.backend, child, env, device),
-                            daemon=True)
+            p = ctx.Process(target=_worker_main, daemon=True,
+                            args=(r, self.world_size, init_method, self.backend, child, env, device, dict(os.environ)))
             p.start()
             child.close()
             self.procs.append(p)
@@ -441,12 +465,17 @@ class RankPool:
         """Ask every rank to leave (it destroys its process group), wait ``grace_s`` in all, then
         kill the stragglers (a rank whose group has a pending failed collective may block in
         ``destroy_process_group`` until the group's own timeout). Idempotent."""
+        self._ask_to_leave()
+        self._reap(time.monotonic() + grace_s)
+
+    def _ask_to_leave(self) -> None:
         for c in self.conns:
             try:
                 c.send(None)
             except Exception:
                 pass
-        deadline = time.monotonic() + grace_s
+
+    def _reap(self, deadline: float) -> None:
         for p in self.procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.01))
         for p in self.procs:
@@ -477,10 +506,16 @@ def get_pool(world_size: int, *, backend: str = "gloo", env: dict | None = None,
     return pool
 
 
-def shutdown_pools(tag: str | None = None) -> None:
-    """Close the cached pools (only those made with ``tag`` when one is given)."""
-    for key in [k for k in _POOLS if tag is None or k[-1] == tag]:
-        _POOLS.pop(key).close()
+def shutdown_pools(tag: str | None = None, grace_s: float = 5.0) -> None:
+    """Close the cached pools (only those made with ``tag`` when one is given): every rank of every
+    pool is asked to leave first, then all get one ``grace_s`` together (one after another, a
+    session's dozen pools took half a minute)."""
+    pools = [_POOLS.pop(k) for k in [k for k in _POOLS if tag is None or k[-1] == tag]]
+    for pool in pools:
+        pool._ask_to_leave()
+    deadline = time.monotonic() + grace_s
+    for pool in pools:
+        pool._reap(deadline)
 
 
 def _launched_local_rank() -> int:

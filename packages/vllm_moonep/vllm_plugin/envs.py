@@ -36,6 +36,7 @@ LAUNCHER_ENV_VARS = (
     "VLLM_MOONEP_TEST_DEVICE",
     "VLLM_MOONEP_TEST_GROUP_TIMEOUT_S",
     "VLLM_MOONEP_TEST_CALL_TIMEOUT_S",
+    "VLLM_MOONEP_RANK_START",
     "VLLM_MOONEP_TEST_TRANSPORT",
     "VLLM_MOONEP_TEST_COMPARE_JSON",  # tests/gpu/test_vs_vllm_fused_experts.py: where its figures go
 )
