@@ -247,9 +247,9 @@ def test_a_silent_rank_is_reported_with_the_line_it_waits_in():
     naming the function it waits in, while the rank that answered keeps its result."""
     pool = RankPool(2, start_timeout_s=60)
     try:
-        res = pool.run(_rank1_waits_in_a_named_place, timeout_s=5, allow_failures=True)
+        res = pool.run(_rank1_waits_in_a_named_place, timeout_s=3, allow_failures=True)
     finally:
-        pool.close()
+        pool.close(grace_s=0.5)
     assert res[0] == 0, res
     failure = res[1]
     assert failure.status == "timeout", failure
