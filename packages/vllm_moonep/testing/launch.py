@@ -508,8 +508,8 @@ def get_pool(world_size: int, *, backend: str = "gloo", env: dict | None = None,
 
 def shutdown_pools(tag: str | None = None, grace_s: float = 5.0) -> None:
     """Close the cached pools (only those made with ``tag`` when one is given): every rank of every
-    pool is asked to leave first, then all get one ``grace_s`` together (one after another, a
-    session's dozen pools took half a minute)."""
+    pool is asked to leave first, then all get one ``grace_s`` together (one after another, the
+    dozen pools of one pytest worker took half a minute)."""
     pools = [_POOLS.pop(k) for k in [k for k in _POOLS if tag is None or k[-1] == tag]]
     for pool in pools:
         pool._ask_to_leave()
