@@ -3,8 +3,10 @@
 - ``gpu``: skipped without CUDA; ``multi_gpu``: skipped with fewer than 2 CUDA devices (NCCL
   needs one GPU per rank); ``multi_node``: runs only under a torchrun launch over several nodes;
   ``vllm``: skipped only where vLLM is not importable (CI installs it, so there they run).
-- Multi-rank tests call ``ranks(R, fn, *args)``: spawned gloo ranks by default (pools reused
+- Multi-rank tests call ``ranks(R, fn, *args)``: gloo rank processes by default (pools reused
   across tests), or the launched group under torchrun, where tests for another world size skip.
+- ``VLLM_MOONEP_TEST_FAILURES=<file>``: each failure is appended there as it happens, so a run
+  stopped by a time bound (a device call) still names what failed (tools/gpu_suite.sh sets it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ def _cuda_count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         return 0
+
+
+_IS_XDIST_WORKER = False
+
+
+def pytest_configure(config):
+    global _IS_XDIST_WORKER
+    _IS_XDIST_WORKER = hasattr(config, "workerinput")  # workers' reports reach the controller's hook too
+
+
+def pytest_runtest_logreport(report):
+    """A failure, written to ``$VLLM_MOONEP_TEST_FAILURES`` the moment it is reported."""
+    path = os.environ.get("VLLM_MOONEP_TEST_FAILURES")
+    if not path or not report.failed or _IS_XDIST_WORKER:
+        return
+    with open(path, "a") as f:
+        f.write(f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,7 +23,8 @@
 #                    NCCL, spawned ranks and a torchrun launch (1 GPU: one rank); AB_PRESETS,
 #                    AB_LAYERS, AB_TOKENS, AB_IMPL, AB_HEAP (nvshmem: the NVSHMEM heap's memory), AB_TIMEOUT
 # Files in $OUT (at most 8 come back from the device tool): environment.txt, setup.log,
-# gpu-suite.log, gpu-suite.xml, multi_gpu_figures.json (memory and soak figures), ab.log.
+# gpu-suite.log, gpu-suite.xml, failures.txt (each failure as it happens: a run stopped by
+# SUITE_TIMEOUT writes no summary), multi_gpu_figures.json (memory and soak figures), ab.log.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source tools/gpu_env.sh >/tmp/gpu_env.out 2>&1
@@ -63,11 +64,16 @@ if [ "$workers" -gt 1 ]; then
     echo "gpu_suite: pytest-xdist does not import here: one process (carry its wheel and execnet's in .whl/)"
   fi
 fi
+export VLLM_MOONEP_TEST_FAILURES="$OUT/failures.txt"
+: >"$VLLM_MOONEP_TEST_FAILURES"
 start=$(date +%s)
 timeout "$limit" python3 -m pytest $paths -q -rfEs -p no:cacheprovider -m "$select" --durations=40 "${parallel[@]}" \
   --junitxml="$OUT/gpu-suite.xml" "$@" 2>&1 | tee "$OUT/gpu-suite.log" | tail -45
 rc=${PIPESTATUS[0]}
 echo "gpu_suite: pytest exit $rc in $(( $(date +%s) - start ))s ($NGPU GPUs, nvshmem4py: $NVSHMEM_STATUS)"
+if [ -s "$VLLM_MOONEP_TEST_FAILURES" ]; then
+  echo "gpu_suite: failures as they happened ($OUT/failures.txt):"; grep "^FAILED " "$VLLM_MOONEP_TEST_FAILURES"
+fi
 python3 - "$OUT/gpu-suite.xml" <<'PY'
 import sys, xml.etree.ElementTree as ET
 from collections import Counter
