@@ -83,18 +83,6 @@ def _stacks_of(proc, fd: int | None) -> str:
             break
         text = now
     return text.strip()
-    for _ in range(20):
-        time.sleep(0.1)
-        try:
-            text = open(path).read()
-        except OSError:
-            continue
-        if text.count("File ") and text.endswith("\n\n"):
-            break
-    try:
-        return open(path).read().strip()
-    except OSError:
-        return ""
 
 
 class RankError(RuntimeError):
