@@ -49,7 +49,7 @@ echo "setup: installing with $installer (SETUP_INSTALLER=uv|pip)"
 # overwrite cuda-bindings 13's, and quack-kernels' CUTLASS DSL then fails to import
 # ("cuda.bindings.runtime has no attribute cudaLibrary_t"); with it uv resolves what pip does.
 # --compile-bytecode: pip writes every module's .pyc at install, uv only when asked. Without them,
-# and with PYTHONDONTWRITEBYTECODE set (CI machines set it), every process compiles what it imports
+# and with PYTHONDONTWRITEBYTECODE set (the 2-core development machine sets it), every process compiles what it imports
 # from source: torch's import 4.7 s instead of 2.2, vLLM's 24 s instead of 11, in each of the test
 # suite's hundreds of rank and tool processes.
 extra=()
