@@ -12,7 +12,7 @@
 #                    tests skip with < 2 GPUs
 #   SUITE=multi_gpu  only tests/distributed/test_multi_gpu.py (estimated 4 minutes on 2 H200s)
 #   SUITE=all        every test but the slow ones (the CPU suite too: past 250 s on one H200 with
-#                    SUITE_WORKERS=12; give it SUITE_TIMEOUT=400)
+#                    SUITE_WORKERS=12)
 #   SUITE_WORKERS    pytest-xdist workers sharing the GPU (default 8; 1 = one process): most of the
 #                    time is Triton compiling each case's kernels on the CPU (a fresh machine has no
 #                    cache), which spreads over the cores. xdist travels as a wheel in .whl/ where
