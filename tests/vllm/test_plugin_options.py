@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import ranks
 from tests.vllm import workers as W
+from vllm_moonep.testing.launch import call_with_env
 
 pytestmark = pytest.mark.vllm
 
@@ -91,18 +92,13 @@ def _engine_config(model_dir: str, argv: list[str], env: dict[str, str]):
     from vllm_moonep.vllm_plugin import checks
 
     checks._warned.clear()  # each case sees its own warnings
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+
+    def build():
         parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
         args = parser.parse_args(["--model", model_dir, "--skip-tokenizer-init", "--dtype", "bfloat16", *argv])
         return EngineArgs.from_cli_args(args).create_engine_config()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+
+    return call_with_env(env, build)
 
 
 def rk_frontend(model_dir: str, cases: list[tuple[list[str], dict]]):
