@@ -63,7 +63,7 @@ fi
 "${install[@]}" -e ".[vllm,dev]" "${extra[@]}" || { rc=$?; if low_space; then space_note; fi; exit "$rc"; }
 # the project's own modules and tests too (the editable install compiles nothing; a .pyc stays valid
 # until its source changes)
-.venv/bin/python -m compileall -q -j 0 packages common replicated symmetric tools tests >/dev/null || true
+.venv/bin/python -m compileall -q -j 0 packages common replicated symmetric tools tests || true
 # versions from the installed metadata (importing torch and vLLM to print them takes 10-15 s)
 versions=$(.venv/bin/python -c 'from importlib.metadata import version as v; print("torch", v("torch"), "vllm", v("vllm"))' 2>/dev/null || true)
 echo "setup: done in $(( $(date +%s) - start ))s with $installer ($versions)"

@@ -255,3 +255,30 @@ def test_a_silent_rank_is_reported_with_the_line_it_waits_in():
     assert failure.status == "timeout", failure
     assert "its Python stacks:" in failure.detail, failure.detail
     assert "_rank1_waits_in_a_named_place" in failure.detail, failure.detail
+
+
+def _env_value(name):
+    return os.environ.get(name)
+
+
+def test_forked_ranks_see_the_callers_environment_as_of_their_start(monkeypatch):
+    """Rank processes fork from a forkserver started with an earlier environment: without the caller's
+    environment handed over, a variable set after that start (a test's monkeypatch, a tool's option)
+    silently missed the ranks that spawned processes used to see."""
+    first = RankPool(1, start_timeout_s=60)  # the forkserver is running from here on
+    first.close()
+    monkeypatch.setenv("MOONEP_LAUNCH_SENTINEL", "set-after-the-forkserver-started")
+    pool = RankPool(2, start_timeout_s=60)
+    try:
+        assert pool.run(_env_value, "MOONEP_LAUNCH_SENTINEL") == ["set-after-the-forkserver-started"] * 2
+    finally:
+        pool.close()
+
+
+def test_unknown_rank_start_method_is_refused(monkeypatch):
+    """A misspelt VLLM_MOONEP_RANK_START must not quietly pick a start method."""
+    from vllm_moonep.testing.launch import RankError
+
+    monkeypatch.setenv("VLLM_MOONEP_RANK_START", "fork")
+    with pytest.raises(RankError, match="VLLM_MOONEP_RANK_START must be forkserver or spawn, got 'fork'"):
+        RankPool(1, start_timeout_s=60)
