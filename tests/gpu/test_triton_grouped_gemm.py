@@ -306,6 +306,70 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
         assert int(sync.abs().sum()) == 0
 
 
+# one-launch tile sets of bench_experts' FUSED_TILES: 16-column gate/up items (decode) and 64-row tiles (the middle)
+_ROW_TILE_SETS = {
+    "decode16": {"gate_up": {"BM": 16, "BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+                 "down": {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}},
+    "rows64": {"gate_up": {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
+               "down": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2}},
+}
+
+
+@pytest.mark.parametrize("tiles", sorted(_ROW_TILE_SETS))
+@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
+def test_one_launch_row_tiles(H, I, tiles):
+    """The one launch given the engine's ends, where every item is one row tile: a hot group of 700 rows is
+    spread over many programs, and its down items must wait for every row tile's gate/up items (a wait that
+    counts column blocks only reads act rows not yet written: NaN, since act starts as NaN). Against the three
+    launches with the same tiles and ends, bit for bit, with and without the tails' zeros, three launches in a
+    row and a graph replay on new rows (counters left set skip or hang the next), counters back at 0."""
+    tk = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    lens = [1, 700, 0, 3, 129, 0, 17, 64, 1, 0, 65, 2]
+    w = _weights(len(lens), H, I, gen)
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=200)
+    starts = torch.cat([cu.new_zeros(1), cu[:-1]])
+
+    def ends_of(lens_):
+        return (starts + torch.tensor(lens_, dtype=torch.int32, device="cuda")).to(torch.int32)
+
+    ends = ends_of(lens)
+    three = _ROW_TILE_SETS[tiles]
+    one = {**three, "fused": {"num_warps": 4, "num_stages": three["gate_up"]["num_stages"], "progs_per_sm": 2}}
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    sync = tk.prepare_weights(w).sync
+    for zero_tail in (True, False):
+        want = torch.full_like(x, float("nan"))
+        tk.expert_ffn_triton(x, rw, cu, w, out=want, config=three, row_ends=ends, zero_tail=zero_tail)
+        out = torch.full_like(x, float("nan"))
+        for _ in range(3):
+            out.fill_(float("nan"))
+            act.fill_(float("nan"))
+            tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=one, row_ends=ends, zero_tail=zero_tail)
+        torch.cuda.synchronize()
+        same = torch.equal(out[:total].nan_to_num(7.0), want[:total].nan_to_num(7.0))
+        assert same, f"one launch of row tiles differs from three launches (zero_tail={zero_tail})"
+        assert int(sync.abs().sum()) == 0, f"counters not restored: {sync.nonzero().flatten().tolist()}"
+    from vllm_moonep.testing.reference import expert_ffn_float64
+
+    assert _rel(out[:total], expert_ffn_float64(x, rw, cu, w)[:total]) < TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=one, row_ends=ends)
+    lens2 = [0, 5, 0, 300, 1, 0, 0, 0, 0, 0, 128, 0]
+    total2 = _refill(x, rw, cu, lens2, H, gen)
+    starts = torch.cat([cu.new_zeros(1), cu[:-1]])
+    ends.copy_(ends_of(lens2))
+    out.fill_(float("nan"))
+    act.fill_(float("nan"))
+    graph.replay()
+    want = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=want, config=three, row_ends=ends)
+    torch.cuda.synchronize()
+    assert torch.equal(out[:total2], want[:total2]), "a replayed one launch of row tiles differs from three launches"
+    assert int(sync.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
 def test_flattened_tile_loop(H, I):
     """The persistent loop flattened into the main loop ("flat": next tile's loads during this tile's epilogue)

@@ -200,12 +200,16 @@ def _child_main() -> None:
             tma_same = bool(torch.equal(out_tma[:n], out[:n]))
             # the engine's ends of each segment's entries instead of the trim launch: its own ends (the
             # trimmed ones), the segments' ends (no tail known) and ends past them (clamped to the
-            # segment): the same bits every time
+            # segment): the same bits every time; and in one launch, whose items are then one row tile each
+            # (a row tile taken twice or never, a down item not waiting for every row tile of its group, the
+            # tail's zeros missing or written by the wrong item: other bits, or NaN)
             ends_same = True
+            one_launch = {**_INTERP_CONFIG, "fused": {"num_warps": 4, "num_stages": 1, "progs_per_sm": 1}}
             for ends in (_trimmed_ends(rw, cu), cu.clone(), cu + 7):
-                o = torch.full_like(x, float("nan"))
-                expert_ffn_triton(x, rw, cu, w, out=o, row_ends=ends.to(torch.int32))
-                ends_same &= bool(torch.equal(o[:n], out[:n]))
+                for cfg in (None, one_launch):
+                    o = torch.full_like(x, float("nan"))
+                    expert_ffn_triton(x, rw, cu, w, out=o, config=cfg, row_ends=ends.to(torch.int32))
+                    ends_same &= bool(torch.equal(o[:n], out[:n]))
             # the padding tails left as they were (zero_tail=False, with the entries' ends), three launches and
             # one. The entries end 3 rows past each segment's last live row: weight-0 entries with non-zero
             # hidden states, as a sanitized invalid id leaves them (combine reads them: they must come out
@@ -384,7 +388,8 @@ def test_interpreter_case(report, case):
     assert r["tma_used"], f"{case}: the TMA tiles fell back to pointer loads (the check below would be vacuous)"
     assert r["tma_same"], f"{case}: the tensor-descriptor (TMA) loads gave other outputs than the pointer loads"
     assert r["ends_same"], (f"{case}: the engine's segment ends (row_ends) in place of the trim launch gave other "
-                            "outputs (ends past a segment not clamped, or a tail row computed from the next group)")
+                            "outputs (ends past a segment not clamped, a tail row computed from the next group, or "
+                            "one launch's row-tile items missing or misplaced)")
     t = r["tails"]
     assert t["same"], (f"{case}: with the padding tails left (zero_tail=False) an entry row changed (a weight-0 "
                        "entry left unwritten: combine would read leftover memory)")

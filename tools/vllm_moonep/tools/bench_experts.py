@@ -54,8 +54,10 @@ the one with the least total time over both routings, then times the whole compu
 tiles as three launches and as one (``triton_fused``, ``FUSED_CANDIDATES``, ``FUSED_TILES``) and
 keeps one launch where it is faster at both routings; each kernel's ``STREAMK_TRIES`` best tiles are
 also timed cut by stream-K (``"streamk"``) and kept cut where faster at both routings.
-``--tune-streamk`` is the quick pass of that last step alone, on the shipped tiles. Both write
-``tuning.json`` (to ``$OUT`` if set, else the current directory) and use it for the table. A point the table runs as one launch is also timed as three launches of the same
+``--tune-streamk`` is the quick pass of that last step alone, on the shipped tiles; ``--tune-fused`` the
+quick pass of the one-launch step alone: the shipped entry as it runs against one launch of its tiles and of
+``FUSED_TILES``, one launch kept where faster at both routings. Each writes
+``tuning.json`` (to ``$OUT`` if set, else the current directory) and uses it for the table. A point the table runs as one launch is also timed as three launches of the same
 tiles (the ``three launches`` column). Prints a markdown table; writes
 ``bench_experts.json`` to ``$OUT`` if set.
 
@@ -167,13 +169,37 @@ FUSED_CANDIDATES = [{"num_stages": s, "progs_per_sm": p} for p in (1, 2, 3, 4) f
 KEEP_MARGIN = 0.01
 #: the best candidates of each kernel that ``--tune`` also times cut by stream-K (``"streamk"``)
 STREAMK_TRIES = 3
-#: decode tiles (16 rows) that suit one launch: narrower than the three launches' best, so that a few
-#: busy groups still give every SM a work item (a probe on an H200, docs/PERFORMANCE.md#tile-options)
+def _one_launch(gate_up: dict, down: dict, progs_per_sm: int, num_stages: int) -> dict:
+    """A tile config run as one launch (``triton_fused``): both kernels' tiles with the launch's stages and
+    programs per SM (so that the same tiles as three launches, the ``three launches`` column, run alike)."""
+    run = {"num_warps": 4, "num_stages": num_stages, "progs_per_sm": progs_per_sm}
+    return {"gate_up": {**gate_up, **run}, "down": {**down, **run}, "fused": run}
+
+
+#: tile configs tried as one launch beside a point's own tiles (``--tune``, where its gate/up tiles have at most
+#: 64 rows, and ``--tune-fused``): narrow column blocks, so that the few busy groups of a decode step still give
+#: every program an item and the items even out over the SMs (at 1 token Qwen3's 7 busy groups in 32-column
+#: gate/up items are 168 items of 256 KB on 132 SMs: a third of the SMs read two, the rest one; 16 columns make
+#: 336 items of 128 KB), and row tiles of 32-64 for the middle, where a launch's items are one row tile each
+#: (``triton_fused``, given the engine's ends)
 FUSED_TILES = [
-    {"gate_up": {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
-     "down": {"BM": 16, "BN": n, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}}
-    for n in (64, 128)
+    _one_launch({"BM": 16, "BN": 16, "BK": 256}, {"BM": 16, "BN": 64, "BK": 128}, 2, 4),
+    _one_launch({"BM": 16, "BN": 16, "BK": 256}, {"BM": 16, "BN": 64, "BK": 128}, 3, 3),
+    _one_launch({"BM": 16, "BN": 16, "BK": 256}, {"BM": 16, "BN": 32, "BK": 256}, 2, 4),
+    _one_launch({"BM": 16, "BN": 16, "BK": 256}, {"BM": 16, "BN": 32, "BK": 256}, 3, 3),
+    _one_launch({"BM": 16, "BN": 16, "BK": 128}, {"BM": 16, "BN": 64, "BK": 128}, 2, 4),
+    _one_launch({"BM": 16, "BN": 16, "BK": 128}, {"BM": 16, "BN": 64, "BK": 128}, 4, 4),
+    _one_launch({"BM": 16, "BN": 32, "BK": 128}, {"BM": 16, "BN": 64, "BK": 128}, 2, 4),
+    _one_launch({"BM": 16, "BN": 32, "BK": 128}, {"BM": 16, "BN": 128, "BK": 128}, 2, 4),
+    _one_launch({"BM": 16, "BN": 32, "BK": 128}, {"BM": 16, "BN": 32, "BK": 256}, 3, 3),
+    _one_launch({"BM": 32, "BN": 32, "BK": 128}, {"BM": 32, "BN": 64, "BK": 128}, 2, 4),
+    _one_launch({"BM": 32, "BN": 32, "BK": 128}, {"BM": 32, "BN": 64, "BK": 128}, 3, 3),
+    _one_launch({"BM": 64, "BN": 64, "BK": 64}, {"BM": 64, "BN": 128, "BK": 64}, 1, 4),
+    _one_launch({"BM": 64, "BN": 64, "BK": 64}, {"BM": 64, "BN": 128, "BK": 64}, 2, 3),
 ]
+#: the largest gate/up row tile for which ``--tune`` also tries ``FUSED_TILES`` (from 1024 tokens per rank the
+#: tiles are 128 rows and one launch has lost everywhere: docs/PERFORMANCE.md#tried-and-not-kept)
+FUSED_TILES_MAX_BM = 64
 
 
 def _bench(fn, warmup=25, rep=100):
@@ -513,6 +539,16 @@ def merged_tuning(shipped: list, tuned: list) -> list:
     return [table[k] for k in sorted(table)]
 
 
+def _tiles_note(conf: dict) -> str:
+    """A tile config in one line: ``BMxBNxBK`` per kernel, its options, the launch."""
+    def one(c):
+        opts = "".join(f" {k}" for k in ("tma", "ws", "flat", "streamk", "swap", "w13i") if c.get(k))
+        return f"{c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']} p{c['progs_per_sm']}{opts}"
+    f = conf.get("fused")
+    launch = f" | one launch w{f['num_warps']} s{f['num_stages']} p{f['progs_per_sm']}" if f else ""
+    return f"gate_up {one(conf['gate_up'])} | down {one(conf['down'])}{launch}"
+
+
 def _three_note(t_three) -> str:
     return "" if t_three is None else f" (one launch; three: {t_three:.1f} us)"
 
@@ -600,6 +636,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096")
     tune = ap.add_mutually_exclusive_group()  # --tune already times its best tiles cut by stream-K
     tune.add_argument("--tune", action="store_true")
+    tune.add_argument("--tune-fused", action="store_true",
+                      help="the one-launch step alone: the shipped tiles as they run against one launch of them "
+                           "and of FUSED_TILES; writes tuning.json like --tune")
     tune.add_argument("--tune-streamk", action="store_true",
                     help="time the shipped tiles of each point also cut by stream-K (\"streamk\"), per kernel, and write "
                          "tuning.json with stream-K where it was faster at every routing (a quick pass; --tune does it "
@@ -742,6 +781,35 @@ def main(argv=None) -> int:
                         won = (ck, tk_)
                 return (best_c, best_t) if won is None else won
 
+            def _whole(conf):  # the whole compute with tiles ``conf``, per routing (ms)
+                tot = []
+                for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
+                    o = torch.empty_like(x)
+                    act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
+                    replay, _g = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf,
+                                                                       act=act, padded=False, row_ends=ends,
+                                                                       zero_tail=False))
+                    tot.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
+                return tot
+
+            def best_one_launch(tries, against):
+                """The fastest of the one-launch configs ``tries`` that beats ``against`` (ms per routing) at every
+                routing by more than KEEP_MARGIN, and its time over both routings; ``(None, inf)`` if none does
+                (the table must never make a point slower, and a tie within noise keeps what runs)."""
+                won, won_t = None, math.inf
+                for conf in tries:
+                    try:
+                        tf = _whole(conf)
+                    except Exception as e:  # out of resources etc.
+                        print(f"#   {sname} t={tokens} one launch {_tiles_note(conf)}: skipped "
+                              f"({type(e).__name__}: {str(e)[:80]})")
+                        continue
+                    print(f"#   {sname} t={tokens} one launch {_tiles_note(conf)}: "
+                          f"{' / '.join(f'{v*1e3:.1f}' for v in tf)} us", flush=True)
+                    if sum(tf) < won_t and all(a < b * (1 - KEEP_MARGIN) for a, b in zip(tf, against)):
+                        won, won_t = conf, sum(tf)
+                return won, won_t
+
             if args.tune:
                 # time each kernel's candidates on both routings; keep the least total, then the
                 # STREAMK_TRIES best cut by stream-K where that is faster at every routing
@@ -757,31 +825,11 @@ def main(argv=None) -> int:
                     was_s = next((f"{scores[j]*1e3:.1f} us" for j, c in enumerate(cands) if c == was), "not a candidate")
                     print(f"#   tune {sname} t={tokens} {kind}: best {best[kind]} ({sum(_t)*1e3:.1f} us over both "
                           f"routings; best uncut {scores[i]*1e3:.1f} us; shipped tiles {was_s})", flush=True)
-                # the whole compute: three launches with these tiles, against one launch of the same tiles
-                def _whole(conf):  # per routing
-                    tot = []
-                    for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
-                        o = torch.empty_like(x)
-                        act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
-                        replay, _g = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf,
-                                                                           act=act, padded=False, row_ends=ends,
-                                                                           zero_tail=False))
-                        tot.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
-                    return tot
+                # the whole compute: three launches with these tiles, against one launch of them and of FUSED_TILES
                 three = _whole(best)
-                fused_best, fused_t = None, math.inf
-                tile_sets = [best] + (FUSED_TILES if best["gate_up"]["BM"] <= 16 else [])
-                for tiles, fc in ((ts, fc) for ts in tile_sets for fc in FUSED_CANDIDATES):
-                    launch = {"num_warps": tiles["gate_up"]["num_warps"], **fc}
-                    try:
-                        tf = _whole({**tiles, "fused": launch})
-                    except Exception as e:  # out of resources etc.
-                        print(f"#   {sname} t={tokens} fused {launch}: skipped ({type(e).__name__}: {str(e)[:80]})")
-                        continue
-                    # kept only where faster at every routing by more than the margin: the table must
-                    # never make a point slower, and a tie within noise keeps the three launches
-                    if sum(tf) < fused_t and all(a < b * (1 - KEEP_MARGIN) for a, b in zip(tf, three)):
-                        fused_best, fused_t = {**tiles, "fused": launch}, sum(tf)
+                tries = [{**best, "fused": {"num_warps": best["gate_up"]["num_warps"], **fc}} for fc in FUSED_CANDIDATES]
+                tries += FUSED_TILES if best["gate_up"]["BM"] <= FUSED_TILES_MAX_BM else []
+                fused_best, fused_t = best_one_launch(tries, three)
                 won = "slower at some routing" if fused_best is None else f"{fused_best} ({fused_t*1e3:.1f} us)"
                 print(f"#   tune {sname} t={tokens} one launch: {won}; three launches {sum(three)*1e3:.1f} us "
                       "over both routings", flush=True)
@@ -789,6 +837,20 @@ def main(argv=None) -> int:
                     best = fused_best
                 cfg = best
                 tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **best})
+            elif args.tune_fused:
+                # the shipped entry as it runs, against one launch of its tiles and of FUSED_TILES
+                shipped = tk.select_config(H, I, nvs, G, tokens=tokens)
+                tiles = {k: v for k, v in shipped.items() if k != "fused"}
+                now = _whole(shipped)
+                tries = [{**tiles, "fused": {"num_warps": tiles["gate_up"]["num_warps"], **fc}} for fc in FUSED_CANDIDATES]
+                tries = [c for c in tries if c != shipped] + FUSED_TILES
+                won, won_t = best_one_launch(tries, now)
+                cfg = shipped if won is None else won
+                print(f"#   tune-fused {sname} t={tokens}: shipped ({'one launch' if shipped.get('fused') else 'three launches'}) "
+                      f"{' / '.join(f'{v*1e3:.1f}' for v in now)} us; "
+                      + ("kept" if won is None else f"one launch {_tiles_note(won)} {won_t*1e3:.1f} us over both routings"),
+                      flush=True)
+                tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **cfg})
             elif args.tune_streamk:
                 # the shipped tiles, each kernel cut by stream-K where that is faster at every routing
                 shipped = tk.select_config(H, I, nvs, G, tokens=tokens)
@@ -808,7 +870,7 @@ def main(argv=None) -> int:
                 wbytes = 3.0 * H * I * 2 * busy
                 out_t = torch.full_like(x, float("nan"))
                 act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
-                conf = cfg or tk.select_config(H, I, nvs_, G)
+                conf = cfg or tk.select_config(H, I, nvs_, G, tokens=tokens)
                 tk.expert_ffn_triton(x, rw, cu, weights, out=out_t, config=conf, act=act, padded=False, row_ends=ends)
                 out_p = torch.empty_like(x)
                 poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)
@@ -961,7 +1023,7 @@ def main(argv=None) -> int:
     if out_dir:
         with open(os.path.join(out_dir, "bench_experts.json"), "w") as f:
             json.dump(result, f, indent=1)
-    if args.tune or args.tune_streamk:
+    if args.tune or args.tune_fused or args.tune_streamk:
         path = os.path.join(out_dir or ".", "tuning.json")
         own_tiles = list(policy.policy_for(props.name, (props.major, props.minor)).tiles)
         table = policy.with_tiles(policy.load_table(), props.name, merged_tuning(own_tiles, tuned_entries),

@@ -6,14 +6,21 @@ for 66 MB of weights, 2.5x the copy-rate floor). This kernel runs the same tiles
 (``triton_tiles``) as one persistent launch::
 
     work list (same in every program, from cu_seqlens; groups with no rows have no items):
-      [ A(g, j): gate/up of group g, act columns j  for every busy g, j < cdiv(I, BN1) ]
-      [ B(g, j): down of group g, out columns j     for every busy g, j < cdiv(H, BN2) ]
+      [ A(g, j, m): gate/up of group g, act columns j, row tile m  for every busy g, j < cdiv(I, BN1) ]
+      [ B(g, j, m): down of group g, out columns j, row tile m     for every busy g, j < cdiv(H, BN2) ]
 
     program:  t = next++ (atomic)  while t < items:
-        A: g's rows to compute (the caller's ends, or its own scan), gate/up tiles over them -> act;
-           barrier; ready[g] += 1 (release)
-        B: g's rows; wait ready[g] == cdiv(I, BN1) (acquire); down tiles -> out; zeros to the tail (ZT)
+        A: the item's rows, gate/up tiles over them -> act; barrier; ready[g] += 1 (release)
+        B: wait ready[g] == g's A items (acquire); down tiles -> out; the last row tile writes
+           zeros to the segment's tail (ZT)
     last program to leave: ready[:] = 0, next = 0 (the launch leaves its counters as it found them)
+
+Row tiles: with the caller's ends (``HAS_ENDS``, the built-in engine's dispatch) every program knows
+each group's rows before it starts, so an item is one ``BM`` row tile and a hot group's rows spread
+over many programs; without them the rows end where the item's own trim scan says, so an item runs
+all of its group's row tiles for its columns (``m`` is 0). Within a group the row tiles of one column
+block are adjacent in the list, so the programs that take them at once share the weight slice
+through L2.
 
 Items are taken from one counter in list order, so every A item is taken before any B item,
 and only by a program that is running: a B item waits for A items that running programs
@@ -62,8 +69,19 @@ def fused_kernel(
     busy = (end > start).to(tl.int32)
     n1 = tl.cdiv(I, BN1)
     n2 = tl.cdiv(H, BN2)
-    items1 = busy * n1
-    items2 = busy * n2
+    if HAS_ENDS:  # one item per row tile (the caller's ends, clamped into the segments)
+        ends = tl.load(ends_ptr + gidx, mask=gmask, other=0).to(tl.int32)
+        ends = tl.minimum(tl.maximum(ends, start), end)
+        mb1 = (ends - start + BM1 - 1) // BM1
+        mb2 = (ends - start + BM2 - 1) // BM2
+        if ZT:  # a busy group with no rows to compute still has its tail zeroed by one B item
+            mb2 = tl.maximum(mb2, busy)
+    else:  # one item per column block; its rows end where its trim scan says
+        ends = end
+        mb1 = busy
+        mb2 = busy
+    items1 = mb1 * n1
+    items2 = mb2 * n2
     cum1 = tl.cumsum(items1, 0)
     cum2 = tl.cumsum(items2, 0)
     total1 = tl.sum(items1, 0)
@@ -78,12 +96,22 @@ def fused_kernel(
         if t < total1:
             g = tl.sum((cum1 <= t).to(tl.int32), 0)
             sel = gidx == g
-            col0 = (t - pick(sel, cum1 - items1)) * BN1
+            local = t - pick(sel, cum1 - items1)
+            mbg = pick(sel, mb1)
+            j = local // mbg
             s = pick(sel, start)
-            ee = rows_end(rw_ptr, ends_ptr, g, s, pick(sel, end), TB, HAS_ENDS)
+            if HAS_ENDS:
+                ee = pick(sel, ends)
+                lo = s + (local - j * mbg) * BM1
+                hi = tl.minimum(ee, lo + BM1)
+            else:
+                ee = rows_end(rw_ptr, ends_ptr, g, s, pick(sel, end), TB, False)
+                lo = s
+                hi = ee
+            col0 = j * BN1
             wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
             wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
-            for row0 in range(s, ee, BM1):
+            for row0 in range(lo, hi, BM1):
                 rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, I, BM1, BN1, EVEN_N1)
                 gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
                              I, H, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
@@ -94,25 +122,38 @@ def fused_kernel(
             u = t - total1
             g = tl.sum((cum2 <= u).to(tl.int32), 0)
             sel = gidx == g
-            col0 = (u - pick(sel, cum2 - items2)) * BN2
+            local = u - pick(sel, cum2 - items2)
+            mbg = pick(sel, mb2)
+            j = local // mbg
+            m = local - j * mbg
             s = pick(sel, start)
             en = pick(sel, end)
-            ee = rows_end(rw_ptr, ends_ptr, g, s, en, TB, HAS_ENDS)
+            if HAS_ENDS:
+                ee = pick(sel, ends)
+                lo = s + m * BM2
+                hi = tl.minimum(ee, lo + BM2)
+            else:
+                ee = rows_end(rw_ptr, ends_ptr, g, s, en, TB, False)
+                lo = s
+                hi = ee
+            col0 = j * BN2
             wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
-            if ee > s:  # the group's act columns, all of them, written by A items
+            if hi > lo:  # the group's act, every column of every row tile, written by its A items
+                need = pick(sel, items1)
                 seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
-                while seen < n1:
+                while seen < need:
                     seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
                 tl.debug_barrier()
-            for row0 in range(s, ee, BM2):
+            for row0 in range(lo, hi, BM2):
                 rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, H, BM2, BN2, EVEN_N2)
                 down_tile(act_ptr, rw_ptr, out_ptr, wd, act_ptr, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
                           H, I, stride_am, stride_om, s_dn, s_dk,
                           BM2, BN2, BK2, EVEN_K2, DOT_F32, SKIP, False, False, SWAP2)
-            if ZT:  # the caller reads the segment's tail: zeros there
-                zc = col0 + tl.arange(0, BN2)
-                for z0 in range(tl.minimum(s + tl.cdiv(ee - s, BM2) * BM2, en), en, ZM):
-                    zero_rows(out_ptr, z0 + tl.arange(0, ZM), en, zc, H, stride_om, ZM, BN2)
+            if ZT:  # the caller reads the segment's tail: zeros there, from the group's last row tile
+                if m == mbg - 1:
+                    zc = col0 + tl.arange(0, BN2)
+                    for z0 in range(tl.minimum(s + tl.cdiv(ee - s, BM2) * BM2, en), en, ZM):
+                        zero_rows(out_ptr, z0 + tl.arange(0, ZM), en, zc, H, stride_om, ZM, BN2)
         t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
     left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
