@@ -350,9 +350,10 @@ def test_one_launch_row_tiles(H, I, tiles):
         same = torch.equal(out[:total].nan_to_num(7.0), want[:total].nan_to_num(7.0))
         assert same, f"one launch of row tiles differs from three launches (zero_tail={zero_tail})"
         assert int(sync.abs().sum()) == 0, f"counters not restored: {sync.nonzero().flatten().tolist()}"
-    from vllm_moonep.testing.reference import expert_ffn_float64
+        if zero_tail:  # every row written (the tails as zeros): against float64 too
+            from vllm_moonep.testing.reference import expert_ffn_float64
 
-    assert _rel(out[:total], expert_ffn_float64(x, rw, cu, w)[:total]) < TOL
+            assert _rel(out[:total], expert_ffn_float64(x, rw, cu, w)[:total]) < TOL
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=one, row_ends=ends)

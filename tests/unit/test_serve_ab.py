@@ -244,6 +244,7 @@ def test_the_format_strings_are_vllms():
     assert "cudagraph_metrics: bool" in (vdir / "config" / "observability.py").read_text()
 
 
+@pytest.mark.vllm  # the start-up line asks vLLM's platform for the worker's device
 def test_expert_memory_pattern_reads_the_plugins_start_up_line():
     """The plugin's start-up line reworded made every moonep row's 'every worker built the layout' check fail."""
     from vllm_moonep.vllm_plugin.options import MoonEPOptions
