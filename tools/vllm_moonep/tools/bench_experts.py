@@ -177,11 +177,10 @@ def _one_launch(gate_up: dict, down: dict, progs_per_sm: int, num_stages: int) -
 
 
 #: tile configs tried as one launch beside a point's own tiles (``--tune``, where its gate/up tiles have at most
-#: 64 rows, and ``--tune-fused``): narrow column blocks, so that the few busy groups of a decode step still give
-#: every program an item and the items even out over the SMs (at 1 token Qwen3's 7 busy groups in 32-column
-#: gate/up items are 168 items of 256 KB on 132 SMs: a third of the SMs read two, the rest one; 16 columns make
-#: 336 items of 128 KB), and row tiles of 32-64 for the middle, where a launch's items are one row tile each
-#: (``triton_fused``, given the engine's ends)
+#: 64 rows, and ``--tune-fused``): 16- and 32-column decode items (16 columns even out Qwen3's 7 busy groups over
+#: 132 SMs at 1 token, 336 items of 128 KB instead of 168 of 256 KB, yet measured 12-23% slower on an H200: the
+#: item's fixed cost), and row tiles of 32-64 for the middle, where a launch's items are one row tile each
+#: (``triton_fused``, given the engine's ends; docs/PERFORMANCE.md#tried-and-not-kept)
 FUSED_TILES = [
     _one_launch({"BM": 16, "BN": 16, "BK": 256}, {"BM": 16, "BN": 64, "BK": 128}, 2, 4),
     _one_launch({"BM": 16, "BN": 16, "BK": 256}, {"BM": 16, "BN": 64, "BK": 128}, 3, 3),
@@ -197,6 +196,13 @@ FUSED_TILES = [
     _one_launch({"BM": 64, "BN": 64, "BK": 64}, {"BM": 64, "BN": 128, "BK": 64}, 1, 4),
     _one_launch({"BM": 64, "BN": 64, "BK": 64}, {"BM": 64, "BN": 128, "BK": 64}, 2, 3),
 ]
+def one_launch_tries(tiles: dict) -> list[dict]:
+    """``tiles`` (gate_up and down) as one launch with each of ``FUSED_CANDIDATES``' stages and programs per SM
+    (its warps are the gate_up tiles': both compile into one kernel)."""
+    tiles = {k: v for k, v in tiles.items() if k != "fused"}
+    return [{**tiles, "fused": {"num_warps": tiles["gate_up"]["num_warps"], **fc}} for fc in FUSED_CANDIDATES]
+
+
 #: the largest gate/up row tile for which ``--tune`` also tries ``FUSED_TILES`` (from 1024 tokens per rank the
 #: tiles are 128 rows and one launch has lost everywhere: docs/PERFORMANCE.md#tried-and-not-kept)
 FUSED_TILES_MAX_BM = 64
@@ -539,11 +545,16 @@ def merged_tuning(shipped: list, tuned: list) -> list:
     return [table[k] for k in sorted(table)]
 
 
+def tile_text(c: dict) -> str:
+    """One kernel's tiles in a few characters: ``BMxBNxBK`` and the options it sets."""
+    return f"{c['BM']}x{c['BN']}x{c['BK']}" + "".join(f" {k}" for k in ("tma", "ws", "flat", "streamk", "swap", "w13i")
+                                                     if c.get(k))
+
+
 def _tiles_note(conf: dict) -> str:
-    """A tile config in one line: ``BMxBNxBK`` per kernel, its options, the launch."""
+    """A tile config in one line: each kernel's tiles, warps, stages and programs per SM, and the launch."""
     def one(c):
-        opts = "".join(f" {k}" for k in ("tma", "ws", "flat", "streamk", "swap", "w13i") if c.get(k))
-        return f"{c['BM']}x{c['BN']}x{c['BK']} w{c['num_warps']} s{c['num_stages']} p{c['progs_per_sm']}{opts}"
+        return f"{tile_text(c)} w{c['num_warps']} s{c['num_stages']} p{c['progs_per_sm']}"
     f = conf.get("fused")
     launch = f" | one launch w{f['num_warps']} s{f['num_stages']} p{f['progs_per_sm']}" if f else ""
     return f"gate_up {one(conf['gate_up'])} | down {one(conf['down'])}{launch}"
@@ -827,7 +838,7 @@ def main(argv=None) -> int:
                           f"routings; best uncut {scores[i]*1e3:.1f} us; shipped tiles {was_s})", flush=True)
                 # the whole compute: three launches with these tiles, against one launch of them and of FUSED_TILES
                 three = _whole(best)
-                tries = [{**best, "fused": {"num_warps": best["gate_up"]["num_warps"], **fc}} for fc in FUSED_CANDIDATES]
+                tries = one_launch_tries(best)
                 tries += FUSED_TILES if best["gate_up"]["BM"] <= FUSED_TILES_MAX_BM else []
                 fused_best, fused_t = best_one_launch(tries, three)
                 won = "slower at some routing" if fused_best is None else f"{fused_best} ({fused_t*1e3:.1f} us)"
@@ -840,10 +851,8 @@ def main(argv=None) -> int:
             elif args.tune_fused:
                 # the shipped entry as it runs, against one launch of its tiles and of FUSED_TILES
                 shipped = tk.select_config(H, I, nvs, G, tokens=tokens)
-                tiles = {k: v for k, v in shipped.items() if k != "fused"}
                 now = _whole(shipped)
-                tries = [{**tiles, "fused": {"num_warps": tiles["gate_up"]["num_warps"], **fc}} for fc in FUSED_CANDIDATES]
-                tries = [c for c in tries if c != shipped] + FUSED_TILES
+                tries = [c for c in one_launch_tries(shipped) if c != shipped] + FUSED_TILES
                 won, won_t = best_one_launch(tries, now)
                 cfg = shipped if won is None else won
                 print(f"#   tune-fused {sname} t={tokens}: shipped ({'one launch' if shipped.get('fused') else 'three launches'}) "

@@ -42,7 +42,7 @@ import torch
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.reference import relative_error
 from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed, entry_ends,
-                                             make_inputs, make_weights, measure_ceilings, rank0_case)
+                                             make_inputs, make_weights, measure_ceilings, rank0_case, tile_text)
 
 #: the points of the A/B by default: where the gate/up GEMM is compute-bound enough for the MMA to matter
 DEFAULT_TOKENS = (256, 1024, 4096)
@@ -166,8 +166,7 @@ def table(rows: list[dict]) -> list[str]:
              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         gu = r["configs"]["committed"]["gate_up"]
-        tile = f"{gu['BM']}x{gu['BN']}x{gu['BK']}" + "".join(f" {k}" for k in ("tma", "ws", "swap", "streamk", "flat")
-                                                              if gu.get(k))
+        tile = tile_text(gu)
         half = "w13i_bn_half" in r["configs"]
         lines.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | {tile} | {_fmt(r['committed_us'])} | "
                      f"{_fmt(r['w13i_us'])} | {_fmt(r.get('w13i_ratio'), '.3f')} | "
