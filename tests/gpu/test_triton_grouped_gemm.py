@@ -558,3 +558,102 @@ def test_segment_ends_and_tails_left(H, I, schedule):
         assert bool((torch.isnan(t) | (t == 0)).all()), "a tail row got a value other than 0"
         if row_ends is ends:  # with the segments' ends (or past them) there is no tail to leave
             assert int(torch.isnan(t).all(dim=1).sum()) > 0, "zero_tail=False wrote every tail row anyway"
+
+
+#: Kimi-K2's 4096-token gate/up tiles (tuning.json) as w13i takes them: TMA loads, 8 warps, without the
+#: warp-specialized loop (w13i refuses it: ``triton_kernels._w13i``)
+_BIG_GU = {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True}
+_BIG_DOWN = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True,
+            "flat": True}
+#: w13i against the same tiles without it: the same sums over one MMA twice as wide (an H200 gave the same bits)
+_W13I_SAME_TOL = 2e-3
+
+
+@pytest.mark.parametrize("schedule", ["pointer", "tma", "big", "big bn128", "streamk", "one launch"])
+@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
+def test_w13i_tiles(H, I, schedule):
+    """The ``"w13i"`` gate/up tiles (gate and up interleaved row by row in one weight, one MMA of 2·BN columns) on a
+    GPU under every schedule that takes them, Kimi-K2's large-row tiles among them ("big": 8 warps, a TMA box of
+    2·BN = 512 weight rows; "big bn128": the same MMA width as the committed tiles). What each check catches: gate and up
+    read from the wrong rows of the interleaved copy, or the sums split into the wrong columns (against float64
+    and against the same tiles without w13i); the interleaved copy's table pointing at another group's rows (the
+    pools and -1 groups of the symmetric layout); a descriptor box of 2·BN rows reaching past the copy's last row
+    (the last group's weights end it) with TMA; then a captured graph replayed on new rows (rows unwritten: NaN)."""
+    from vllm_moonep.testing.reference import expert_ffn_float64
+
+    tk = _triton()
+    if schedule != "pointer" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    w = _two_pools(gen, H, I, [0, 0, -1, 1, 0, 0, 1, 0], [0, 1, -1, 0, 2, 3, 1, 4])
+    lens = [1, 37, 0, 3, 700, 0, 16, 130]  # 1-15 row tails, whole tiles, one hot group of 700 rows
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
+    plain = {k: dict(v) for k, v in _SWAP_TILES.items()}
+    if schedule == "tma":
+        plain = {k: {**v, "tma": True} for k, v in plain.items()}
+    elif schedule.startswith("big"):
+        plain = {"gate_up": dict(_BIG_GU), "down": dict(_BIG_DOWN)}
+        if schedule == "big bn128":
+            plain["gate_up"]["BN"] = 128
+    elif schedule == "streamk":
+        plain = {k: {**v, "streamk": True} for k, v in plain.items()}
+    elif schedule == "one launch":
+        plain["fused"] = {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
+    w13i = {**plain, "gate_up": {**plain["gate_up"], "w13i": True}}
+    out_plain = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=out_plain, config=plain)
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=w13i))
+    torch.cuda.synchronize()
+    assert tk.prepare_weights(w).w13i is not None, "the w13i tiles ran without the interleaved copy"
+    assert not bool(torch.isnan(out[:total]).any()), "w13i tiles left output rows unwritten"
+    ref = expert_ffn_float64(x, rw, cu, w)[:total]
+    assert _rel(out[:total], ref) < TOL, _rel(out[:total], ref)
+    same = _rel(out[:total], out_plain[:total])
+    assert same < _W13I_SAME_TOL, f"w13i against the same tiles without it: {same:.2e}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=w13i)
+    total2 = _refill(x, rw, cu, [2, 0, 0, 64, 1, 0, 31, 300], H, gen)
+    out.fill_(float("nan"))
+    graph.replay()
+    tk.expert_ffn_triton(x, rw, cu, w, out=out_plain, config=plain)
+    torch.cuda.synchronize()
+    assert _rel(out[:total2], out_plain[:total2]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"
+
+
+def test_w13i_at_kimi_k2_scale():
+    """w13i at Kimi-K2's size, as ``bench_levers`` times it: Kimi-K2's dimensions, 48 groups (a rank's 24 experts
+    and 24 slots) and ~8000 rows in segments padded to 128, the 4096-token tiles (BN 256; without "ws", which w13i
+    refuses), three launches in a row, without the tile skip (``padded=False``, where the down loop is flattened)
+    and a graph replay: rows left unwritten, or a drift from the same tiles without w13i (each checked against
+    float64 in ``test_w13i_tiles``)."""
+    tk = _triton()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    H, I, G = 7168, 2048, 48
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    w = _weights(G, H, I, gen)
+    lens = torch.randint(0, 330, (G,), generator=torch.Generator().manual_seed(14)).tolist()
+    lens[5], lens[17], lens[G - 1] = 0, 1100, 257  # an empty group, a hot one, the last group's rows end the copy
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=64)
+    plain = {"gate_up": dict(_BIG_GU), "down": dict(_BIG_DOWN)}
+    w13i = {**plain, "gate_up": {**plain["gate_up"], "w13i": True}}
+    out_plain = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=out_plain, config=plain, padded=False)
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    for _ in range(3):
+        out.fill_(float("nan"))
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=w13i, padded=False)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(out[:total]).any()), "w13i left output rows unwritten"
+    assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=w13i, padded=False)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"

@@ -127,8 +127,8 @@ def _weights(G=4, I=8, H=32, seed=0):
 
 
 def test_w13i_refuses_the_warp_specialized_loop():
-    """w13i with "ws" made an illegal memory access on an H200 (Kimi-K2's 4096-token tiles): a config asking for both
-    must be refused with the reason before any launch, not run."""
+    """w13i with "ws" made an illegal memory access on an H200 (bench_levers' graph timings of Kimi-K2's 4096-token
+    rows, twice): a config asking for both must be refused with the reason before any launch, not run."""
     tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
     from vllm_moonep.engine import MoonEPInputError
 
