@@ -651,8 +651,8 @@ def _w13i(prep: _Prepared, gu: dict) -> tuple[bool, torch.Tensor, tuple]:
     if gu.get("ws", False):
         raise MoonEPInputError("expert_ffn_triton: \"w13i\" with the warp-specialized loop (\"ws\") is refused: "
                                "bench_levers' CUDA-graph timings of Kimi-K2's 4096-token rows (432 groups, BN=256) made an "
-                               "illegal memory access on an H200, twice, while the same tiles ran clean eagerly and in "
-                               "smaller graphs (docs/PERFORMANCE.md#tried-and-not-kept)")
+                               "illegal memory access on an H200, twice, while the same tiles ran clean eagerly and, one "
+                               "variant per process, in graphs at the same rows (docs/PERFORMANCE.md#tried-and-not-kept)")
     if prep.w13i is None:
         raise MoonEPInputError("expert_ffn_triton: a gate_up tile config asks for \"w13i\" but these weights have no "
                                "interleaved copy: prepare_weights(weights, device, w13i=True) builds it "
