@@ -4,6 +4,12 @@
 # nvshmem4py-cu13==0.4.1's cp312 wheel; installed with --no-index --no-deps --target /tmp/site,
 # which goes on PYTHONPATH since .pth files there are not read). Logs: $OUT/setup.log.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# a script run by another that sourced this already (gpu_deepgemm.sh run bash tools/gpu_suite.sh) inherits
+# what it exported: install nothing twice
+if [ -n "${MOONEP_GPU_ENV:-}" ]; then
+  echo "gpu_env: set up by the calling script (nvshmem4py: ${NVSHMEM_STATUS:-unknown})"
+  return 0
+fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ! python3 -m pip install --no-deps --no-build-isolation --no-index -e . -q >"$OUT/setup.log" 2>&1; then
   # each top-level folder is a source root of the vllm_moonep namespace (pyproject.toml)
@@ -23,3 +29,4 @@ fi
 NVSHMEM_STATUS=$(python3 -c "from vllm_moonep.engine.heaps.nvshmem_heap import nvshmem_status as s; c, why = s(); print('imports' if c else why)" 2>&1 | tail -1)
 echo "nvshmem4py: $NVSHMEM_STATUS"
 export NVSHMEM_STATUS
+export MOONEP_GPU_ENV=1
