@@ -259,7 +259,8 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
     a down item that reads act before its group's gate/up items stored it (a missing wait or release),
     an item taken twice or never (the work counter), groups of more rows than one tile (the row loop),
     padding-only segments and empty groups, the trimmed tail's zeros, counters not restored after a
-    launch (the next launch or a graph replay would skip or hang), and a replay on new rows."""
+    launch (the next launch or a graph replay would skip or hang), and a replay on new rows. With ``tma`` the
+    down items read act through a tensor descriptor: a missing proxy fence reads the NaN act is filled with."""
     from vllm_moonep.testing.reference import expert_ffn_float64
 
     tk = _triton()
@@ -306,8 +307,13 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
         assert int(sync.abs().sum()) == 0
 
 
-# one-launch tile sets of bench_experts' FUSED_TILES: 16-column gate/up items (decode) and 64-row tiles (the middle)
+# one-launch tile sets of bench_experts' FUSED_TILES: 16-column gate/up items (decode) and 64-row tiles (the middle);
+# and the 1024-token tiles (128 rows, 8 warps) with both kernels' row operands through tensor descriptors
 _ROW_TILE_SETS = {
+    "rows128_tma": {"gate_up": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1,
+                                "tma": True},
+                    "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1,
+                             "tma": True}},
     "decode16": {"gate_up": {"BM": 16, "BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
                  "down": {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}},
     "rows64": {"gate_up": {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
@@ -320,7 +326,8 @@ _ROW_TILE_SETS = {
 def test_one_launch_row_tiles(H, I, tiles):
     """The one launch given the engine's ends, where every item is one row tile: a hot group of 700 rows is
     spread over many programs, and its down items must wait for every row tile's gate/up items (a wait that
-    counts column blocks only reads act rows not yet written: NaN, since act starts as NaN). Against the three
+    counts column blocks only reads act rows not yet written: NaN, since act starts as NaN; so does a down
+    tensor-descriptor load not fenced after the acquire, or not fenced after the writer's stores). Against the three
     launches with the same tiles and ends, bit for bit, with and without the tails' zeros, three launches in a
     row and a graph replay on new rows (counters left set skip or hang the next), counters back at 0."""
     tk = _triton()
@@ -335,7 +342,8 @@ def test_one_launch_row_tiles(H, I, tiles):
 
     ends = ends_of(lens)
     three = _ROW_TILE_SETS[tiles]
-    one = {**three, "fused": {"num_warps": 4, "num_stages": three["gate_up"]["num_stages"], "progs_per_sm": 2}}
+    one = {**three, "fused": {"num_warps": three["gate_up"]["num_warps"], "num_stages": three["gate_up"]["num_stages"],
+                              "progs_per_sm": 2}}
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
     sync = tk.prepare_weights(w).sync
     for zero_tail in (True, False):

@@ -73,7 +73,7 @@ def _kernels():
     flags = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True)
     fused_cx = dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128,
                     BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, SWAP1=False, SWAP2=False, ZT=True,
-                    HAS_ENDS=False, W13I1=False)
+                    HAS_ENDS=False, W13I1=False, TMA2=False, FENCE2=False)
     cases += [
         ("gate_up(decode tiles)", gk._gate_up_kernel, gu_sig,
          dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=False, W13I=False)),
@@ -106,6 +106,8 @@ def _kernels():
          dict(fused_cx, TMA1=False, ZT=False, HAS_ENDS=True)),
         ("fused(one launch, swapped tiles)", triton_fused.fused_kernel, fused_sig,
          dict(fused_cx, BN1=64, TMA1=True, SWAP1=True, SWAP2=True)),
+        ("fused(one launch, TMA down operands)", triton_fused.fused_kernel, fused_sig,
+         dict(fused_cx, BN2=64, TMA1=True, TMA2=True, FENCE2=True, HAS_ENDS=True, ZT=False)),
     ]
     # the device planner at Kimi-K2 shape (R=8, E=384, S*K = 65536 entries), with the constexprs
     # the planner itself chooses

@@ -204,7 +204,7 @@ def one_launch_tries(tiles: dict) -> list[dict]:
 
 
 #: the largest gate/up row tile for which ``--tune`` also tries ``FUSED_TILES`` (from 1024 tokens per rank the
-#: tiles are 128 rows and one launch has lost everywhere: docs/PERFORMANCE.md#tried-and-not-kept)
+#: tiles are 128 rows and these narrow one-launch tiles lost everywhere: docs/PERFORMANCE.md#tried-and-not-kept)
 FUSED_TILES_MAX_BM = 64
 
 

@@ -25,9 +25,13 @@ through L2.
 Items are taken from one counter in list order, so every A item is taken before any B item,
 and only by a program that is running: a B item waits for A items that running programs
 finish without waiting themselves. No wait can deadlock, however many programs fit on the GPU
-at once (a grid barrier, or a fixed split of items between programs, could). The down
-operands are loaded with pointer loads (act is written by other programs of this launch; the
-tensor-descriptor path is for gate/up, whose rows come from the launch before).
+at once (a grid barrier, or a fixed split of items between programs, could).
+
+``TMA1`` and ``TMA2``: the gate/up and down row operands through tensor descriptors. Down's rows
+(act) are written by other programs of this launch with ordinary stores, which the tensor
+descriptors' loads (the async proxy) do not see through the release/acquire alone: ``FENCE2`` puts
+a ``fence.proxy.async.global`` after the writer's stores and after the reader's acquire
+(off under the interpreter, which runs no inline PTX and has one proxy).
 
 ``SWAP1`` and ``SWAP2``: the gate/up and down tiles' swap-AB (``triton_tiles.mma``), as in three launches;
 ``W13I1``: the gate/up tiles read gate and up interleaved in one weight (``triton_tiles.gate_up_acc``).
@@ -51,6 +55,14 @@ SYNC_WORDS = 2
 
 
 @triton.jit
+def proxy_fence():
+    """``fence.proxy.async.global``: orders this thread's view of global memory between the generic proxy (loads,
+    stores, atomics) and the async proxy (tensor-descriptor loads), which a release/acquire alone does not."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
 def fused_kernel(
     x_ptr, rw_ptr, cu_ptr, ends_ptr, tab_ptr, act_ptr, out_ptr, sync_ptr,
     M, G, I, H, stride_xm, stride_am, stride_om,
@@ -59,7 +71,8 @@ def fused_kernel(
     BM1: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr, EVEN_K1: tl.constexpr, EVEN_N1: tl.constexpr,
     BM2: tl.constexpr, BN2: tl.constexpr, BK2: tl.constexpr, EVEN_K2: tl.constexpr, EVEN_N2: tl.constexpr,
     DOT_F32: tl.constexpr, SKIP: tl.constexpr, TMA1: tl.constexpr, SWAP1: tl.constexpr, SWAP2: tl.constexpr,
-    ZT: tl.constexpr, HAS_ENDS: tl.constexpr, W13I1: tl.constexpr,
+    ZT: tl.constexpr, HAS_ENDS: tl.constexpr, W13I1: tl.constexpr, TMA2: tl.constexpr,
+    FENCE2: tl.constexpr,
 ):
     nprog = tl.num_programs(0)
     gidx = tl.arange(0, GP2)
@@ -91,6 +104,9 @@ def fused_kernel(
     xd = x_ptr
     if TMA1:  # rows past the group's end load the next group's (never stored), past M zeros
         xd = tl.make_tensor_descriptor(x_ptr, shape=[M, H], strides=[stride_xm, 1], block_shape=[BM1, BK1])
+    ad = act_ptr
+    if TMA2:  # act rows past the group's end: another group's, maybe being written (their sums never stored)
+        ad = tl.make_tensor_descriptor(act_ptr, shape=[M, I], strides=[stride_am, 1], block_shape=[BM2, BK2])
     t = tl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
     while t < total:
         if t < total1:
@@ -117,6 +133,8 @@ def fused_kernel(
                              I, H, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
                              BM1, BN1, BK1, EVEN_K1, DOT_F32, SKIP, TMA1, False, SWAP1, W13I1)
             tl.debug_barrier()  # every thread's act stores, then one release carries them
+            if FENCE2:  # the stores (generic proxy) ordered before the tensor-descriptor reads of them (async proxy)
+                proxy_fence()
             tl.atomic_add(ready + g, 1, sem="release", scope="gpu")
         else:
             u = t - total1
@@ -143,12 +161,14 @@ def fused_kernel(
                 seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
                 while seen < need:
                     seen = tl.atomic_add(ready + g, 0, sem="acquire", scope="gpu")
+                if FENCE2:  # what the acquire made visible, visible to this program's tensor-descriptor reads too
+                    proxy_fence()
                 tl.debug_barrier()
             for row0 in range(lo, hi, BM2):
                 rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, H, BM2, BN2, EVEN_N2)
-                down_tile(act_ptr, rw_ptr, out_ptr, wd, act_ptr, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
+                down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, en, cols, cols_ld, row0, col0,
                           H, I, stride_am, stride_om, s_dn, s_dk,
-                          BM2, BN2, BK2, EVEN_K2, DOT_F32, SKIP, False, False, SWAP2)
+                          BM2, BN2, BK2, EVEN_K2, DOT_F32, SKIP, TMA2, False, SWAP2)
             if ZT:  # the caller reads the segment's tail: zeros there, from the group's last row tile
                 if m == mbg - 1:
                     zc = col0 + tl.arange(0, BN2)

@@ -756,14 +756,13 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
              "expert compute must run in stream order (not on two CUDA streams at once)", __name__)
     unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn)) for opt in ("ws", "flat", "streamk")
               if c.get(opt)]
-    unused += ["down:tma"] if dn.get("tma") else []
     if unused:
-        say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its down operands are "
-                 "pointer loads, its loops neither warp-specialized nor flattened, its tiles whole); it runs without "
-                 "them", __name__)
+        say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its loops are neither "
+                 "warp-specialized nor flattened, its tiles whole); it runs without them", __name__)
     w13i, table, ((s_gn, s_gk), (s_un, s_uk)) = _w13i(prep, gu)  # its table's down column is the group's down
     s_dn, s_dk = prep.strides[2]
     tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
+    tma2, _ = _descriptors({**dn, "ws": False}, act, (s_dn,))
     grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)
     return fused_kernel[grid](
         x, route_w, cu, cu if row_ends is None else row_ends, table, act, dst, prep.sync,
@@ -773,7 +772,8 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
         BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
         BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
         DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu), SWAP2=_swap(dn), ZT=zero_tail,
-        HAS_ENDS=row_ends is not None, W13I1=w13i,
+        HAS_ENDS=row_ends is not None, W13I1=w13i, TMA2=tma2,
+        FENCE2=tma2 and not interpreting(),
         num_warps=f["num_warps"], num_stages=f["num_stages"],
     )
 
