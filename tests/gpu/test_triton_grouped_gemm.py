@@ -665,3 +665,67 @@ def test_w13i_at_kimi_k2_scale():
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"
+
+
+# Qwen3-30B-A3B's 4096-token tiles (tuning.json): three launches, and the same tiles as one launch
+_Q4096_THREE = {
+    "gate_up": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True},
+    "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True,
+             "flat": True},
+}
+
+
+def test_graphs_of_both_schedules_in_turn_at_qwen3_4096():
+    """The fault hunted: an illegal address seen once (one H100, 2026-12-06) while timing, as CUDA graphs in turn,
+    the three launches of Qwen3-30B-A3B's 4096-token tiles and the same tiles as one launch (down rows through tensor
+    descriptors, 3 and 4 stages) on rank 0's rows of ``bench_experts`` (~37k rows, 144 groups), the skewed routing
+    after the balanced one on the same weights; each form alone ran clean. Here that sequence, with the L2 flush
+    between replays that the timing does: each form's eager call and every round of replays against the eager three
+    launches bit for bit (a replay reading another graph's memory, or counters left set, shows as other bits or a
+    fault), the one launch's counters at 0 after each routing."""
+    import functools
+
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.engine import default_num_slots
+    from vllm_moonep.tools.bench_experts import R, SHAPES, SKEW_SIGMA, entry_ends, make_inputs, make_weights, rank0_case
+    from vllm_moonep.tools.timing import capture_graph
+
+    tk = _triton()
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    shape = SHAPES["qwen3-30b-a3b"]
+    H, I, E = shape["H"], shape["I"], shape["E"]
+    w = GroupedWeights.contiguous(*make_weights(H, I, E + default_num_slots(E, R), "cuda"))
+    sync = tk.prepare_weights(w).sync
+    gu = _Q4096_THREE["gate_up"]
+    dn = {k: v for k, v in _Q4096_THREE["down"].items() if k != "flat"}  # the one launch's loops are not flattened
+    forms = {"three launches": _Q4096_THREE}
+    for stages in (3, 4):
+        forms[f"one launch, {stages} stages"] = {"gate_up": gu, "down": dn,
+                                                 "fused": {"num_warps": 8, "num_stages": stages, "progs_per_sm": 1}}
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    for sigma in (0.0, SKEW_SIGMA):
+        cu_h, real, nvs, _ = rank0_case(shape, 4096, sigma)
+        x, rw = make_inputs(H, cu_h, real, nvs, "cuda", seed=4096 + int(10 * sigma))
+        cu, ends, n = cu_h.cuda(), entry_ends(cu_h, real).cuda(), int(cu_h[-1])
+        want = torch.full_like(x, float("nan"))
+        tk.expert_ffn_triton(x, rw, cu, w, out=want, config=_Q4096_THREE, padded=False, row_ends=ends)
+        runs = {}
+        for name, conf in forms.items():
+            out = torch.full_like(x, float("nan"))
+            act = torch.empty(nvs, I, dtype=x.dtype, device="cuda")
+            tk.expert_ffn_triton(x, rw, cu, w, out=out, config=conf, act=act, padded=False, row_ends=ends)
+            torch.cuda.synchronize()
+            assert torch.equal(out[:n], want[:n]), f"{name} (sigma {sigma}): eager call differs from three launches"
+            call = functools.partial(tk.expert_ffn_triton, x, rw, cu, w, out=out, config=conf, act=act, padded=False,
+                                     row_ends=ends, zero_tail=False)
+            runs[name] = (out, capture_graph(call, warm_calls=2))
+        for _ in range(2):
+            for name, (out, graph) in runs.items():
+                for _ in range(10):
+                    flush.zero_()
+                    graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out[:n], want[:n]), f"{name} (sigma {sigma}): replays in turn changed the output"
+        assert int(sync.abs().sum()) == 0, f"counters not restored: {sync.nonzero().flatten().tolist()}"
+        del runs
