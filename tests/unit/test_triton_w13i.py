@@ -219,7 +219,7 @@ COMPILE_CASES = [
     ("fused(TMA gate/up, w13i)", "fused",
      dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128, BK2=128,
           EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, TMA1=True, SWAP1=False, SWAP2=False, ZT=True,
-          HAS_ENDS=True, W13I1=True), 4, None),
+          HAS_ENDS=True, W13I1=True, TMA2=False, FENCE2=False), 4, None),
 ]
 
 
