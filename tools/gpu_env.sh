@@ -4,13 +4,13 @@
 # nvshmem4py-cu13==0.4.1's cp312 wheel; installed with --no-index --no-deps --target /tmp/site,
 # which goes on PYTHONPATH since .pth files there are not read). Logs: $OUT/setup.log.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # a script run by another that sourced this already (gpu_deepgemm.sh run bash tools/gpu_suite.sh) inherits
 # what it exported: install nothing twice
 if [ -n "${MOONEP_GPU_ENV:-}" ]; then
   echo "gpu_env: set up by the calling script (nvshmem4py: ${NVSHMEM_STATUS:-unknown})"
   return 0
 fi
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ! python3 -m pip install --no-deps --no-build-isolation --no-index -e . -q >"$OUT/setup.log" 2>&1; then
   # each top-level folder is a source root of the vllm_moonep namespace (pyproject.toml)
   export PYTHONPATH=$PWD/packages:$PWD/common:$PWD/replicated:$PWD/symmetric:$PWD/tools${PYTHONPATH:+:$PYTHONPATH}
