@@ -307,13 +307,19 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
         assert int(sync.abs().sum()) == 0
 
 
+# Qwen3-30B-A3B's 1024- and 4096-token tiles (tuning.json): 128 rows, 8 warps, both kernels' row operands through
+# tensor descriptors, the down loop flattened; as one launch, the same tiles without "flat" (which it does not take)
+_Q_BIG = {
+    "gate_up": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True},
+    "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True,
+             "flat": True},
+}
+_Q_BIG_ONE = {"gate_up": _Q_BIG["gate_up"], "down": {k: v for k, v in _Q_BIG["down"].items() if k != "flat"}}
+
 # one-launch tile sets of bench_experts' FUSED_TILES: 16-column gate/up items (decode) and 64-row tiles (the middle);
-# and the 1024-token tiles (128 rows, 8 warps) with both kernels' row operands through tensor descriptors
+# and Qwen3's 128-row TMA tiles
 _ROW_TILE_SETS = {
-    "rows128_tma": {"gate_up": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1,
-                                "tma": True},
-                    "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1,
-                             "tma": True}},
+    "rows128_tma": _Q_BIG_ONE,
     "decode16": {"gate_up": {"BM": 16, "BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
                  "down": {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}},
     "rows64": {"gate_up": {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
@@ -667,13 +673,6 @@ def test_w13i_at_kimi_k2_scale():
     assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"
 
 
-# Qwen3-30B-A3B's 4096-token tiles (tuning.json): three launches, and the same tiles as one launch
-_Q4096_THREE = {
-    "gate_up": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True},
-    "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True,
-             "flat": True},
-}
-
 
 def test_graphs_of_both_schedules_in_turn_at_qwen3_4096():
     """The fault hunted: an illegal address seen once (one H100, 2026-12-06) while timing, as CUDA graphs in turn,
@@ -682,11 +681,12 @@ def test_graphs_of_both_schedules_in_turn_at_qwen3_4096():
     after the balanced one on the same weights; each form alone ran clean. Here that sequence, with the L2 flush
     between replays that the timing does: each form's eager call and every round of replays against the eager three
     launches bit for bit (a replay reading another graph's memory, or counters left set, shows as other bits or a
-    fault), the one launch's counters at 0 after each routing."""
+    fault), the three launches against float64, the one launch's counters at 0 after each routing."""
     import functools
 
     from vllm_moonep.common.grouped_gemm import GroupedWeights
     from vllm_moonep.engine import default_num_slots
+    from vllm_moonep.testing.reference import expert_ffn_float64
     from vllm_moonep.tools.bench_experts import R, SHAPES, SKEW_SIGMA, entry_ends, make_inputs, make_weights, rank0_case
     from vllm_moonep.tools.timing import capture_graph
 
@@ -697,19 +697,18 @@ def test_graphs_of_both_schedules_in_turn_at_qwen3_4096():
     H, I, E = shape["H"], shape["I"], shape["E"]
     w = GroupedWeights.contiguous(*make_weights(H, I, E + default_num_slots(E, R), "cuda"))
     sync = tk.prepare_weights(w).sync
-    gu = _Q4096_THREE["gate_up"]
-    dn = {k: v for k, v in _Q4096_THREE["down"].items() if k != "flat"}  # the one launch's loops are not flattened
-    forms = {"three launches": _Q4096_THREE}
+    forms = {"three launches": _Q_BIG}
     for stages in (3, 4):
-        forms[f"one launch, {stages} stages"] = {"gate_up": gu, "down": dn,
-                                                 "fused": {"num_warps": 8, "num_stages": stages, "progs_per_sm": 1}}
+        forms[f"one launch, {stages} stages"] = {
+            **_Q_BIG_ONE, "fused": {"num_warps": 8, "num_stages": stages, "progs_per_sm": 1}}
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     for sigma in (0.0, SKEW_SIGMA):
         cu_h, real, nvs, _ = rank0_case(shape, 4096, sigma)
         x, rw = make_inputs(H, cu_h, real, nvs, "cuda", seed=4096 + int(10 * sigma))
         cu, ends, n = cu_h.cuda(), entry_ends(cu_h, real).cuda(), int(cu_h[-1])
         want = torch.full_like(x, float("nan"))
-        tk.expert_ffn_triton(x, rw, cu, w, out=want, config=_Q4096_THREE, padded=False, row_ends=ends)
+        tk.expert_ffn_triton(x, rw, cu, w, out=want, config=_Q_BIG, padded=False, row_ends=ends)
+        assert _rel(want[:n], expert_ffn_float64(x, rw, cu, w)[:n]) < TOL, f"three launches (sigma {sigma}) vs float64"
         runs = {}
         for name, conf in forms.items():
             out = torch.full_like(x, float("nan"))
