@@ -674,14 +674,20 @@ def test_w13i_at_kimi_k2_scale():
 
 
 
+#: replays per form and round in the graph-sequence test: the probe that faulted (2026-12-06, one H100) did so within
+#: a few hundred replays per form; tens of replays ran clean
+_SEQ_REPLAYS = 400
+
+
 def test_graphs_of_both_schedules_in_turn_at_qwen3_4096():
-    """The fault hunted: an illegal address seen once (one H100, 2026-12-06) while timing, as CUDA graphs in turn,
-    the three launches of Qwen3-30B-A3B's 4096-token tiles and the same tiles as one launch (down rows through tensor
-    descriptors, 3 and 4 stages) on rank 0's rows of ``bench_experts`` (~37k rows, 144 groups), the skewed routing
-    after the balanced one on the same weights; each form alone ran clean. Here that sequence, with the L2 flush
-    between replays that the timing does: each form's eager call and every round of replays against the eager three
-    launches bit for bit (a replay reading another graph's memory, or counters left set, shows as other bits or a
-    fault), the three launches against float64, the one launch's counters at 0 after each routing."""
+    """The fault hunted: an illegal address (one H100, 2026-12-05 and 12-06) while timing, as CUDA graphs in turn,
+    the three launches of Qwen3-30B-A3B's 1024/4096-token tiles and the same tiles as one launch (down rows through
+    tensor descriptors, 3 and 4 stages) on rank 0's rows of ``bench_experts`` (~37k rows, 144 groups at 4096), the
+    4096-token rows after the 1024-token ones on the same weights; each form alone with tens of replays ran clean.
+    Here that sequence, with the L2 flush between replays that the timing does and as many replays as the timing
+    made: each form's eager call and every round of replays against the eager three launches bit for bit (a replay
+    reading another graph's memory, or counters left set, shows as other bits or a fault), the three launches
+    against float64, the one launch's counters at 0 after each routing."""
     import functools
 
     from vllm_moonep.common.grouped_gemm import GroupedWeights
@@ -702,29 +708,30 @@ def test_graphs_of_both_schedules_in_turn_at_qwen3_4096():
         forms[f"one launch, {stages} stages"] = {
             **_Q_BIG_ONE, "fused": {"num_warps": 8, "num_stages": stages, "progs_per_sm": 1}}
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    for sigma in (0.0, SKEW_SIGMA):
-        cu_h, real, nvs, _ = rank0_case(shape, 4096, sigma)
-        x, rw = make_inputs(H, cu_h, real, nvs, "cuda", seed=4096 + int(10 * sigma))
+    for tokens, sigma in ((1024, 0.0), (1024, SKEW_SIGMA), (4096, 0.0), (4096, SKEW_SIGMA)):
+        where = f"{tokens} tokens, sigma {sigma}"
+        cu_h, real, nvs, _ = rank0_case(shape, tokens, sigma)
+        x, rw = make_inputs(H, cu_h, real, nvs, "cuda", seed=tokens + int(10 * sigma))
         cu, ends, n = cu_h.cuda(), entry_ends(cu_h, real).cuda(), int(cu_h[-1])
         want = torch.full_like(x, float("nan"))
         tk.expert_ffn_triton(x, rw, cu, w, out=want, config=_Q_BIG, padded=False, row_ends=ends)
-        assert _rel(want[:n], expert_ffn_float64(x, rw, cu, w)[:n]) < TOL, f"three launches (sigma {sigma}) vs float64"
+        assert _rel(want[:n], expert_ffn_float64(x, rw, cu, w)[:n]) < TOL, f"three launches ({where}) vs float64"
         runs = {}
         for name, conf in forms.items():
             out = torch.full_like(x, float("nan"))
             act = torch.empty(nvs, I, dtype=x.dtype, device="cuda")
             tk.expert_ffn_triton(x, rw, cu, w, out=out, config=conf, act=act, padded=False, row_ends=ends)
             torch.cuda.synchronize()
-            assert torch.equal(out[:n], want[:n]), f"{name} (sigma {sigma}): eager call differs from three launches"
+            assert torch.equal(out[:n], want[:n]), f"{name} ({where}): eager call differs from three launches"
             call = functools.partial(tk.expert_ffn_triton, x, rw, cu, w, out=out, config=conf, act=act, padded=False,
                                      row_ends=ends, zero_tail=False)
             runs[name] = (out, capture_graph(call, warm_calls=2))
         for _ in range(2):
             for name, (out, graph) in runs.items():
-                for _ in range(10):
+                for _ in range(_SEQ_REPLAYS):
                     flush.zero_()
                     graph.replay()
                 torch.cuda.synchronize()
-                assert torch.equal(out[:n], want[:n]), f"{name} (sigma {sigma}): replays in turn changed the output"
+                assert torch.equal(out[:n], want[:n]), f"{name} ({where}): replays in turn changed the output"
         assert int(sync.abs().sum()) == 0, f"counters not restored: {sync.nonzero().flatten().tolist()}"
         del runs
