@@ -307,19 +307,21 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
         assert int(sync.abs().sum()) == 0
 
 
-# Qwen3-30B-A3B's 1024- and 4096-token tiles (tuning.json): 128 rows, 8 warps, both kernels' row operands through
-# tensor descriptors, the down loop flattened; as one launch, the same tiles without "flat" (which it does not take)
-_Q_BIG = {
+# Qwen3-30B-A3B's 1024- and 4096-token tiles (tuning.json; test_graph_replays_in_turn.py uses them too): 128 rows,
+# 8 warps, both kernels' row operands through tensor descriptors, the down loop flattened; as one launch, the same
+# tiles without "flat" (which it does not take)
+Q_BIG_TILES = {
     "gate_up": {"BM": 128, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True},
     "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True,
              "flat": True},
 }
-_Q_BIG_ONE = {"gate_up": _Q_BIG["gate_up"], "down": {k: v for k, v in _Q_BIG["down"].items() if k != "flat"}}
+Q_BIG_ONE_TILES = {"gate_up": Q_BIG_TILES["gate_up"],
+                   "down": {k: v for k, v in Q_BIG_TILES["down"].items() if k != "flat"}}
 
 # one-launch tile sets of bench_experts' FUSED_TILES: 16-column gate/up items (decode) and 64-row tiles (the middle);
 # and Qwen3's 128-row TMA tiles
 _ROW_TILE_SETS = {
-    "rows128_tma": _Q_BIG_ONE,
+    "rows128_tma": Q_BIG_ONE_TILES,
     "decode16": {"gate_up": {"BM": 16, "BN": 16, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
                  "down": {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}},
     "rows64": {"gate_up": {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
@@ -671,67 +673,3 @@ def test_w13i_at_kimi_k2_scale():
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"
-
-
-
-#: replays per form and round in the graph-sequence test: the probe that faulted (2026-12-06, one H100) did so within
-#: a few hundred replays per form; tens of replays ran clean
-_SEQ_REPLAYS = 400
-
-
-def test_graphs_of_both_schedules_in_turn_at_qwen3_4096():
-    """The fault hunted: an illegal address (one H100, 2026-12-05 and 12-06) while timing, as CUDA graphs in turn,
-    the three launches of Qwen3-30B-A3B's 1024/4096-token tiles and the same tiles as one launch (down rows through
-    tensor descriptors, 3 and 4 stages) on rank 0's rows of ``bench_experts`` (~37k rows, 144 groups at 4096), the
-    4096-token rows after the 1024-token ones on the same weights; each form alone with tens of replays ran clean.
-    Here that sequence, with the L2 flush between replays that the timing does and as many replays as the timing
-    made: each form's eager call and every round of replays against the eager three launches bit for bit (a replay
-    reading another graph's memory, or counters left set, shows as other bits or a fault), the three launches
-    against float64, the one launch's counters at 0 after each routing."""
-    import functools
-
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
-    from vllm_moonep.engine import default_num_slots
-    from vllm_moonep.testing.reference import expert_ffn_float64
-    from vllm_moonep.tools.bench_experts import R, SHAPES, SKEW_SIGMA, entry_ends, make_inputs, make_weights, rank0_case
-    from vllm_moonep.tools.timing import capture_graph
-
-    tk = _triton()
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
-    shape = SHAPES["qwen3-30b-a3b"]
-    H, I, E = shape["H"], shape["I"], shape["E"]
-    w = GroupedWeights.contiguous(*make_weights(H, I, E + default_num_slots(E, R), "cuda"))
-    sync = tk.prepare_weights(w).sync
-    forms = {"three launches": _Q_BIG}
-    for stages in (3, 4):
-        forms[f"one launch, {stages} stages"] = {
-            **_Q_BIG_ONE, "fused": {"num_warps": 8, "num_stages": stages, "progs_per_sm": 1}}
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    for tokens, sigma in ((1024, 0.0), (1024, SKEW_SIGMA), (4096, 0.0), (4096, SKEW_SIGMA)):
-        where = f"{tokens} tokens, sigma {sigma}"
-        cu_h, real, nvs, _ = rank0_case(shape, tokens, sigma)
-        x, rw = make_inputs(H, cu_h, real, nvs, "cuda", seed=tokens + int(10 * sigma))
-        cu, ends, n = cu_h.cuda(), entry_ends(cu_h, real).cuda(), int(cu_h[-1])
-        want = torch.full_like(x, float("nan"))
-        tk.expert_ffn_triton(x, rw, cu, w, out=want, config=_Q_BIG, padded=False, row_ends=ends)
-        assert _rel(want[:n], expert_ffn_float64(x, rw, cu, w)[:n]) < TOL, f"three launches ({where}) vs float64"
-        runs = {}
-        for name, conf in forms.items():
-            out = torch.full_like(x, float("nan"))
-            act = torch.empty(nvs, I, dtype=x.dtype, device="cuda")
-            tk.expert_ffn_triton(x, rw, cu, w, out=out, config=conf, act=act, padded=False, row_ends=ends)
-            torch.cuda.synchronize()
-            assert torch.equal(out[:n], want[:n]), f"{name} ({where}): eager call differs from three launches"
-            call = functools.partial(tk.expert_ffn_triton, x, rw, cu, w, out=out, config=conf, act=act, padded=False,
-                                     row_ends=ends, zero_tail=False)
-            runs[name] = (out, capture_graph(call, warm_calls=2))
-        for _ in range(2):
-            for name, (out, graph) in runs.items():
-                for _ in range(_SEQ_REPLAYS):
-                    flush.zero_()
-                    graph.replay()
-                torch.cuda.synchronize()
-                assert torch.equal(out[:n], want[:n]), f"{name} ({where}): replays in turn changed the output"
-        assert int(sync.abs().sum()) == 0, f"counters not restored: {sync.nonzero().flatten().tolist()}"
-        del runs

@@ -1,0 +1,135 @@
+"""CUDA graphs of several expert-kernel forms replayed in turn, each case in a child process.
+
+The fault hunted: an illegal address (one H100, 2026-12-06, in both harness runs that reached it) while
+timing, as graphs in turn, Qwen3-30B-A3B's tiles for 1024 and 4096 tokens per rank as three launches and
+the same tiles as one launch at 3 and 4 stages, 1024 tokens before 4096 on the same weights; each form
+alone, with tens of replays, ran clean. A fault ends the process's CUDA context, so every case runs in a
+child (this file as a script) and the parent names the last step the child reached::
+
+    child FORM[,FORM...]:  for 1024 then 4096 tokens, balanced then skewed routing (bench_experts' rank-0 rows):
+        three launches eager  -> float64 reference          (a wrong answer shared by every form)
+        each form eager       -> bit-equal to three launches (the form itself wrong)
+        each form captured; 2 rounds x each form x REPLAYS replays, a 256 MB flush before each
+                              -> bit-equal, counters at 0    (a replay reading another graph's memory)
+    tests:  the forms in turn (the harness's sequence); each form alone (which form faults)
+
+``three``: the three launches of tuning.json's H200 entry (TMA rows, the down loop flattened);
+``three_noflat``: the same without ``flat`` (tells the flattened down loop apart); ``one_s3``/``one_s4``:
+its tiles as one launch, down rows through tensor descriptors.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+#: replays per form and round: the harness faulted within a few hundred replays of each form; twenty ran clean
+REPLAYS = 400
+ROUNDS = 2
+POINTS = ((1024, False), (1024, True), (4096, False), (4096, True))  # (tokens per rank, skewed)
+CHILD_TIMEOUT_S = 300
+
+
+def _forms() -> dict:
+    from tests.gpu.test_triton_grouped_gemm import Q_BIG_ONE_TILES, Q_BIG_TILES
+
+    one = {s: {**Q_BIG_ONE_TILES, "fused": {"num_warps": 8, "num_stages": s, "progs_per_sm": 1}} for s in (3, 4)}
+    return {"three": Q_BIG_TILES, "three_noflat": Q_BIG_ONE_TILES, "one_s3": one[3], "one_s4": one[4]}
+
+
+def _child(names: list[str]) -> dict:
+    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.common.grouped_gemm import triton_kernels as tk
+    from vllm_moonep.engine import default_num_slots
+    from vllm_moonep.testing.reference import expert_ffn_float64, relative_error
+    from vllm_moonep.tools.bench_experts import R, SHAPES, SKEW_SIGMA, entry_ends, make_inputs, make_weights, rank0_case
+    from vllm_moonep.tools.timing import capture_graph
+
+    every = _forms()
+    forms = {n: every[n] for n in names}
+    shape = SHAPES["qwen3-30b-a3b"]
+    H, I, E = shape["H"], shape["I"], shape["E"]
+    w = GroupedWeights.contiguous(*make_weights(H, I, E + default_num_slots(E, R), "cuda"))
+    sync = tk.prepare_weights(w).sync
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    report = {}
+    for tokens, skewed in POINTS:
+        sigma = SKEW_SIGMA if skewed else 0.0
+        where = f"{tokens} tokens {'skewed' if skewed else 'balanced'}"
+        cu_h, real, nvs, _ = rank0_case(shape, tokens, sigma)
+        x, rw = make_inputs(H, cu_h, real, nvs, "cuda", seed=tokens + int(10 * sigma))
+        cu, ends, n = cu_h.cuda(), entry_ends(cu_h, real).cuda(), int(cu_h[-1])
+        want = torch.full_like(x, float("nan"))
+        tk.expert_ffn_triton(x, rw, cu, w, out=want, config=every["three"], padded=False, row_ends=ends)
+        err = relative_error(want[:n], expert_ffn_float64(x, rw, cu, w)[:n])
+        assert err < 1e-2, f"{where}: three launches against float64: relative error {err:.2e}"
+        runs = {}
+        for name, conf in forms.items():
+            out = torch.full_like(x, float("nan"))
+            act = torch.empty(nvs, I, dtype=x.dtype, device="cuda")
+            tk.expert_ffn_triton(x, rw, cu, w, out=out, config=conf, act=act, padded=False, row_ends=ends)
+            torch.cuda.synchronize()
+            assert torch.equal(out[:n], want[:n]), f"{where}: {name}'s eager call differs from three launches"
+            call = functools.partial(tk.expert_ffn_triton, x, rw, cu, w, out=out, config=conf, act=act,
+                                     padded=False, row_ends=ends, zero_tail=False)
+            runs[name] = (out, capture_graph(call, warm_calls=2))
+        for r in range(ROUNDS):
+            for name, (out, graph) in runs.items():
+                print(f"PROGRESS {where}: round {r}, {name}: {REPLAYS} replays", flush=True)
+                for _ in range(REPLAYS):
+                    flush.zero_()
+                    graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out[:n], want[:n]), f"{where}: {name}'s replays in turn changed the output"
+        assert int(sync.abs().sum()) == 0, f"{where}: counters not restored: {sync.nonzero().flatten().tolist()}"
+        report[where] = {"rows": nvs, "replays": ROUNDS * REPLAYS * len(runs), "float64_err": err}
+        del runs
+    return report
+
+
+def _run_child(names: list[str]) -> dict:
+    """The child's report; on a failure the last step it reached and its error."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), ",".join(names)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    reached = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROGRESS ")]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, (
+        f"{'+'.join(names)} (rc={proc.returncode}) after {reached[-1] if reached else 'no replay'}:\n"
+        f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+def _needs_hopper():
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+
+
+def test_forms_in_turn():
+    """The harness's sequence: three launches and both one-launch forms as graphs in turn."""
+    _needs_hopper()
+    report = _run_child(["three", "one_s3", "one_s4"])
+    assert len(report) == len(POINTS)
+
+
+@pytest.mark.parametrize("form", ["three", "three_noflat", "one_s3", "one_s4"])
+def test_form_alone(form):
+    """Each form's graph alone, as many replays: a fault here is that form's own."""
+    _needs_hopper()
+    report = _run_child([form])
+    assert len(report) == len(POINTS)
+
+
+if __name__ == "__main__":
+    print("REPORT " + json.dumps(_child(sys.argv[1].split(","))), flush=True)
