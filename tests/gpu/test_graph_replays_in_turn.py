@@ -100,8 +100,14 @@ def _run_child(names: list[str]) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), ",".join(names)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), ",".join(names)], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:  # a wait that never ends (the one launch's counters) shows here
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        reached = [ln for ln in out.splitlines() if ln.startswith("PROGRESS ")]
+        last = reached[-1] if reached else "no replay"
+        pytest.fail(f"{'+'.join(names)}: no end within {CHILD_TIMEOUT_S} s, after {last}")
     reached = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROGRESS ")]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, (
