@@ -1,37 +1,44 @@
 """CUDA graphs of several expert-kernel forms replayed in turn, each case in a child process.
 
-The fault hunted: an illegal address (one H100, 2026-12-06, in both harness runs that reached it) while
-timing, as graphs in turn, Qwen3-30B-A3B's tiles for 1024 and 4096 tokens per rank as three launches and
-the same tiles as one launch at 3 and 4 stages, 1024 tokens before 4096 on the same weights; each form
-alone, with tens of replays, ran clean. A fault ends the process's CUDA context, so every case runs in a
-child (this file as a script) and the parent names the last step the child reached::
+The fault: an illegal address (one H100 and one H200, 2026-12-06) while replaying, as graphs in turn,
+Qwen3-30B-A3B's tiles for 1024 tokens per rank as three launches and the same tiles as one launch at 3
+and 4 stages; any two of the three forms, and each alone, ran clean. The kernels were not at fault:
+the harness captured each form with ``act`` held only by the captured callable, which it then dropped,
+and each capture (``torch.cuda.graph``) empties the allocator's cache, handing a dropped ``act`` back
+to the driver under the graph that still wrote it. ``capture_graph`` now holds what it captured.
+A fault ends the process's CUDA context, so every case runs in a child (this file as a script) and
+the parent names the last step the child reached::
 
     child FORM[,FORM...]:  for 1024 then 4096 tokens, balanced then skewed routing (bench_experts' rank-0 rows):
         three launches eager  -> float64 reference          (a wrong answer shared by every form)
         each form eager       -> bit-equal to three launches (the form itself wrong)
-        each form captured; 2 rounds x each form x REPLAYS replays, a 256 MB flush before each
-                              -> bit-equal, counters at 0    (a replay reading another graph's memory)
-    tests:  the forms in turn (the harness's sequence); each form alone (which form faults)
+        each form captured (capture_graph; its buffers held by nothing else)
+        2 rounds x each form x REPLAYS replays, a 256 MB flush before each
+                              -> bit-equal, counters at 0    (a replay reading another graph's memory,
+                                                              or memory freed under it)
+    tests:  the forms in turn (the sequence that faulted); each form alone
 
 ``three``: the three launches of tuning.json's H200 entry (TMA rows, the down loop flattened);
-``three_noflat``: the same without ``flat`` (tells the flattened down loop apart); ``one_s3``/``one_s4``:
-its tiles as one launch, down rows through tensor descriptors.
+``three_noflat``: the same without ``flat``; ``one_s3``/``one_s4``: its tiles as one launch, down rows
+through tensor descriptors.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
 
-#: replays per form and round: the harness faulted within a few hundred replays of each form; twenty ran clean
+#: replays per form and round (the fault above came within the first form's first 400)
 REPLAYS = 400
 ROUNDS = 2
 POINTS = ((1024, False), (1024, True), (4096, False), (4096, True))  # (tokens per rank, skewed)
@@ -80,7 +87,8 @@ def _child(names: list[str]) -> dict:
             assert torch.equal(out[:n], want[:n]), f"{where}: {name}'s eager call differs from three launches"
             call = functools.partial(tk.expert_ffn_triton, x, rw, cu, w, out=out, config=conf, act=act,
                                      padded=False, row_ends=ends, zero_tail=False)
-            runs[name] = (out, capture_graph(call, warm_calls=2))
+            runs[name] = (out, capture_graph(call, warm_calls=2))  # act: held by the graph alone
+            del call, act
         for r in range(ROUNDS):
             for name, (out, graph) in runs.items():
                 print(f"PROGRESS {where}: round {r}, {name}: {REPLAYS} replays", flush=True)
@@ -114,6 +122,29 @@ def _run_child(names: list[str]) -> dict:
         f"{'+'.join(names)} (rc={proc.returncode}) after {reached[-1] if reached else 'no replay'}:\n"
         f"{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("REPORT "):])
+
+
+def test_capture_graph_holds_what_it_captured():
+    """The bug behind the fault above: a buffer only the captured callable held was freed once the caller
+    dropped the callable; the next capture emptied the allocator's cache and the first graph's replay wrote
+    into memory handed back to the driver. Sentinel: the buffer's values after replays on both graphs."""
+    from vllm_moonep.tools.timing import capture_graph
+
+    buf = torch.zeros(8 << 20, device="cuda")  # 32 MB: a segment of its own, which the cache can hand back
+    alive = weakref.ref(buf)
+    first = capture_graph(functools.partial(buf.add_, 1.0), warm_calls=2)
+    del buf
+    gc.collect()
+    assert alive() is not None, "capture_graph's graph does not hold the buffer its callable captured"
+    other = torch.zeros(8 << 20, device="cuda")
+    second = capture_graph(functools.partial(other.add_, 10.0))  # a capture: empties the cache first
+    for _ in range(3):
+        first.replay()
+        second.replay()
+    torch.cuda.synchronize()
+    # warm-up calls count too: first 2 + 3 replays, second 1 + 3
+    assert torch.equal(alive(), torch.full_like(alive(), 5.0)), "the first graph's buffer lost its replays"
+    assert torch.equal(other, torch.full_like(other, 40.0)), "the second graph wrote into the first one's buffer"
 
 
 def _needs_hopper():

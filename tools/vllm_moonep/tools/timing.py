@@ -58,10 +58,16 @@ def on_side_stream(fn, calls: int = 1) -> None:
 
 def capture_graph(fn, warm_calls: int = 1) -> torch.cuda.CUDAGraph:
     """``fn`` captured in a CUDA graph, after ``warm_calls`` calls on a side stream (capture needs
-    its kernels compiled and its allocations made outside the capture); replay with ``.replay()``."""
+    its kernels compiled and its allocations made outside the capture); replay with ``.replay()``.
+
+    The graph holds ``fn`` (``graph.captured_fn``), and so every buffer ``fn`` closes over, for as long
+    as it lives: its kernels keep those addresses, and each capture (``torch.cuda.graph``) empties the
+    allocator's cache first, which hands a buffer dropped after an earlier capture back to the driver
+    under that earlier graph (an illegal address at its next replay)."""
     on_side_stream(fn, warm_calls)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
+    graph.captured_fn = fn
     return graph
