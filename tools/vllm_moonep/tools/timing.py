@@ -69,5 +69,5 @@ def capture_graph(fn, warm_calls: int = 1) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
-    graph.captured_fn = fn
+    graph.captured_fn = fn  # type: ignore[attr-defined]  # torch's class has a __dict__; mypy sees no such field
     return graph
