@@ -1,6 +1,6 @@
 """CUDA graphs of several expert-kernel forms replayed in turn, each case in a child process.
 
-The fault: an illegal address (one H100 and one H200, 2026-12-06) while replaying, as graphs in turn,
+The fault it catches: an illegal address while replaying, as graphs in turn,
 Qwen3-30B-A3B's tiles for 1024 tokens per rank as three launches and the same tiles as one launch at 3
 and 4 stages; any two of the three forms, and each alone, ran clean. The kernels were not at fault:
 the harness captured each form with ``act`` held only by the captured callable, which it then dropped,

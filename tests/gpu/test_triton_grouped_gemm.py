@@ -150,6 +150,19 @@ def test_multi_pool_pointer_table():
     _check(x, rw, cu, w, total, impl_cmp=False)
 
 
+def test_one_table_for_cuda_and_its_index():
+    """A table prepared for ``"cuda"`` (a caller before capture) and found again for the layer's ``x.device``
+    (``cuda:0``) built twice: a second interleaved copy (Kimi-K2's 4096-token rows then ran out of an H100's
+    memory in bench_levers) and new counters under a graph captured with the first table."""
+    tk = _triton()
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    w = _two_pools(gen, 256, 128, [0, 1, 0], [1, 0, 2])
+    first = tk.prepare_weights(w, "cuda", w13i=True)
+    here = torch.device("cuda", torch.cuda.current_device())
+    assert tk.prepare_weights(w, here, w13i=True) is first, "the table was built again for the indexed name"
+    assert tk.prepare_weights(w, None).w13i is first.w13i
+
+
 def test_cuda_graph_capture_replay():
     """A captured expert compute that keeps the capture-time segment lengths: replays on new cu_seqlens must match
     float64."""
