@@ -28,6 +28,7 @@ def test_defaults_are_the_issue_points():
     (["--tokens", "256,0"], "--tokens must be comma-separated positive integers"),
     (["--tokens", "many"], "--tokens must be comma-separated positive integers"),
     (["--rep", "0"], "--rep must be a positive number"),
+    (["--rounds", "0"], "--rounds must be a positive number"),
 ])
 def test_bad_flags_refused_with_a_sentence(capsys, argv, needle):
     """A typo in a shape or tokens reaching the GPU as a KeyError or ValueError traceback minutes into a device call."""
@@ -41,11 +42,24 @@ def test_variants_add_half_bn_only_past_the_widest_mma():
     gu = {"BM": 64, "BN": 256, "BK": 64, "tma": True}
     dn = {"BM": 128, "BN": 256, "BK": 64}
     v = bench_levers.variants({"gate_up": gu, "down": dn})
-    assert list(v) == ["committed", "w13i", "w13i_bn_half"]
+    assert list(v) == ["committed", "w13i", "w13i_bn_half", "control"]
     assert v["committed"]["gate_up"] == gu and "w13i" not in gu
     assert v["w13i"]["gate_up"] == {**gu, "w13i": True} and v["w13i"]["down"] is dn
     assert v["w13i_bn_half"]["gate_up"] == {**gu, "BN": 128, "w13i": True}
-    assert list(bench_levers.variants({"gate_up": {**gu, "BN": 128}, "down": dn})) == ["committed", "w13i"]
+    assert list(bench_levers.variants({"gate_up": {**gu, "BN": 128}, "down": dn})) == ["committed", "w13i", "control"]
+    # the control is the committed tiles, in dicts of its own (a variant edited in place must not move it)
+    assert v["control"] == {"gate_up": gu, "down": dn} and v["control"]["gate_up"] is not gu
+
+
+def test_rounds_rotate_so_every_variant_takes_every_place():
+    """A variant always timed first in its round (or always after the same one): at the power-bound points the same
+    tiles read up to 10% apart by their place in a round, which lands in the ratio as if it were the lever's."""
+    names = ["committed", "w13i", "w13i_bn_half", "control"]
+    orders = [bench_levers.round_order(names, r) for r in range(4)]
+    assert all(sorted(o) == sorted(names) for o in orders), "a round left a variant out or timed one twice"
+    for place in range(4):
+        assert sorted(o[place] for o in orders) == sorted(names), f"place {place} is not taken by every variant"
+    assert bench_levers.round_order(names, 4) == names and bench_levers.round_order([], 3) == []
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: main would run the benchmark")
@@ -79,7 +93,8 @@ def test_table_reads_every_row_kind():
         del r["w13i_ratio"], r["w13i_gate_up_ratio"]
     lines = bench_levers.table(rows)
     assert len(lines) == 2 + 4 + 2, lines
-    assert "| 64x256x64 tma | 100.0 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 |" in lines[2]
-    assert lines[3].endswith("| - | - | - | - |") and "| - | - | - |" in lines[4]
+    assert ("| 64x256x64 tma | 100.0 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 0.950 "
+            "| 0.900 |") in lines[2]
+    assert lines[3].endswith("| - | - | - | - | 0.950 | 0.900 |") and "| - | - | - |" in lines[4]
     assert bench_levers.wrong(rows) == [("kimi-k2", 4096, "balanced", "w13i")]
     assert "WRONG OUTPUTS" in lines[6] and "OutOfResources" in lines[7]

@@ -1,6 +1,7 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50]``
+``python -m vllm_moonep.tools.bench_levers [--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50]
+[--rounds 4]``
 
 The lever: ``"w13i"`` gate/up tiles (``triton_tiles.gate_up_acc``: gate and up interleaved row by row in
 one weight, one ``[2BN, BK]`` block and one MMA of ``2BN`` columns per step instead of two of ``BN``).
@@ -13,11 +14,14 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
     w13i          the same tiles with "w13i": true (gate/up reads prepare_weights' interleaved copy)
     w13i BN/2     where the committed gate/up BN makes 2*BN exceed 256 (the widest warpgroup MMA):
                   the same tiles with BN halved and "w13i" (the same MMA width as committed)
+    control       the committed tiles again, as a variant of their own (own graph and buffers): its
+                  ratio to committed is the run's noise at the point, the band a lever must clear
 
 each as the whole expert compute, as the layer calls it (``row_ends``, ``zero_tail=False``, ``padded=False``,
 as ``bench_experts``), and as the gate/up kernel alone (``_launch_gate_up``: the only kernel the lever
-changes). The variants are timed in alternation, ``ROUNDS`` times, and each time is the median of the rounds
-(a point drifts a few percent between calls; alternation keeps the drift out of the ratio). Each
+changes). The variants are timed in alternation, ``--rounds`` times, each round starting one variant later
+than the last (at the power-bound 4096-token points the same tiles read up to 10% apart by their place in
+a round: the control measured it), and each time is the median of the rounds. Each
 variant's output (untimed call, every row written) is checked against the committed one: relative
 error. Prints the ceilings (``bench_experts.measure_ceilings``) and a markdown table; writes
 ``bench_levers.json`` to ``$OUT`` if set. A variant that cannot run (compile error, out of shared memory)
@@ -48,11 +52,12 @@ from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _cei
 DEFAULT_TOKENS = (256, 1024, 4096)
 #: the shapes by default (``bench_experts.SHAPES``)
 DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
-#: do_bench ``rep`` (ms) per timing by default: 2 shapes x 3 points x 2 routings x 3 variants x 2 scopes x ROUNDS
-#: timings, plus compiles, in under 4 minutes on an H200
+#: do_bench ``rep`` (ms) per timing by default: 2 shapes x 3 points x 2 routings x 4 variants x 2 scopes x ROUNDS
+#: timings (about 40 s of replays, each timing also pays its warm-up and L2 flushes), plus compiles
 DEFAULT_REP = 50
-#: timings of each variant, in alternation (committed, w13i, w13i BN/2, committed, ...)
-ROUNDS = 2
+#: timings of each variant by default, in alternation, each round's order rotated by one (with four variants,
+#: four rounds put each variant once in each place)
+ROUNDS = 4
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
 MAX_MMA_N = 256
 
@@ -73,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma-separated tokens per rank (default: %(default)s)")
     ap.add_argument("--rep", type=int, default=DEFAULT_REP,
                     help="triton.testing.do_bench rep (ms) per timing (default: %(default)s)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="alternated rounds of timings per variant, each round's order rotated (default: %(default)s)")
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES]
@@ -84,30 +91,41 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--tokens must be comma-separated positive integers, got {args.tokens!r}")
     if args.rep < 1:
         ap.error(f"--rep must be a positive number of milliseconds, got {args.rep}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be a positive number of rounds, got {args.rounds}")
     args.shapes, args.tokens = shapes, tokens
     return args
 
 
 def variants(committed: dict) -> dict[str, dict]:
     """The configs one point times: the committed tiles, the same with ``"w13i"`` (without ``"ws"``, which
-    w13i refuses), and (where the committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved
-    and ``"w13i"``."""
+    w13i refuses), (where the committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved
+    and ``"w13i"``, and the committed tiles again as ``control`` (last)."""
     gu = committed["gate_up"]
     # "w13i" refuses the warp-specialized loop (expert_ffn_triton): those tiles are timed without "ws"
     wi = {k: v for k, v in gu.items() if k != "ws"}
     out = {"committed": committed, "w13i": {**committed, "gate_up": {**wi, "w13i": True}}}
     if 2 * gu["BN"] > MAX_MMA_N:
         out["w13i_bn_half"] = {**committed, "gate_up": {**wi, "BN": gu["BN"] // 2, "w13i": True}}
+    out["control"] = {k: dict(v) for k, v in committed.items()}
     return out
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order of the variants: the list rotated by ``r``, so that no variant always runs first
+    (after the flush of a point's setup) or right after the same neighbour."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def _fmt(v, spec=".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, sigma: float, dev, rep: int) -> dict:
+def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, sigma: float, dev, rep: int,
+          rounds: int = ROUNDS) -> dict:
     """One point's row: its variants (``variants``) checked (untimed call, every row written) and timed
-    (whole compute and gate/up kernel, ``ROUNDS`` alternated rounds of ``_graphed`` replays)."""
+    (whole compute and gate/up kernel, ``rounds`` alternated rounds of ``_graphed`` replays, ``round_order``)."""
     H, I = shp["H"], shp["I"]
     G = weights.num_groups
     cu_h, real, nvs, mv = rank0_case(shp, tokens, sigma)
@@ -135,8 +153,9 @@ def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, s
             why[name] = f"{type(e).__name__}: {str(e)[:160]}"
             print(f"#   {sname} t={tokens} {routing} {name}: - ({why[name]})", flush=True)
     times: dict[str, dict[str, list[float]]] = {k: {"whole": [], "gate_up": []} for k in fns}
-    for _ in range(ROUNDS):  # alternated: drift between timings lands on every variant alike
-        for name, ((r_whole, _g1), (r_gu, _g2)) in fns.items():
+    for r in range(rounds):  # alternated and rotated: drift and place in a round land on every variant alike
+        for name in round_order(list(fns), r):
+            (r_whole, _g1), (r_gu, _g2) = fns[name]
             times[name]["whole"].append(_bench(r_whole, rep=rep) * 1e3)
             times[name]["gate_up"].append(_bench(r_gu, rep=rep) * 1e3)
     del fns
@@ -162,8 +181,8 @@ def table(rows: list[dict]) -> list[str]:
     """The markdown table of ``point`` rows, then a line naming any variant with wrong outputs (rows left
     unwritten, or relative error >= 1e-2 against the committed tiles) and one per variant that could not run."""
     lines = ["| shape | tokens | routing | committed gate/up tile | committed us | w13i us | ratio | gate/up ratio | err "
-             "| w13i BN/2 us | ratio | gate/up ratio | err |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| w13i BN/2 us | ratio | gate/up ratio | err | control ratio | gate/up ratio |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         gu = r["configs"]["committed"]["gate_up"]
         tile = tile_text(gu)
@@ -173,7 +192,8 @@ def table(rows: list[dict]) -> list[str]:
                      f"{_fmt(r.get('w13i_gate_up_ratio'), '.3f')} | {_fmt(r['w13i_err'], '.1e')} | "
                      + (f"{_fmt(r['w13i_bn_half_us'])} | {_fmt(r.get('w13i_bn_half_ratio'), '.3f')} | "
                         f"{_fmt(r.get('w13i_bn_half_gate_up_ratio'), '.3f')} | {_fmt(r['w13i_bn_half_err'], '.1e')} |"
-                        if half else "- | - | - | - |"))
+                        if half else "- | - | - | - |")
+                     + f" {_fmt(r.get('control_ratio'), '.3f')} | {_fmt(r.get('control_gate_up_ratio'), '.3f')} |")
     bad = wrong(rows)
     if bad:
         lines.append(f"# WRONG OUTPUTS (unwritten rows, or relative error >= 1e-2 against the committed tiles): {bad}")
@@ -215,14 +235,15 @@ def main(argv=None) -> int:
         prep = tk.prepare_weights(weights, dev, w13i=True)  # the interleaved copy, once per shape, before any capture
         for tokens in args.tokens:
             for routing, sigma in (("balanced", 0.0), ("skewed", SKEW_SIGMA)):
-                row = point(tk, weights, prep, sname, shp, tokens, routing, sigma, dev, args.rep)
+                row = point(tk, weights, prep, sname, shp, tokens, routing, sigma, dev, args.rep, args.rounds)
                 rows.append(row)
                 print(f"# {sname:14s} t={tokens:5d} {routing:8s} committed {_fmt(row['committed_us'])} us "
                       f"(gate/up {_fmt(row['committed_gate_up_us'])})  w13i {_fmt(row['w13i_us'])} us "
                       f"(gate/up {_fmt(row['w13i_gate_up_us'])}) x{_fmt(row.get('w13i_ratio'), '.3f')} "
                       f"err {_fmt(row['w13i_err'], '.1e')}"
                       + (f"  w13i BN/2 {_fmt(row['w13i_bn_half_us'])} us x{_fmt(row.get('w13i_bn_half_ratio'), '.3f')}"
-                         if "w13i_bn_half" in row["configs"] else ""), flush=True)
+                         if "w13i_bn_half" in row["configs"] else "")
+                      + f"  control x{_fmt(row.get('control_ratio'), '.3f')}", flush=True)
         del weights, prep
         tk._CACHE.clear()
         torch.cuda.empty_cache()
@@ -231,7 +252,8 @@ def main(argv=None) -> int:
     print()
     print("Times: CUDA-graph replay, median of the alternated rounds; whole = the expert compute as the layer runs it, "
           "gate/up = that kernel alone; ratio = variant / committed (below 1: the lever is faster); err = the "
-          "variant's output against the committed one (relative).")
+          "variant's output against the committed one (relative); control = the committed tiles timed again as a "
+          "variant: a lever ratio no farther from 1 than the control's is noise.")
     print()
     for line in table(rows):
         print(line)
@@ -239,7 +261,7 @@ def main(argv=None) -> int:
     if out_dir:
         result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": props.name,
                   "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
-                  "python": platform.python_version(), "ceilings": ceil, "rounds": ROUNDS, "rep_ms": args.rep,
+                  "python": platform.python_version(), "ceilings": ceil, "rounds": args.rounds, "rep_ms": args.rep,
                   "rows": rows, "argv": sys.argv}
         with open(os.path.join(out_dir, "bench_levers.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
