@@ -73,11 +73,13 @@ def current_cuda_device() -> torch.device:
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
-    """``None``: the current CUDA device if there is one, else CPU; a bare ``cuda`` gets its index
-    (tensors always report one, so comparisons need it)."""
+    """``None``: the current CUDA device if there is one, else CPU; a bare ``cuda`` gets its index and
+    ``cpu:0`` loses it (each the way tensors report their device, so comparisons and cache keys agree)."""
     if device is None:
         return current_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = current_cuda_device()
+    elif device.type == "cpu":
+        device = torch.device("cpu")
     return device

@@ -101,7 +101,7 @@ from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_a
 from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
 from vllm_moonep.common.grouped_gemm.triton_tiles import (down_acc, down_store, down_tile, gate_up_acc, gate_up_store,
                                                           gate_up_tile, pick, tile_index, trim_end, zero_rows)
-from vllm_moonep.engine.defaults import say_once
+from vllm_moonep.engine.defaults import resolve_device, say_once
 from vllm_moonep.engine.errors import MoonEPInputError
 from vllm_moonep.engine.launch import capability, sm_count
 
@@ -432,17 +432,6 @@ def _interleaved(weights: GroupedWeights, table: torch.Tensor, device) -> _Inter
 _CACHE: dict[int, _Prepared] = {}
 
 
-def _one_name(device: torch.device) -> torch.device:
-    """``device`` under the one name the cache keys on: ``cuda`` is the current CUDA device's index (a
-    table prepared for ``"cuda"`` serves the layer's ``x.device``, ``cuda:0``, instead of being built again
-    beside it: a second interleaved copy, new counters), ``cpu:0`` is ``cpu``."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    if device.type == "cpu":
-        return torch.device("cpu")
-    return device
-
-
 def _weights_key(w: GroupedWeights, device) -> tuple:
     pools = tuple(
         (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version) for proj in (w.gate, w.up, w.down) for t in proj
@@ -484,7 +473,9 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
     ``"w13i"`` tiles' interleaved copy of gate and up (``_interleaved``: built once, kept with the table,
     rebuilt with it; its memory is one more copy of the groups' gate and up).
     """
-    device = _one_name(torch.device(device) if device is not None else weights.gate[0].device)
+    # one name per device (resolve_device): a table prepared for "cuda" must serve the layer's x.device (cuda:0),
+    # not be built again beside it (a second interleaved copy, new counters under a captured graph)
+    device = resolve_device(device if device is not None else weights.gate[0].device)
     key = _weights_key(weights, device)
     wid = id(weights)
     hit = _CACHE.get(wid)
