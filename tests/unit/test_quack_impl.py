@@ -171,6 +171,26 @@ def test_bench_names_where_a_library_won():
     assert entries == [{"H": qwen["H"], "I": qwen["I"], "impl": "deepgemm", "from_tokens": 64, "to_tokens": None}]
 
 
+def test_a_library_must_win_by_more_than_the_points_control():
+    """A library 3% faster at a point where the Triton call timed twice in the same rounds read 5% apart was taken
+    into auto (the margin alone is 1%): the win is inside that point's noise. Rows without a control (older JSON)
+    keep the 1% margin."""
+    from vllm_moonep.tools.bench_experts import KEEP_MARGIN, SHAPES, faster_regimes, noise_band
+
+    kimi = SHAPES["kimi-k2"]
+    assert noise_band(None) == KEEP_MARGIN and noise_band(1.004) == KEEP_MARGIN and noise_band(float("nan")) == KEEP_MARGIN
+    assert noise_band(1.05) == pytest.approx(0.05) and noise_band(0.96) == pytest.approx(0.04)
+
+    def rows(control):
+        return [{"shape": "kimi-k2", "tokens": 4096, "routing": r, "triton_us": 100.0, "deepgemm_us": 97.0,
+                 **({} if control is None else {"control_ratio": control})} for r in ("balanced", "skewed")]
+
+    assert faster_regimes(rows(1.05), "deepgemm") == {}
+    assert faster_regimes(rows(0.95), "deepgemm") == {}
+    assert faster_regimes(rows(1.01), "deepgemm") == {(kimi["H"], kimi["I"]): [(4096, None)]}
+    assert faster_regimes(rows(None), "deepgemm") == {(kimi["H"], kimi["I"]): [(4096, None)]}
+
+
 def test_auto_never_picks_quack_when_absent(no_quack, caplog):
     """Where quack is not installed, auto picked it (then failed at the first layer) because an auto regime
     listed the shape; or it dropped it silently."""

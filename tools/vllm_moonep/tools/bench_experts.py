@@ -10,8 +10,14 @@ plus written), then for each shape, tokens per rank and routing (balanced, skewe
 ``cu_seqlens[0]`` over ``E+B`` groups; real rows carry random hidden states and weights,
 padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM runs the
 layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed
-before each run by ``triton.testing.do_bench``:
+before each run by ``triton.testing.do_bench``. A point's columns are captured first, each in its own
+graph and buffers, then timed in ``--rounds`` alternated rounds, each round's order rotated
+(``timing.rotated_times``); each time is the median of the rounds. At the power-bound points a
+kernel's place in a fixed order alone moved its time 4-10% (docs/PERFORMANCE.md), more than the
+margins the library regimes are chosen on:
 
+- ``control``: the Triton call again, as a column of its own: ``control/Triton`` is the point's noise
+  band, and a library is named faster only where it wins by more than that (``noise_band``);
 - ``triton``: ``expert_ffn_triton`` (tile configs from tuning.json, or the tuned ones with --tune), as the
   layer runs it on the built-in engine: given each segment's end of entries as the GPU dispatch hands
   them over (``row_ends``, ``entry_ends``: no trim launch), padding tails not written
@@ -56,7 +62,10 @@ keeps one launch where it is faster at both routings; each kernel's ``STREAMK_TR
 also timed cut by stream-K (``"streamk"``) and kept cut where faster at both routings.
 ``--tune-streamk`` is the quick pass of that last step alone, on the shipped tiles; ``--tune-fused`` the
 quick pass of the one-launch step alone: the shipped entry as it runs against one launch of its tiles and of
-``FUSED_TILES``, one launch kept where faster at both routings. Each writes
+``FUSED_TILES``, one launch kept where faster at both routings. The candidates of these sweeps are timed one
+after another; what a sweep would put in the table in place of the shipped entry is then timed against it
+in a rotated A/B (``--rounds`` rounds, the shipped tiles twice: the second is the control), and replaces it
+only where faster at both routings by more than the control's band. Each writes
 ``tuning.json`` (to ``$OUT`` if set, else the current directory) and uses it for the table. A point the table runs as one launch is also timed as three launches of the same
 tiles (the ``three launches`` column). Prints a markdown table; writes
 ``bench_experts.json`` to ``$OUT`` if set.
@@ -76,6 +85,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 
 import torch
@@ -83,7 +93,7 @@ import torch
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.models import model
 from vllm_moonep.testing.reference import relative_error
-from vllm_moonep.tools.timing import capture_graph
+from vllm_moonep.tools.timing import ROUNDS, capture_graph, rotated_times
 
 #: the shapes it sweeps by default (vllm_moonep.testing.models)
 SHAPES = {key: model(key).dims() for key in ("qwen3-30b-a3b", "kimi-k2")}
@@ -354,7 +364,7 @@ def set_floor(row: dict, ceil: dict) -> None:
 MASKED_MAX_TOKENS = 256
 
 
-def _deepgemm_point(x, rw, cu, weights, out_p, n, args):
+def _deepgemm_point(x, rw, cu, weights, out_p, n, args, replays):
     """The DeepGEMM contiguous column at one point: ``(fields, error)`` as ``_quack_point``."""
     from vllm_moonep.common.grouped_gemm.deepgemm_impl import expert_ffn_deepgemm
 
@@ -369,11 +379,11 @@ def _deepgemm_point(x, rw, cu, weights, out_p, n, args):
     return {
         "deepgemm_unwritten": int(torch.isnan(out_d[:n]).sum()),
         "err_deepgemm_vs_poc": relative_error(out_d[:n], out_p[:n]),
-        **_column_times("deepgemm", f_d, args),
+        **_column_graph("deepgemm", f_d, args, replays),
     }, None
 
 
-def _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args):
+def _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args, replays):
     """DeepGEMM's masked form at one point: each group's live rows copied (untimed) into a
     ``[G, max_m, H]`` block, then the gate/up GEMM, the activation and the down GEMM as the masked
     kernels run them. ``(fields, error)``; the check scatters the blocks back onto the rows."""
@@ -416,11 +426,11 @@ def _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args):
     return {
         "deepgemm_masked_max_m": max_m,
         "err_deepgemm_masked_vs_poc": relative_error(y.view(-1, H)[dst_t], out_p[src_t]),
-        **_column_times("deepgemm_masked", f_m, args),
+        **_column_graph("deepgemm_masked", f_m, args, replays),
     }, None
 
 
-def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args):
+def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args, replays):
     """The quack column at one point: ``(fields, error)``. ``error`` (the exception text) when quack
     failed to compile or run here (then no further quack runs); a CUDA-graph capture that fails
     leaves ``quack_us`` empty with the reason and keeps the eager time."""
@@ -435,7 +445,7 @@ def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args):
     fields = {
         "quack_unwritten": int(torch.isnan(out_q[:n]).sum()),
         "err_quack_vs_poc": relative_error(out_q[:n], out_p[:n]),
-        **_column_times("quack", f_q, args),
+        **_column_graph("quack", f_q, args, replays),
     }
     return fields, None
 
@@ -450,14 +460,14 @@ def _first_call(f):
     return out, None
 
 
-def _column_times(name: str, f, args) -> dict:
-    """A library's column at one point: ``<name>_eager_us``, and ``<name>_us`` from a CUDA-graph
-    replay (``None`` with ``<name>_graph_error`` when the capture failed: the eager time stays)."""
+def _column_graph(name: str, f, args, replays: dict) -> dict:
+    """A column at one point: ``<name>_eager_us`` timed now, and ``f`` captured as a CUDA graph into
+    ``replays[name]`` (its ``<name>_us`` is timed later, in the point's rotated rounds with every other
+    column); where the capture fails, ``<name>_us`` stays ``None`` with ``<name>_graph_error`` (the eager
+    time stays)."""
     fields = {f"{name}_eager_us": _bench(f, rep=args.rep) * 1e3, f"{name}_us": None}
     try:
-        r, g = _graphed(f)
-        fields[f"{name}_us"] = _bench(r, rep=args.rep) * 1e3
-        del g
+        replays[name] = _graphed(f)
     except Exception as e:
         fields[f"{name}_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return fields
@@ -477,7 +487,7 @@ def real_rows_as_tokens(x, rw, cu_h, real, dev):
             torch.tensor(gid, dtype=torch.int32, device=dev).unsqueeze(1), rows)
 
 
-def _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args):
+def _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args, replays):
     """The vLLM column at one point: ``(fields, error)``. ``error`` (the exception text) when vLLM's
     fused_experts failed to compile or run here (then no further vLLM runs); a CUDA-graph capture that
     fails leaves ``vllm_us`` empty with the reason and keeps the eager time. ``err_vllm_vs_triton``:
@@ -498,19 +508,30 @@ def _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args):
         "err_vllm_vs_triton": relative_error(out_v, out_t[rows]),
         "vllm_rows": int(hv.shape[0]),
         "vllm_config": vllm_moe_config_used(w13, w_down, 1, int(hv.shape[0])),
-        **_column_times("vllm", f_v, args),
+        **_column_graph("vllm", f_v, args, replays),
     }
     return fields, None
 
 
+def noise_band(control_ratio: float | None, margin: float = KEEP_MARGIN) -> float:
+    """The fraction a candidate must win by at a point: ``margin``, or more where the point's control (the
+    incumbent timed again in the same rounds) read farther from the incumbent than that."""
+    if control_ratio is None or not math.isfinite(control_ratio):
+        return margin
+    return max(margin, abs(control_ratio - 1.0))
+
+
 def faster_regimes(rows: list, column: str, margin: float = KEEP_MARGIN) -> dict:
     """Per ``(H, I)``: the runs of consecutive measured tokens per rank where ``column``'s graph time beat
-    Triton's by more than ``margin`` at every routing (a tie within noise keeps our kernels), as ``[(from_tokens, to_tokens), ...]`` (``to_tokens`` ``None`` where the
-    run reaches the largest measured point): the ``auto`` regimes ``tuning.json`` may take for it."""
+    Triton's at every routing by more than ``margin`` and by more than the row's control read apart from
+    Triton (``noise_band``: a tie within noise keeps our kernels), as ``[(from_tokens, to_tokens), ...]``
+    (``to_tokens`` ``None`` where the run reaches the largest measured point): the ``auto`` regimes
+    ``tuning.json`` may take for it."""
     wins: dict = {}
     for r in rows:
         shp = SHAPES[r["shape"]]
-        won = r.get(f"{column}_us") is not None and r[f"{column}_us"] < r["triton_us"] * (1 - margin)
+        band = noise_band(r.get("control_ratio"), margin)
+        won = r.get(f"{column}_us") is not None and r[f"{column}_us"] < r["triton_us"] * (1 - band)
         by_tokens = wins.setdefault((shp["H"], shp["I"]), {})
         by_tokens[r["tokens"]] = by_tokens.get(r["tokens"], True) and won
     out = {}
@@ -570,6 +591,10 @@ def _us(v) -> str:
 
 def _ratio(v) -> str:
     return "-" if v is None else f"{v:.2f}"
+
+
+def _fmt3(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _column_note(row: dict, name: str, detail: str) -> str:
@@ -655,6 +680,9 @@ def main(argv=None) -> int:
                          "tuning.json with stream-K where it was faster at every routing (a quick pass; --tune does it "
                          "for its best candidates)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="alternated rounds in which a point's columns (and --tune's final A/B) are timed, each "
+                         "round's order rotated; each time is the median of the rounds (default: %(default)s)")
     ap.add_argument("--quack-tuned", action="store_true",
                     help="quack column: quack's autotuner (compiles and times its config space per new shape: minutes)")
     ap.add_argument("--no-deepgemm", action="store_true", help="leave out the DeepGEMM columns")
@@ -666,6 +694,8 @@ def main(argv=None) -> int:
                     help="only run that point's Triton kernels (balanced routing) four times, untimed, and exit: "
                          "the program a profiler wraps (ncu -k regex:_gate_up_kernel|_down_kernel --launch-skip 3 ...)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be a positive number of rounds, got {args.rounds}")
     case = None
     if args.profile_case is not None:
         shape, _, tok = args.profile_case.partition(":")
@@ -803,6 +833,51 @@ def main(argv=None) -> int:
                     tot.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
                 return tot
 
+            def rotated_whole(confs: dict) -> dict:
+                """The whole compute with each of ``confs`` (name -> tiles), per routing (ms): the median of
+                ``--rounds`` alternated rounds in rotated order, every config in its own graph and buffers
+                (``inf`` where one cannot run)."""
+                got: dict = {k: [] for k in confs}
+                for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
+                    graphs = {}
+                    for k, conf in confs.items():
+                        o = torch.empty_like(x)
+                        act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
+                        try:
+                            graphs[k] = _graphed(lambda conf=conf, o=o, act=act, x=x, rw=rw, cu=cu, ends=ends:
+                                                 tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf, act=act,
+                                                                      padded=False, row_ends=ends, zero_tail=False))
+                        except Exception as e:  # out of resources etc.
+                            print(f"#   {sname} t={tokens} {k} {_tiles_note(conf)}: skipped "
+                                  f"({type(e).__name__}: {str(e)[:80]})")
+                    t = rotated_times(list(graphs), lambda k: _bench(graphs[k][0], warmup=10, rep=max(20, args.rep // 3)),
+                                      args.rounds)
+                    del graphs
+                    for k in confs:
+                        got[k].append(statistics.median(t[k]) if k in t else math.inf)
+                return got
+
+            def confirmed(label, tuned, shipped):
+                """``tuned`` where a rotated A/B (``rotated_whole``) finds it faster than ``shipped`` at every
+                routing by more than ``noise_band`` (the shipped tiles are timed twice: the second is the
+                control), else ``shipped``: the sweep timed its candidates one after another, and at the
+                power-bound points a place in that order alone moved a time 4-10%; the table must not change
+                on that."""
+                if tuned == shipped:
+                    return tuned
+                t = rotated_whole({"tuned": tuned, "shipped": shipped, "control": {k: dict(v) for k, v in shipped.items()}})
+                if not all(math.isfinite(v) for v in t["shipped"] + t["control"]):
+                    print(f"#   {label} {sname} t={tokens}: the shipped tiles cannot run here; tuned taken", flush=True)
+                    return tuned
+                bands = [noise_band(c / s_) for c, s_ in zip(t["control"], t["shipped"])]
+                won = all(a < b * (1 - band) for a, b, band in zip(t["tuned"], t["shipped"], bands))
+                print(f"#   {label} {sname} t={tokens} rotated A/B ({args.rounds} rounds): tuned "
+                      f"{' / '.join(f'{v*1e3:.1f}' for v in t['tuned'])} us, shipped "
+                      f"{' / '.join(f'{v*1e3:.1f}' for v in t['shipped'])}, control x"
+                      f"{' / '.join(f'{c / s_:.3f}' for c, s_ in zip(t['control'], t['shipped']))}: "
+                      + ("tuned taken" if won else "shipped kept"), flush=True)
+                return tuned if won else shipped
+
             def best_one_launch(tries, against):
                 """The fastest of the one-launch configs ``tries`` that beats ``against`` (ms per routing) at every
                 routing by more than KEEP_MARGIN, and its time over both routings; ``(None, inf)`` if none does
@@ -846,7 +921,7 @@ def main(argv=None) -> int:
                       "over both routings", flush=True)
                 if fused_best is not None:
                     best = fused_best
-                cfg = best
+                cfg = confirmed("tune", best, tk.select_config(H, I, nvs, G, tokens=tokens))
                 tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **best})
             elif args.tune_fused:
                 # the shipped entry as it runs, against one launch of its tiles and of FUSED_TILES
@@ -854,10 +929,11 @@ def main(argv=None) -> int:
                 now = _whole(shipped)
                 tries = [c for c in one_launch_tries(shipped) if c != shipped] + FUSED_TILES
                 won, won_t = best_one_launch(tries, now)
-                cfg = shipped if won is None else won
+                cfg = shipped if won is None else confirmed("tune-fused", won, shipped)
                 print(f"#   tune-fused {sname} t={tokens}: shipped ({'one launch' if shipped.get('fused') else 'three launches'}) "
                       f"{' / '.join(f'{v*1e3:.1f}' for v in now)} us; "
-                      + ("kept" if won is None else f"one launch {_tiles_note(won)} {won_t*1e3:.1f} us over both routings"),
+                      + ("kept" if won is None else f"one launch {_tiles_note(won)} {won_t*1e3:.1f} us over both routings"
+                         + ("" if cfg is won else "; not confirmed by the rotated A/B: shipped kept")),
                       flush=True)
                 tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **cfg})
             elif args.tune_streamk:
@@ -866,7 +942,8 @@ def main(argv=None) -> int:
                 if shipped.get("fused"):
                     print(f"#   tune-streamk {sname} t={tokens}: one launch (its tiles are whole); kept", flush=True)
                 else:
-                    cfg = {**shipped, **{kind: with_streamk(kind, [shipped[kind]])[0] for kind in ("gate_up", "down")}}
+                    cfg = confirmed("tune-streamk", {**shipped, **{kind: with_streamk(kind, [shipped[kind]])[0]
+                                                                   for kind in ("gate_up", "down")}}, shipped)
                     print(f"#   tune-streamk {sname} t={tokens}: gate_up {'cut' if cfg['gate_up'].get('streamk') else 'whole'},"
                           f" down {'cut' if cfg['down'].get('streamk') else 'whole'}", flush=True)
                     tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens,
@@ -891,49 +968,58 @@ def main(argv=None) -> int:
                 f_poc = lambda: poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)  # noqa: E731
                 t_tri_eager = _bench(f_tri, rep=args.rep) * 1e3
                 t_poc_eager = _bench(f_poc, rep=args.rep) * 1e3
-                r_tri, g_tri = _graphed(f_tri)
-                r_poc, g_poc = _graphed(f_poc)
-                t_tri = _bench(r_tri, rep=args.rep) * 1e3
-                t_poc = _bench(r_poc, rep=args.rep) * 1e3
-                del g_tri, g_poc
-                t_three = None  # a one-launch point: the same tiles as three launches, same run
-                if conf.get("fused"):
+                # every column's graph, captured now and timed below in rotated rounds (timing.rotated_times);
+                # each graph holds its buffers until then (capture_graph)
+                replays: dict = {"triton": _graphed(f_tri), "poc": _graphed(f_poc)}
+                out_c = torch.empty_like(x)  # the control: the Triton call again, its own graph and buffers
+                act_c = torch.empty_like(act)
+                replays["control"] = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_c, config=conf,
+                                                                           act=act_c, padded=False, row_ends=ends,
+                                                                           zero_tail=False))
+                if conf.get("fused"):  # a one-launch point: the same tiles as three launches
                     conf3 = {k: v for k, v in conf.items() if k != "fused"}
                     out_3 = torch.empty_like(x)
-                    r_3, g_3 = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_3, config=conf3,
-                                                                     act=act, padded=False, row_ends=ends,
-                                                                     zero_tail=False))
-                    t_three = _bench(r_3, rep=args.rep) * 1e3
-                    del g_3
+                    replays["three"] = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_3,
+                                                                             config=conf3, act=act, padded=False,
+                                                                             row_ends=ends, zero_tail=False))
                 drow: dict = {"deepgemm_us": None, "deepgemm_masked_us": None}
                 if q_weights is not None and why_d is None and deepgemm_error is None:
-                    dfields, deepgemm_error = _deepgemm_point(x, rw, cu, q_weights, out_p, n, args)
+                    dfields, deepgemm_error = _deepgemm_point(x, rw, cu, q_weights, out_p, n, args, replays)
                     drow.update(dfields)
                     if deepgemm_error is not None:
                         deepgemm_absent[sname] = deepgemm_error
                         print(f"# deepgemm: - ({deepgemm_error}); no further DeepGEMM runs", flush=True)
                 if w13 is not None and why_d is None and masked_error is None and tokens <= MASKED_MAX_TOKENS:
-                    mfields, masked_error = _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args)
+                    mfields, masked_error = _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args, replays)
                     drow.update(mfields)
                     if masked_error is not None:
                         deepgemm_absent["masked"] = masked_error
                         print(f"# deepgemm masked: - ({masked_error}); no further masked runs", flush=True)
                 qrow = {"quack_us": None}
                 if q_weights is not None and why_q is None and quack_error is None:
-                    qrow, quack_error = _quack_point(expert_ffn_quack, x, rw, cu, q_weights, out_p, n, args)
+                    qrow, quack_error = _quack_point(expert_ffn_quack, x, rw, cu, q_weights, out_p, n, args, replays)
                     if quack_error is not None:
                         quack_absent[sname] = quack_error
                         print(f"# quack: - ({quack_error}); no further quack runs", flush=True)
                 vrow: dict = {"vllm_us": None}
                 if vllm_fn is not None and vllm_error is None:
-                    vrow, vllm_error = _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args)
+                    vrow, vllm_error = _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args, replays)
                     if vllm_error is not None:
                         print(f"# vllm: - ({vllm_error}); no further vLLM runs", flush=True)
+                times = rotated_times(list(replays), lambda k: _bench(replays[k][0], rep=args.rep) * 1e3, args.rounds)
+                del replays
+                med = {k: statistics.median(v) for k, v in times.items()}
+                t_tri, t_poc, t_three = med["triton"], med["poc"], med.get("three")
+                for lib, fields in (("deepgemm", drow), ("deepgemm_masked", drow), ("quack", qrow), ("vllm", vrow)):
+                    if lib in med:
+                        fields[f"{lib}_us"] = med[lib]
                 row = {
                     "shape": sname, "tokens": tokens, "routing": routing, "maxvio": mv, "NvS": nvs_,
                     "rows": n, "real_rows": real_rows, "busy_groups": busy,
                     "flop": flop, "weight_bytes": wbytes,
                     "triton_us": t_tri, "poc_us": t_poc, "triton_three_launches_us": t_three,
+                    "triton_control_us": med["control"], "control_ratio": med["control"] / t_tri,
+                    "times_us": times, "rounds": args.rounds,
                     "triton_eager_us": t_tri_eager, "poc_eager_us": t_poc_eager,
                     "triton_tflops_useful": flop / (t_tri * 1e-6) / 1e12,
                     "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
@@ -947,7 +1033,8 @@ def main(argv=None) -> int:
                 print(
                     f"# {sname:14s} t={tokens:5d} {routing:8s} rows={n:6d} real={real_rows:6d} busy={busy:3d} "
                     f"triton {t_tri:9.1f} us  poc {t_poc:9.1f} us  floor {floor_us:9.1f} us ({row['floor_kind']}) "
-                    f"x{row['triton_over_floor']:.2f}{_three_note(t_three)}  {row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
+                    f"x{row['triton_over_floor']:.2f}{_three_note(t_three)}  control x{row['control_ratio']:.3f}  "
+                    f"{row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
                     f"quack {_us(row['quack_us'])} us{_quack_note(row)}  deepgemm {_us(row['deepgemm_us'])} us{_deepgemm_note(row)}  "
                     f"vllm {_us(row['vllm_us'])} us{_vllm_note(row)}",
                     flush=True,
@@ -982,15 +1069,17 @@ def main(argv=None) -> int:
     print()
     print(_ceiling_line(ceil, f"{props.name}, best before/after the sweep"))
     print()
-    print("Times: CUDA-graph replay, median (eager launches in the JSON).")
+    print(f"Times: CUDA-graph replay, median of {args.rounds} alternated rounds of every column, each round's order "
+          "rotated (eager launches in the JSON); control = the Triton call timed again as a column of its own: a "
+          "ratio between columns no farther from 1 than control/Triton is noise.")
     print()
     print("Triton us: one launch where the tiles say so (then its tiles as three launches beside it, same run).")
     print()
     print("vLLM us: vLLM's own fused_experts on the same real rows and weights (rows as top-1 tokens; its time includes "
           "its grouping of rows by expert and the K-sum).")
     print()
-    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | DeepGEMM us | DeepGEMM masked us | vLLM us | floor us | Triton/floor | Triton/(floor+launch) | PoC/floor | quack/floor | DeepGEMM/floor | masked/floor | vLLM/floor | DeepGEMM/Triton | vLLM/Triton | useful TFLOP/s | weight GB/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | DeepGEMM us | DeepGEMM masked us | vLLM us | floor us | Triton/floor | Triton/(floor+launch) | PoC/floor | quack/floor | DeepGEMM/floor | masked/floor | vLLM/floor | DeepGEMM/Triton | vLLM/Triton | control/Triton | useful TFLOP/s | weight GB/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         v_t = None if r.get("vllm_us") is None else r["vllm_us"] / r["triton_us"]
         d_t = None if r.get("deepgemm_us") is None else r["deepgemm_us"] / r["triton_us"]
@@ -1002,7 +1091,8 @@ def main(argv=None) -> int:
             f"{r['triton_over_floor']:.2f} | {r['triton_over_floor_launch']:.2f} | {r['poc_over_floor']:.2f} | "
             f"{_ratio(r.get('quack_over_floor'))} | {_ratio(r.get('deepgemm_over_floor'))} | "
             f"{_ratio(r.get('deepgemm_masked_over_floor'))} | {_ratio(r.get('vllm_over_floor'))} | {_ratio(d_t)} | "
-            f"{_ratio(v_t)} | {r['triton_tflops_useful']:.0f} | {r['triton_weight_gbs']:.0f} |"
+            f"{_ratio(v_t)} | {_fmt3(r.get('control_ratio'))} | {r['triton_tflops_useful']:.0f} | "
+            f"{r['triton_weight_gbs']:.0f} |"
         )
     print()
     if vllm_error is not None:

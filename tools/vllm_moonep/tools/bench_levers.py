@@ -47,6 +47,7 @@ from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.reference import relative_error
 from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed, entry_ends,
                                              make_inputs, make_weights, measure_ceilings, rank0_case, tile_text)
+from vllm_moonep.tools.timing import ROUNDS, rotated_times
 
 #: the points of the A/B by default: where the gate/up GEMM is compute-bound enough for the MMA to matter
 DEFAULT_TOKENS = (256, 1024, 4096)
@@ -55,9 +56,6 @@ DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
 #: do_bench ``rep`` (ms) per timing by default: 2 shapes x 3 points x 2 routings x 4 variants x 2 scopes x ROUNDS
 #: timings (about 40 s of replays, each timing also pays its warm-up and L2 flushes), plus compiles
 DEFAULT_REP = 50
-#: timings of each variant by default, in alternation, each round's order rotated by one (with four variants,
-#: four rounds put each variant once in each place)
-ROUNDS = 4
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
 MAX_MMA_N = 256
 
@@ -111,13 +109,6 @@ def variants(committed: dict) -> dict[str, dict]:
     return out
 
 
-def round_order(names: list[str], r: int) -> list[str]:
-    """Round ``r``'s order of the variants: the list rotated by ``r``, so that no variant always runs first
-    (after the flush of a point's setup) or right after the same neighbour."""
-    k = r % len(names) if names else 0
-    return names[k:] + names[:k]
-
-
 def _fmt(v, spec=".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -125,7 +116,7 @@ def _fmt(v, spec=".1f") -> str:
 def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, sigma: float, dev, rep: int,
           rounds: int = ROUNDS) -> dict:
     """One point's row: its variants (``variants``) checked (untimed call, every row written) and timed
-    (whole compute and gate/up kernel, ``rounds`` alternated rounds of ``_graphed`` replays, ``round_order``)."""
+    (whole compute and gate/up kernel, ``rounds`` alternated rounds of ``_graphed`` replays, ``timing.rotated_times``)."""
     H, I = shp["H"], shp["I"]
     G = weights.num_groups
     cu_h, real, nvs, mv = rank0_case(shp, tokens, sigma)
@@ -152,12 +143,13 @@ def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, s
         except Exception as e:  # out of resources, compile errors: the column reads "-"
             why[name] = f"{type(e).__name__}: {str(e)[:160]}"
             print(f"#   {sname} t={tokens} {routing} {name}: - ({why[name]})", flush=True)
-    times: dict[str, dict[str, list[float]]] = {k: {"whole": [], "gate_up": []} for k in fns}
-    for r in range(rounds):  # alternated and rotated: drift and place in a round land on every variant alike
-        for name in round_order(list(fns), r):
-            (r_whole, _g1), (r_gu, _g2) = fns[name]
-            times[name]["whole"].append(_bench(r_whole, rep=rep) * 1e3)
-            times[name]["gate_up"].append(_bench(r_gu, rep=rep) * 1e3)
+    def both(name):  # one variant's whole compute, then its gate/up kernel (us)
+        (r_whole, _g1), (r_gu, _g2) = fns[name]
+        return _bench(r_whole, rep=rep) * 1e3, _bench(r_gu, rep=rep) * 1e3
+
+    # alternated and rotated: drift and place in a round land on every variant alike
+    per_round = rotated_times(list(fns), both, rounds)
+    times = {k: {"whole": [w for w, _ in v], "gate_up": [g for _, g in v]} for k, v in per_round.items()}
     del fns
     med = {k: {s: statistics.median(v) for s, v in t.items()} for k, t in times.items()}
     base = outs.get("committed")

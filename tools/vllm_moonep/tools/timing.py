@@ -1,5 +1,6 @@
-"""What the benchmarks share to time a call: barrier-aligned medians across ranks, and a call
-captured in a CUDA graph (warm-up on a side stream first, as capture requires)."""
+"""What the benchmarks share to time a call: barrier-aligned medians across ranks, a call captured in
+a CUDA graph (warm-up on a side stream first, as capture requires), and alternated rounds whose order
+rotates (an A/B of several candidates on one GPU, fair to each one's place in a round)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["capture_graph", "on_side_stream", "sync_device", "timed_median"]
+__all__ = ["ROUNDS", "capture_graph", "on_side_stream", "round_order", "rotated_times", "sync_device", "timed_median"]
+
+#: rounds of an alternated A/B by default (``rotated_times``): with four candidates each takes each place once
+ROUNDS = 4
 
 
 def sync_device(dev: torch.device) -> None:
@@ -71,3 +75,29 @@ def capture_graph(fn, warm_calls: int = 1) -> torch.cuda.CUDAGraph:
     torch.cuda.synchronize()
     graph.captured_fn = fn  # type: ignore[attr-defined]  # torch's class has a __dict__; mypy sees no such field
     return graph
+
+
+def round_order(names: list, r: int, rounds: int | None = None) -> list:
+    """Round ``r``'s order of ``names``: the list rotated, so that no candidate always runs first (right after
+    a point's setup, on a cooler GPU) or always right after the same neighbour. Over ``rounds`` rounds the
+    rotations are spread evenly over the list (round ``r`` starts at ``r * len(names) // rounds``): with as many
+    rounds as names each one takes each place once. Without ``rounds``, round ``r`` rotates by ``r``."""
+    n = len(names)
+    if n == 0:
+        return []
+    k = (r if not rounds else r * n // rounds) % n
+    return list(names[k:]) + list(names[:k])
+
+
+def rotated_times(names: list, time_one, rounds: int = ROUNDS) -> dict:
+    """``{name: [time_one(name) per round]}``: every name timed once per round, ``rounds`` rounds in
+    alternation, each round in ``round_order``. At power-bound points an H100 read the same kernel up to 10%
+    apart by its place in a round of several (docs/PERFORMANCE.md, "How the figures are taken"); alternation
+    spreads drift over every name, and the rotation spreads the place."""
+    if rounds < 1:
+        raise ValueError(f"rotated_times: rounds must be at least 1, got {rounds}")
+    out: dict = {name: [] for name in names}
+    for r in range(rounds):
+        for name in round_order(list(names), r, rounds):
+            out[name].append(time_one(name))
+    return out
