@@ -268,3 +268,24 @@ def test_bench_experts_tune_keeps_the_points_it_did_not_measure():
     got = merged_tuning(shipped, tuned)
     assert [(x["H"], x["tokens_per_rank"], x["gate_up"]["BM"]) for x in got] == [
         (2048, 1, 16), (2048, 1024, 128), (7168, 1, 16), (7168, 256, 32), (7168, 1024, 128)]
+
+
+def test_tune_on_a_new_gpu_keeps_the_library_regimes_it_borrowed():
+    """--tune on a GPU without a section of its own (an H100 borrowing the H200's) wrote a section with the tuned
+    tiles and no auto regimes: from then on impl=auto ran Triton at the 4096-token points where DeepGEMM had been
+    measured faster on that very GPU (the borrowed regimes were what it ran, and --tune measures no library)."""
+    from vllm_moonep.common.grouped_gemm.policy import with_tiles
+
+    regime = {"H": 7168, "I": 2048, "impl": "deepgemm", "from_tokens": 4096, "to_tokens": None}
+    table = {"comment": "c", "fallback": {"sm_90": "GPU A"},
+             "devices": {"GPU A": {"tiles": [{"t": "a"}], "auto": [regime]}}}
+    got = with_tiles(table, "GPU B", [{"t": "b"}], (9, 0))
+    assert got["devices"]["GPU B"] == {"tiles": [{"t": "b"}], "auto": [regime]}
+    assert got["devices"]["GPU B"]["auto"][0] is not regime  # its own copy: editing one section moves no other
+    assert got["devices"]["GPU A"] == table["devices"]["GPU A"] and got["fallback"] == {"sm_90": "GPU A"}
+    # a section of its own keeps its regimes; a capability nothing was measured on starts with none
+    mine = with_tiles(got, "GPU B", [{"t": "b2"}], (9, 0))["devices"]["GPU B"]
+    assert mine == {"tiles": [{"t": "b2"}], "auto": [regime]}
+    new = with_tiles(table, "GPU C", [{"t": "c"}], (10, 0))
+    assert new["devices"]["GPU C"] == {"tiles": [{"t": "c"}], "auto": []} and new["fallback"]["sm_100"] == "GPU C"
+    assert with_tiles(table, "GPU D", [], None)["devices"]["GPU D"]["auto"] == []

@@ -176,12 +176,17 @@ def policy_of(x: torch.Tensor, path=None) -> DevicePolicy:
 
 
 def with_tiles(table: dict, device: str, tiles: list, capability: tuple[int, int] | None = None) -> dict:
-    """``table`` with ``device``'s tile entries replaced by ``tiles`` (its regimes kept; a new section
-    where it had none, made its capability's fallback where that has none yet), as ``--tune`` writes it."""
+    """``table`` with ``device``'s tile entries replaced by ``tiles`` (its regimes kept), as ``--tune`` writes
+    it. Where ``device`` had no section, the new one keeps the regimes of the section it borrowed until now
+    (its capability's fallback; none if there was none), as its tiles start from that section's (``--tune``
+    measures tiles, not the libraries), and becomes its capability's fallback where that has none yet."""
     out = {"comment": table.get("comment", ""), "fallback": dict(table.get("fallback", {})),
            "devices": {k: dict(v) for k, v in table.get("devices", {}).items()}}
-    sec = out["devices"].setdefault(device, {"tiles": [], "auto": []})
-    sec["tiles"] = tiles
-    if capability is not None:
-        out["fallback"].setdefault(f"sm_{capability[0]}{capability[1]}", device)
+    arch = None if capability is None else f"sm_{capability[0]}{capability[1]}"
+    if device not in out["devices"]:
+        borrowed = out["devices"].get(out["fallback"].get(arch)) if arch else None
+        out["devices"][device] = {"tiles": [], "auto": [dict(r) for r in (borrowed or {}).get("auto", [])]}
+    out["devices"][device]["tiles"] = tiles
+    if arch is not None:
+        out["fallback"].setdefault(arch, device)
     return out
