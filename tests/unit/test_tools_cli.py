@@ -289,3 +289,26 @@ def test_tune_on_a_new_gpu_keeps_the_library_regimes_it_borrowed():
     new = with_tiles(table, "GPU C", [{"t": "c"}], (10, 0))
     assert new["devices"]["GPU C"] == {"tiles": [{"t": "c"}], "auto": []} and new["fallback"]["sm_100"] == "GPU C"
     assert with_tiles(table, "GPU D", [], None)["devices"]["GPU D"]["auto"] == []
+
+
+def test_a_tuning_pass_replaces_the_shipped_tiles_only_past_the_controls_band():
+    """A tuned entry the sweep found faster (in its one-after-another timings) replaced the shipped one though the
+    rotated A/B found it slower at one routing, or faster only within what the shipped tiles timed twice read
+    apart; and the entry a pass writes (``tile_entry``, the one place main builds it from the tiles it kept) carries
+    other keys than the tiles or drops the one launch."""
+    from vllm_moonep.tools.bench_experts import tile_entry, tuned_wins
+
+    inf = float("inf")
+    assert tuned_wins([90.0, 90.0], [100.0, 100.0], [100.0, 100.0])
+    assert not tuned_wins([90.0, 101.0], [100.0, 100.0], [100.0, 100.0]), "slower at one routing"
+    assert not tuned_wins([99.5, 99.5], [100.0, 100.0], [100.0, 100.0]), "inside the 1% margin"
+    assert not tuned_wins([97.0, 97.0], [100.0, 100.0], [104.0, 100.0]), "inside the control's 4% band"
+    assert tuned_wins([95.0, 97.0], [100.0, 100.0], [104.0, 100.0])
+    assert tuned_wins([95.0, 95.0], [inf, inf], [inf, inf]), "shipped tiles that cannot run lose to ones that do"
+    assert not tuned_wins([inf, 95.0], [100.0, 100.0], [100.0, 100.0]) and not tuned_wins([inf], [inf], [inf])
+    shipped = {"gate_up": {"BM": 64}, "down": {"BM": 128}}
+    one = {**shipped, "fused": {"num_stages": 4}}
+    assert tile_entry("kimi-k2", 7168, 2048, 20384, 1024, shipped) == {
+        "H": 7168, "I": 2048, "max_rows": 20384, "shape": "kimi-k2", "tokens_per_rank": 1024, **shipped}
+    assert tile_entry("kimi-k2", 7168, 2048, 20384, 1024, {**one, "junk": 1})["fused"] == {"num_stages": 4}
+    assert "junk" not in tile_entry("kimi-k2", 7168, 2048, 20384, 1024, {**one, "junk": 1})

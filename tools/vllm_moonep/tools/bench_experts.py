@@ -521,6 +521,25 @@ def noise_band(control_ratio: float | None, margin: float = KEEP_MARGIN) -> floa
     return max(margin, abs(control_ratio - 1.0))
 
 
+def tuned_wins(tuned: list, shipped: list, control: list, margin: float = KEEP_MARGIN) -> bool:
+    """Whether a tuning pass may replace the shipped entry: from a rotated A/B's times per routing (the
+    tuned tiles, the shipped ones, the shipped ones again as the control), the tuned tiles run and are
+    faster at every routing by more than ``noise_band`` of that routing's control; where the shipped tiles
+    cannot run (``inf``), tuned tiles that run win."""
+    if not tuned or not all(math.isfinite(v) for v in tuned):
+        return False
+    if not all(math.isfinite(v) for v in shipped + control):
+        return True
+    return all(a < b * (1 - noise_band(c / b, margin)) for a, b, c in zip(tuned, shipped, control, strict=True))
+
+
+def tile_entry(shape: str, H: int, I: int, max_rows: int, tokens: int, cfg: dict) -> dict:
+    """The ``tuning.json`` tile entry of a point: its keys (``policy.TILE_KEYS``, the shape's name, its tokens
+    per rank) and the tiles ``cfg`` as ``select_config`` hands them back (gate_up, down, and fused where one launch)."""
+    return {"H": H, "I": I, "max_rows": max_rows, "shape": shape, "tokens_per_rank": tokens,
+            **{k: cfg[k] for k in ("gate_up", "down", "fused") if k in cfg}}
+
+
 def faster_regimes(rows: list, column: str, margin: float = KEEP_MARGIN) -> dict:
     """Per ``(H, I)``: the runs of consecutive measured tokens per rank where ``column``'s graph time beat
     Triton's at every routing by more than ``margin`` and by more than the row's control read apart from
@@ -866,11 +885,11 @@ def main(argv=None) -> int:
                 if tuned == shipped:
                     return tuned
                 t = rotated_whole({"tuned": tuned, "shipped": shipped, "control": {k: dict(v) for k, v in shipped.items()}})
+                won = tuned_wins(t["tuned"], t["shipped"], t["control"])
                 if not all(math.isfinite(v) for v in t["shipped"] + t["control"]):
-                    print(f"#   {label} {sname} t={tokens}: the shipped tiles cannot run here; tuned taken", flush=True)
-                    return tuned
-                bands = [noise_band(c / s_) for c, s_ in zip(t["control"], t["shipped"])]
-                won = all(a < b * (1 - band) for a, b, band in zip(t["tuned"], t["shipped"], bands))
+                    print(f"#   {label} {sname} t={tokens}: the shipped tiles cannot run here; tuned "
+                          + ("taken" if won else "cannot either: shipped kept"), flush=True)
+                    return tuned if won else shipped
                 print(f"#   {label} {sname} t={tokens} rotated A/B ({args.rounds} rounds): tuned "
                       f"{' / '.join(f'{v*1e3:.1f}' for v in t['tuned'])} us, shipped "
                       f"{' / '.join(f'{v*1e3:.1f}' for v in t['shipped'])}, control x"
@@ -922,7 +941,6 @@ def main(argv=None) -> int:
                 if fused_best is not None:
                     best = fused_best
                 cfg = confirmed("tune", best, tk.select_config(H, I, nvs, G, tokens=tokens))
-                tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **best})
             elif args.tune_fused:
                 # the shipped entry as it runs, against one launch of its tiles and of FUSED_TILES
                 shipped = tk.select_config(H, I, nvs, G, tokens=tokens)
@@ -935,7 +953,6 @@ def main(argv=None) -> int:
                       + ("kept" if won is None else f"one launch {_tiles_note(won)} {won_t*1e3:.1f} us over both routings"
                          + ("" if cfg is won else "; not confirmed by the rotated A/B: shipped kept")),
                       flush=True)
-                tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens, **cfg})
             elif args.tune_streamk:
                 # the shipped tiles, each kernel cut by stream-K where that is faster at every routing
                 shipped = tk.select_config(H, I, nvs, G, tokens=tokens)
@@ -946,8 +963,8 @@ def main(argv=None) -> int:
                                                                    for kind in ("gate_up", "down")}}, shipped)
                     print(f"#   tune-streamk {sname} t={tokens}: gate_up {'cut' if cfg['gate_up'].get('streamk') else 'whole'},"
                           f" down {'cut' if cfg['down'].get('streamk') else 'whole'}", flush=True)
-                    tuned_entries.append({"H": H, "I": I, "max_rows": nvs, "shape": sname, "tokens_per_rank": tokens,
-                                          **cfg})
+            if cfg is not None:  # what a tuning pass settled on (the rotated A/B's choice): the entry it writes
+                tuned_entries.append(tile_entry(sname, H, I, nvs, tokens, cfg))
             for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
                 n = int(cu_h[-1])
                 real_rows = int(real.sum())
