@@ -66,12 +66,14 @@ quick pass of the one-launch step alone: the shipped entry as it runs against on
 after another; what a sweep would put in the table in place of the shipped entry is then timed against it
 in a rotated A/B (``--rounds`` rounds, the shipped tiles twice: the second is the control), and replaces it
 only where faster at both routings by more than the control's band. Each writes
-``tuning.json`` (to ``$OUT`` if set, else the current directory) and uses it for the table. A point the table runs as one launch is also timed as three launches of the same
-tiles (the ``three launches`` column). Prints a markdown table; writes
+``tuning.json`` (to ``$OUT`` if set, else the current directory; a GPU without a section of its own gets one,
+starting from the tiles and ``auto`` regimes it borrowed) and uses it for the table. A point the table runs
+as one launch is also timed as three launches of the same tiles (the ``three launches`` column). Prints a markdown table; writes
 ``bench_experts.json`` to ``$OUT`` if set.
 
 After the table it names, per library and shape ``(H, I)``, the runs of measured tokens per rank where
-the library beat Triton at both routings (CUDA-graph times): the ``auto`` regimes of this GPU's
+the library beat Triton at both routings by more than the point's control band (CUDA-graph times): the
+``auto`` regimes of this GPU's
 section of ``tuning.json`` (``vllm_moonep.common.grouped_gemm.policy``; ``impl=auto`` then takes the
 library there, for callers that pass the step's tokens).
 """
