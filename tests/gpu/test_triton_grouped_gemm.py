@@ -589,8 +589,8 @@ def test_segment_ends_and_tails_left(H, I, schedule):
             assert int(torch.isnan(t).all(dim=1).sum()) > 0, "zero_tail=False wrote every tail row anyway"
 
 
-#: Kimi-K2's 4096-token gate/up tiles (tuning.json) as w13i takes them: TMA loads, 8 warps, without the
-#: warp-specialized loop (w13i refuses it: ``triton_kernels._w13i``)
+#: Kimi-K2's 4096-token gate/up tiles (tuning.json): TMA loads, 8 warps (the table adds the warp-specialized
+#: loop, "ws": the "big ws" schedule below)
 _BIG_GU = {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True}
 _BIG_DOWN = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True,
             "flat": True}
@@ -598,7 +598,7 @@ _BIG_DOWN = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "p
 _W13I_SAME_TOL = 2e-3
 
 
-@pytest.mark.parametrize("schedule", ["pointer", "tma", "big", "big bn128", "streamk", "one launch"])
+@pytest.mark.parametrize("schedule", ["pointer", "tma", "big", "big bn128", "big ws", "streamk", "one launch"])
 @pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
 def test_w13i_tiles(H, I, schedule):
     """The ``"w13i"`` gate/up tiles (gate and up interleaved row by row in one weight, one MMA of 2·BN columns) on a
@@ -624,6 +624,8 @@ def test_w13i_tiles(H, I, schedule):
         plain = {"gate_up": dict(_BIG_GU), "down": dict(_BIG_DOWN)}
         if schedule == "big bn128":
             plain["gate_up"]["BN"] = 128
+        if schedule == "big ws":  # the warp-specialized loop over the interleaved copy
+            plain["gate_up"]["ws"] = True
     elif schedule == "streamk":
         plain = {k: {**v, "streamk": True} for k, v in plain.items()}
     elif schedule == "one launch":
@@ -652,10 +654,11 @@ def test_w13i_tiles(H, I, schedule):
     assert _rel(out[:total2], out_plain[:total2]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"
 
 
-def test_w13i_at_kimi_k2_scale():
+@pytest.mark.parametrize("ws", [False, True])
+def test_w13i_at_kimi_k2_scale(ws):
     """w13i at Kimi-K2's size, as ``bench_levers`` times it: Kimi-K2's dimensions, 48 groups (a rank's 24 experts
-    and 24 slots) and ~8000 rows in segments padded to 128, the 4096-token tiles (BN 256; without "ws", which w13i
-    refuses), three launches in a row, without the tile skip (``padded=False``, where the down loop is flattened)
+    and 24 slots) and ~8000 rows in segments padded to 128, the 4096-token tiles (BN 256; with and without the
+    warp-specialized loop, "ws", as the table runs them), three launches in a row, without the tile skip (``padded=False``, where the down loop is flattened)
     and a graph replay: rows left unwritten, or a drift from the same tiles without w13i (each checked against
     float64 in ``test_w13i_tiles``)."""
     tk = _triton()
@@ -667,7 +670,7 @@ def test_w13i_at_kimi_k2_scale():
     lens = torch.randint(0, 330, (G,), generator=torch.Generator().manual_seed(14)).tolist()
     lens[5], lens[17], lens[G - 1] = 0, 1100, 257  # an empty group, a hot one, the last group's rows end the copy
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=64)
-    plain = {"gate_up": dict(_BIG_GU), "down": dict(_BIG_DOWN)}
+    plain = {"gate_up": {**_BIG_GU, "ws": ws}, "down": dict(_BIG_DOWN)}
     w13i = {**plain, "gate_up": {**plain["gate_up"], "w13i": True}}
     out_plain = torch.full_like(x, float("nan"))
     tk.expert_ffn_triton(x, rw, cu, w, out=out_plain, config=plain, padded=False)

@@ -47,6 +47,8 @@ def test_variants_add_half_bn_only_past_the_widest_mma():
     assert v["w13i"]["gate_up"] == {**gu, "w13i": True} and v["w13i"]["down"] is dn
     assert v["w13i_bn_half"]["gate_up"] == {**gu, "BN": 128, "w13i": True}
     assert list(bench_levers.variants({"gate_up": {**gu, "BN": 128}, "down": dn})) == ["committed", "w13i", "control"]
+    # the committed tiles' other options ride along (the warp-specialized loop of Kimi-K2's 4096-token tiles)
+    assert bench_levers.variants({"gate_up": {**gu, "ws": True}, "down": dn})["w13i"]["gate_up"]["ws"] is True
     # the control is the committed tiles, in dicts of its own (a variant edited in place must not move it)
     assert v["control"] == {"gate_up": gu, "down": dn} and v["control"]["gate_up"] is not gu
 

@@ -126,16 +126,6 @@ def _weights(G=4, I=8, H=32, seed=0):
             (torch.randn(G, H, I, generator=g)).to(torch.bfloat16)], GroupedWeights
 
 
-def test_w13i_refuses_the_warp_specialized_loop():
-    """w13i with "ws" made an illegal memory access on an H200 (bench_levers' graph timings of Kimi-K2's 4096-token
-    rows, twice): a config asking for both must be refused with the reason before any launch, not run."""
-    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
-    from vllm_moonep.engine import MoonEPInputError
-
-    with pytest.raises(MoonEPInputError, match="warp-specialized"):
-        tk._w13i(None, {"w13i": True, "ws": True})
-
-
 def test_interleave_gate_up_rows():
     """Interleaving that puts up at even rows, or gate and up in two halves (the kernel reads row 2j as gate j)."""
     tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")

@@ -96,15 +96,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def variants(committed: dict) -> dict[str, dict]:
-    """The configs one point times: the committed tiles, the same with ``"w13i"`` (without ``"ws"``, which
-    w13i refuses), (where the committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved
-    and ``"w13i"``, and the committed tiles again as ``control`` (last)."""
+    """The configs one point times: the committed tiles, the same with ``"w13i"``, (where the committed gate/up
+    BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved and ``"w13i"``, and the committed tiles again as
+    ``control`` (last)."""
     gu = committed["gate_up"]
-    # "w13i" refuses the warp-specialized loop (expert_ffn_triton): those tiles are timed without "ws"
-    wi = {k: v for k, v in gu.items() if k != "ws"}
-    out = {"committed": committed, "w13i": {**committed, "gate_up": {**wi, "w13i": True}}}
+    out = {"committed": committed, "w13i": {**committed, "gate_up": {**gu, "w13i": True}}}
     if 2 * gu["BN"] > MAX_MMA_N:
-        out["w13i_bn_half"] = {**committed, "gate_up": {**wi, "BN": gu["BN"] // 2, "w13i": True}}
+        out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2, "w13i": True}}
     out["control"] = {k: dict(v) for k, v in committed.items()}
     return out
 

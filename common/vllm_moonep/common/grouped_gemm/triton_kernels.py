@@ -76,7 +76,9 @@ where the caller passes them, else by the row count ``NvS`` (``max_rows``, which
 from the token capacity); unknown shapes use a generic rule, and so does every shape when the file
 cannot be read or parsed (reported once, WARNING, by ``policy.load_table``).
 An entry with ``"fused": {"num_warps", "num_stages", "progs_per_sm"}`` runs its gate_up and down
-tiles in one launch (where ``bench_experts --tune`` measured that faster than three).
+tiles in one launch (where ``bench_experts --tune`` measured that faster than three); the options of the
+three-launch loops (``ws``, ``flat``) stay in such an entry, so that its tiles time as three launches
+as they were before, and the one launch does not take them.
 
 Interpreter (CPU): the same kernels run under ``TRITON_INTERPRET=1`` on CPU tensors. Triton's
 interpreter computes a bf16 ``tl.dot`` wrongly (seen with triton 3.8), so when interpreting the
@@ -650,11 +652,6 @@ def _w13i(prep: _Prepared, gu: dict) -> tuple[bool, torch.Tensor, tuple]:
     it) reads the interleaved copy's table (``prepare_weights(w13i=True)`` builds it; ``expert_ffn_triton`` does)."""
     if not gu.get("w13i", False):
         return False, prep.table, prep.strides[:2]
-    if gu.get("ws", False):
-        raise MoonEPInputError("expert_ffn_triton: \"w13i\" with the warp-specialized loop (\"ws\") is refused: "
-                               "bench_levers' CUDA-graph timings of Kimi-K2's 4096-token rows (432 groups, BN=256) made an "
-                               "illegal memory access on an H200, twice, while the same tiles ran clean eagerly and, one "
-                               "variant per process, in graphs at the same rows (docs/PERFORMANCE.md#tried-and-not-kept)")
     if prep.w13i is None:
         raise MoonEPInputError("expert_ffn_triton: a gate_up tile config asks for \"w13i\" but these weights have no "
                                "interleaved copy: prepare_weights(weights, device, w13i=True) builds it "
