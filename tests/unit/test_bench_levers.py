@@ -21,6 +21,7 @@ def test_defaults_are_the_issue_points():
     assert a.shapes == ["kimi-k2", "qwen3-30b-a3b"] and a.tokens == [256, 1024, 4096] and a.rep == bench_levers.DEFAULT_REP
     a = bench_levers.parse_args(["--shapes", "qwen3-30b-a3b", "--tokens", "1024", "--rep", "20"])
     assert a.shapes == ["qwen3-30b-a3b"] and a.tokens == [1024] and a.rep == 20
+    assert a.lever == "w13i" and bench_levers.parse_args(["--lever", "flat"]).lever == "flat"
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -29,6 +30,7 @@ def test_defaults_are_the_issue_points():
     (["--tokens", "many"], "--tokens must be comma-separated positive integers"),
     (["--rep", "0"], "--rep must be a positive number"),
     (["--rounds", "0"], "--rounds must be a positive number"),
+    (["--lever", "tma"], "argument --lever: invalid choice: 'tma'"),
 ])
 def test_bad_flags_refused_with_a_sentence(capsys, argv, needle):
     """A typo in a shape or tokens reaching the GPU as a KeyError or ValueError traceback minutes into a device call."""
@@ -60,15 +62,16 @@ def test_refuses_without_a_gpu(capsys):
     assert "bench_levers: needs a CUDA GPU" in capsys.readouterr().err
 
 
-def _row(tokens, half, **fields):
+def _row(tokens, half, lever="w13i", **fields):
     gu = {"BM": 64, "BN": 256 if half else 128, "BK": 64, "tma": True}
-    confs = bench_levers.variants({"gate_up": gu, "down": {"BM": 128, "BN": 256, "BK": 64}})
-    row = {"shape": "kimi-k2", "tokens": tokens, "routing": "balanced", "configs": confs, "absent": {}}
+    confs = bench_levers.variants({"gate_up": gu, "down": {"BM": 128, "BN": 256, "BK": 64, "flat": half}}, lever)
+    row = {"shape": "kimi-k2", "tokens": tokens, "routing": "balanced", "configs": confs, "absent": {},
+           "lever": lever, "kernel": bench_levers.LEVER_KERNEL[lever]}
     for k in confs:
-        row.update({f"{k}_us": 100.0, f"{k}_gate_up_us": 60.0, f"{k}_unwritten": 0,
+        row.update({f"{k}_us": 100.0, f"{k}_kernel_us": 60.0, f"{k}_unwritten": 0,
                     f"{k}_err": None if k == "committed" else 1e-4})
         if k != "committed":
-            row.update({f"{k}_ratio": 0.95, f"{k}_gate_up_ratio": 0.9})
+            row.update({f"{k}_ratio": 0.95, f"{k}_kernel_ratio": 0.9})
     row.update(fields)
     return row
 
@@ -77,15 +80,39 @@ def test_table_reads_every_row_kind():
     """The table (printed after minutes of device time) raising on a row whose variant could not run or that has no
     BN/2 variant, or a wrong output not named."""
     rows = [_row(1024, True), _row(256, False),
-            _row(4096, True, w13i_us=None, w13i_gate_up_us=None, w13i_unwritten=None, w13i_err=None,
+            _row(4096, True, w13i_us=None, w13i_kernel_us=None, w13i_unwritten=None, w13i_err=None,
                  absent={"w13i": "OutOfResources: shared memory"}),
             _row(4096, False, w13i_err=0.5)]
     for r in rows[2:3]:
-        del r["w13i_ratio"], r["w13i_gate_up_ratio"]
+        del r["w13i_ratio"], r["w13i_kernel_ratio"]
     lines = bench_levers.table(rows)
     assert len(lines) == 2 + 4 + 2, lines
-    assert ("| 64x256x64 tma | 100.0 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 0.950 "
-            "| 0.900 |") in lines[2]
-    assert lines[3].endswith("| - | - | - | - | 0.950 | 0.900 |") and "| - | - | - |" in lines[4]
+    assert lines[0].startswith("| shape | tokens | routing | committed gate/up tile | committed us | w13i us |")
+    assert "w13i_bn_half us" in lines[0] and lines[0].endswith("| control us | ratio | gate/up ratio | err |")
+    assert ("| 64x256x64 tma | 100.0 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 "
+            "| 0.950 | 0.900 | 1.0e-04 |") in lines[2]
+    assert "| 1.0e-04 | - | - | - | - | 100.0 | 0.950 |" in lines[3], "a row without BN/2 must read - there"
+    assert "| - | - | - | - |" in lines[4]
     assert bench_levers.wrong(rows) == [("kimi-k2", 4096, "balanced", "w13i")]
     assert "WRONG OUTPUTS" in lines[6] and "OutOfResources" in lines[7]
+
+
+def test_flat_lever_toggles_the_down_tiles_only():
+    """The flat lever timing the committed tiles against themselves (the toggle lost), changing the gate/up tiles,
+    or its table naming the gate/up kernel it does not change."""
+    gu = {"BM": 64, "BN": 256, "BK": 64, "tma": True, "ws": True}
+    on = {"BM": 128, "BN": 256, "BK": 64, "tma": True, "flat": True}
+    v = bench_levers.variants({"gate_up": gu, "down": on}, "flat")
+    assert list(v) == ["committed", "flat_off", "control"]
+    assert v["flat_off"]["down"] == {k: x for k, x in on.items() if k != "flat"} and v["flat_off"]["gate_up"] is gu
+    assert on["flat"] is True, "the committed down tiles were edited in place"
+    off = {k: x for k, x in on.items() if k != "flat"}
+    v = bench_levers.variants({"gate_up": gu, "down": off}, "flat")
+    assert list(v) == ["committed", "flat_on", "control"] and v["flat_on"]["down"] == on
+    with pytest.raises(ValueError, match="unknown lever 'tma'"):
+        bench_levers.variants({"gate_up": gu, "down": on}, "tma")
+    lines = bench_levers.table([_row(4096, True, "flat"), _row(1024, False, "flat")])
+    assert lines[0] == ("| shape | tokens | routing | committed down tile | committed us | flat_off us | ratio | down ratio "
+                        "| err | control us | ratio | down ratio | err | flat_on us | ratio | down ratio | err |"), lines[0]
+    assert lines[2].startswith("| kimi-k2 | 4096 | balanced | 128x256x64 flat | 100.0 | 100.0 | 0.950 |")
+    assert lines[3].endswith("| - | - | - | - | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 |")

@@ -1,10 +1,16 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50]
-[--rounds 4]``
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat] [--shapes kimi-k2,qwen3-30b-a3b]
+[--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
-The lever: ``"w13i"`` gate/up tiles (``triton_tiles.gate_up_acc``: gate and up interleaved row by row in
-one weight, one ``[2BN, BK]`` block and one MMA of ``2BN`` columns per step instead of two of ``BN``).
+The levers (``--lever``, ``LEVER_KERNEL``: each changes one kernel):
+
+- ``w13i`` (gate/up): ``"w13i"`` gate/up tiles (``triton_tiles.gate_up_acc``: gate and up interleaved row by
+  row in one weight, one ``[2BN, BK]`` block and one MMA of ``2BN`` columns per step instead of two of ``BN``);
+- ``flat`` (down): the committed down tiles with their flattened tile loop (``"flat"``: the next tile's loads
+  during this tile's epilogue) toggled: off where the table sets it, on where it does not. A one-launch
+  entry does not take ``flat`` (its lever variant runs what the committed entry runs).
+
 For each shape, tokens per rank and routing (balanced, skewed) it builds the same rank-0 case as
 ``bench_experts`` (its ``rank0_case``, ``make_weights``, ``make_inputs``, ``entry_ends``: rank 0 of EP=8,
 the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, as CUDA-graph replays
@@ -14,12 +20,12 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
     w13i          the same tiles with "w13i": true (gate/up reads prepare_weights' interleaved copy)
     w13i BN/2     where the committed gate/up BN makes 2*BN exceed 256 (the widest warpgroup MMA):
                   the same tiles with BN halved and "w13i" (the same MMA width as committed)
+    flat_off/on   (--lever flat) the same tiles with the down tiles' "flat" toggled
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
                   ratio to committed is the run's noise at the point, the band a lever must clear
 
 each as the whole expert compute, as the layer calls it (``row_ends``, ``zero_tail=False``, ``padded=False``,
-as ``bench_experts``), and as the gate/up kernel alone (``_launch_gate_up``: the only kernel the lever
-changes). The variants are timed in alternation, ``--rounds`` times, each round starting one variant later
+as ``bench_experts``), and as the kernel the lever changes alone (``_launch_gate_up`` or ``_launch_down``). The variants are timed in alternation, ``--rounds`` times, each round starting one variant later
 than the last (at the power-bound 4096-token points the same tiles read up to 10% apart by their place in
 a round: the control measured it), and each time is the median of the rounds. Each
 variant's output (untimed call, every row written) is checked against the committed one: relative
@@ -27,7 +33,7 @@ error. Prints the ceilings (``bench_experts.measure_ceilings``) and a markdown t
 ``bench_levers.json`` to ``$OUT`` if set. A variant that cannot run (compile error, out of shared memory)
 reads ``-`` with the reason.
 
-Memory: the interleaved copy is one more copy of gate and up (Kimi-K2: 432 x 2 x 2048 x 7168 bf16 =
+Memory (w13i): the interleaved copy is one more copy of gate and up (Kimi-K2: 432 x 2 x 2048 x 7168 bf16 =
 25 GB beside the 38 GB of weights), made once per shape.
 """
 
@@ -58,6 +64,10 @@ DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
 DEFAULT_REP = 50
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
 MAX_MMA_N = 256
+#: the levers ``--lever`` takes, and the kernel each one changes (timed alone beside the whole compute)
+LEVER_KERNEL = {"w13i": "gate_up", "flat": "down"}
+#: the lever by default
+DEFAULT_LEVER = "w13i"
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -70,6 +80,8 @@ def _positive_ints(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line; bad shapes or tokens are refused with a sentence (exit status 2)."""
     ap = argparse.ArgumentParser(prog="bench_levers", description=__doc__.split("\n")[0])
+    ap.add_argument("--lever", choices=sorted(LEVER_KERNEL), default=DEFAULT_LEVER,
+                    help="the lever to A/B against the committed tiles (default: %(default)s)")
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                     help=f"comma-separated model shapes, of {', '.join(sorted(SHAPES))} (default: %(default)s)")
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
@@ -95,14 +107,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def variants(committed: dict) -> dict[str, dict]:
-    """The configs one point times: the committed tiles, the same with ``"w13i"``, (where the committed gate/up
-    BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved and ``"w13i"``, and the committed tiles again as
-    ``control`` (last)."""
-    gu = committed["gate_up"]
-    out = {"committed": committed, "w13i": {**committed, "gate_up": {**gu, "w13i": True}}}
-    if 2 * gu["BN"] > MAX_MMA_N:
-        out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2, "w13i": True}}
+def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
+    """The configs one point times: the committed tiles; for ``w13i`` the same with ``"w13i"`` and (where the
+    committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved and ``"w13i"``; for ``flat`` the
+    same with the down tiles' ``"flat"`` toggled (``flat_off`` or ``flat_on``); and the committed tiles again
+    as ``control`` (last)."""
+    if lever not in LEVER_KERNEL:
+        raise ValueError(f"bench_levers: unknown lever {lever!r}; known: {', '.join(sorted(LEVER_KERNEL))}")
+    out = {"committed": committed}
+    if lever == "w13i":
+        gu = committed["gate_up"]
+        out["w13i"] = {**committed, "gate_up": {**gu, "w13i": True}}
+        if 2 * gu["BN"] > MAX_MMA_N:
+            out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2, "w13i": True}}
+    else:
+        dn = committed["down"]
+        if dn.get("flat"):
+            out["flat_off"] = {**committed, "down": {k: v for k, v in dn.items() if k != "flat"}}
+        else:
+            out["flat_on"] = {**committed, "down": {**dn, "flat": True}}
     out["control"] = {k: dict(v) for k, v in committed.items()}
     return out
 
@@ -112,9 +135,11 @@ def _fmt(v, spec=".1f") -> str:
 
 
 def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, sigma: float, dev, rep: int,
-          rounds: int = ROUNDS) -> dict:
-    """One point's row: its variants (``variants``) checked (untimed call, every row written) and timed
-    (whole compute and gate/up kernel, ``rounds`` alternated rounds of ``_graphed`` replays, ``timing.rotated_times``)."""
+          rounds: int = ROUNDS, lever: str = DEFAULT_LEVER) -> dict:
+    """One point's row: the lever's variants (``variants``) checked (untimed call, every row written) and timed
+    (whole compute and the kernel the lever changes, ``rounds`` alternated rounds of ``_graphed`` replays,
+    ``timing.rotated_times``)."""
+    kernel = LEVER_KERNEL[lever]
     H, I = shp["H"], shp["I"]
     G = weights.num_groups
     cu_h, real, nvs, mv = rank0_case(shp, tokens, sigma)
@@ -122,7 +147,7 @@ def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, s
     x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7 + int(sigma * 10))
     ends = entry_ends(cu_h, real).to(dev)
     n = int(cu_h[-1])
-    confs = variants(tk.select_config(H, I, nvs, G, tokens=tokens))
+    confs = variants(tk.select_config(H, I, nvs, G, tokens=tokens), lever)
     eff = torch.empty(G, dtype=torch.int32, device=dev)
     tk._launch_trim(cu, rw, eff)
     outs, fns, why = {}, {}, {}
@@ -135,55 +160,63 @@ def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, s
             whole = (lambda conf=conf, o=o, act=act:
                      tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf, act=act, padded=False,
                                           row_ends=ends, zero_tail=False))
-            gu_only = (lambda conf=conf, act=act:
-                       tk._launch_gate_up(x, rw, cu, eff, prep, act, conf["gate_up"], False))
-            fns[name] = (_graphed(whole), _graphed(gu_only))
+
+            def alone(conf=conf, act=act, o=o):  # the lever's kernel (down: on the act rows the check call wrote)
+                if kernel == "gate_up":
+                    return tk._launch_gate_up(x, rw, cu, eff, prep, act, conf["gate_up"], False)
+                return tk._launch_down(act, rw, cu, eff, prep, o, conf["down"], False)
+
+            fns[name] = (_graphed(whole), _graphed(alone))
         except Exception as e:  # out of resources, compile errors: the column reads "-"
             why[name] = f"{type(e).__name__}: {str(e)[:160]}"
             print(f"#   {sname} t={tokens} {routing} {name}: - ({why[name]})", flush=True)
-    def both(name):  # one variant's whole compute, then its gate/up kernel (us)
-        (r_whole, _g1), (r_gu, _g2) = fns[name]
-        return _bench(r_whole, rep=rep) * 1e3, _bench(r_gu, rep=rep) * 1e3
+
+    def both(name):  # one variant's whole compute, then the lever's kernel alone (us)
+        (r_whole, _g1), (r_alone, _g2) = fns[name]
+        return _bench(r_whole, rep=rep) * 1e3, _bench(r_alone, rep=rep) * 1e3
 
     # alternated and rotated: drift and place in a round land on every variant alike
     per_round = rotated_times(list(fns), both, rounds)
-    times = {k: {"whole": [w for w, _ in v], "gate_up": [g for _, g in v]} for k, v in per_round.items()}
+    times = {k: {"whole": [w for w, _ in v], "kernel": [g for _, g in v]} for k, v in per_round.items()}
     del fns
     med = {k: {s: statistics.median(v) for s, v in t.items()} for k, t in times.items()}
     base = outs.get("committed")
     row = {"shape": sname, "tokens": tokens, "routing": routing, "maxvio": mv, "NvS": nvs, "rows": n,
-           "real_rows": int(real.sum()), "busy_groups": int((real > 0).sum()),
+           "real_rows": int(real.sum()), "busy_groups": int((real > 0).sum()), "lever": lever, "kernel": kernel,
            "configs": confs, "absent": why, "times_us": times}
     for name in confs:
         m = med.get(name)
         row[f"{name}_us"] = None if m is None else m["whole"]
-        row[f"{name}_gate_up_us"] = None if m is None else m["gate_up"]
+        row[f"{name}_kernel_us"] = None if m is None else m["kernel"]
         got = outs.get(name)
         row[f"{name}_unwritten"] = None if got is None else int(torch.isnan(got).sum())
         row[f"{name}_err"] = None if got is None or base is None or name == "committed" else relative_error(got, base)
         if name != "committed" and m is not None and "committed" in med:
             row[f"{name}_ratio"] = m["whole"] / med["committed"]["whole"]
-            row[f"{name}_gate_up_ratio"] = m["gate_up"] / med["committed"]["gate_up"]
+            row[f"{name}_kernel_ratio"] = m["kernel"] / med["committed"]["kernel"]
     return row
 
 
 def table(rows: list[dict]) -> list[str]:
-    """The markdown table of ``point`` rows, then a line naming any variant with wrong outputs (rows left
-    unwritten, or relative error >= 1e-2 against the committed tiles) and one per variant that could not run."""
-    lines = ["| shape | tokens | routing | committed gate/up tile | committed us | w13i us | ratio | gate/up ratio | err "
-             "| w13i BN/2 us | ratio | gate/up ratio | err | control ratio | gate/up ratio |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The markdown table of ``point`` rows (a column group per variant but the committed one: time, its ratio to
+    the committed tiles for the whole compute and for the lever's kernel, its output's error; ``-`` where a row
+    has no such variant), then a line naming any variant with wrong outputs (rows left unwritten, or relative
+    error >= 1e-2 against the committed tiles) and one per variant that could not run."""
+    names: list[str] = []
     for r in rows:
-        gu = r["configs"]["committed"]["gate_up"]
-        tile = tile_text(gu)
-        half = "w13i_bn_half" in r["configs"]
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['routing']} | {tile} | {_fmt(r['committed_us'])} | "
-                     f"{_fmt(r['w13i_us'])} | {_fmt(r.get('w13i_ratio'), '.3f')} | "
-                     f"{_fmt(r.get('w13i_gate_up_ratio'), '.3f')} | {_fmt(r['w13i_err'], '.1e')} | "
-                     + (f"{_fmt(r['w13i_bn_half_us'])} | {_fmt(r.get('w13i_bn_half_ratio'), '.3f')} | "
-                        f"{_fmt(r.get('w13i_bn_half_gate_up_ratio'), '.3f')} | {_fmt(r['w13i_bn_half_err'], '.1e')} |"
-                        if half else "- | - | - | - |")
-                     + f" {_fmt(r.get('control_ratio'), '.3f')} | {_fmt(r.get('control_gate_up_ratio'), '.3f')} |")
+        names += [k for k in r["configs"] if k != "committed" and k not in names]
+    kernel = (rows[0].get("kernel") if rows else None) or "kernel"
+    label = kernel.replace("_", "/")
+    lines = [f"| shape | tokens | routing | committed {label} tile | committed us |"
+             + "".join(f" {k} us | ratio | {label} ratio | err |" for k in names),
+             "|---|---:|---|---|---:|" + "---:|---:|---:|---:|" * len(names)]
+    for r in rows:
+        cells = [r["shape"], str(r["tokens"]), r["routing"], tile_text(r["configs"]["committed"][kernel]),
+                 _fmt(r["committed_us"])]
+        for k in names:
+            cells += ([_fmt(r.get(f"{k}_us")), _fmt(r.get(f"{k}_ratio"), ".3f"), _fmt(r.get(f"{k}_kernel_ratio"), ".3f"),
+                       _fmt(r.get(f"{k}_err"), ".1e")] if k in r["configs"] else ["-"] * 4)
+        lines.append("| " + " | ".join(cells) + " |")
     bad = wrong(rows)
     if bad:
         lines.append(f"# WRONG OUTPUTS (unwritten rows, or relative error >= 1e-2 against the committed tiles): {bad}")
@@ -222,18 +255,18 @@ def main(argv=None) -> int:
         H, I, E = shp["H"], shp["I"], shp["E"]
         G = E + default_num_slots(E, R)
         weights = GroupedWeights.contiguous(*make_weights(H, I, G, dev))
-        prep = tk.prepare_weights(weights, dev, w13i=True)  # the interleaved copy, once per shape, before any capture
+        # w13i: the interleaved copy, once per shape, before any capture
+        prep = tk.prepare_weights(weights, dev, w13i=args.lever == "w13i")
         for tokens in args.tokens:
             for routing, sigma in (("balanced", 0.0), ("skewed", SKEW_SIGMA)):
-                row = point(tk, weights, prep, sname, shp, tokens, routing, sigma, dev, args.rep, args.rounds)
+                row = point(tk, weights, prep, sname, shp, tokens, routing, sigma, dev, args.rep, args.rounds,
+                            args.lever)
                 rows.append(row)
                 print(f"# {sname:14s} t={tokens:5d} {routing:8s} committed {_fmt(row['committed_us'])} us "
-                      f"(gate/up {_fmt(row['committed_gate_up_us'])})  w13i {_fmt(row['w13i_us'])} us "
-                      f"(gate/up {_fmt(row['w13i_gate_up_us'])}) x{_fmt(row.get('w13i_ratio'), '.3f')} "
-                      f"err {_fmt(row['w13i_err'], '.1e')}"
-                      + (f"  w13i BN/2 {_fmt(row['w13i_bn_half_us'])} us x{_fmt(row.get('w13i_bn_half_ratio'), '.3f')}"
-                         if "w13i_bn_half" in row["configs"] else "")
-                      + f"  control x{_fmt(row.get('control_ratio'), '.3f')}", flush=True)
+                      f"({row['kernel']} {_fmt(row['committed_kernel_us'])})"
+                      + "".join(f"  {k} {_fmt(row[f'{k}_us'])} us ({row['kernel']} {_fmt(row[f'{k}_kernel_us'])}) "
+                                f"x{_fmt(row.get(f'{k}_ratio'), '.3f')} err {_fmt(row[f'{k}_err'], '.1e')}"
+                                for k in row["configs"] if k != "committed"), flush=True)
         del weights, prep
         tk._CACHE.clear()
         torch.cuda.empty_cache()
@@ -241,7 +274,8 @@ def main(argv=None) -> int:
     print("# " + _ceiling_line(ceil, props.name))
     print()
     print("Times: CUDA-graph replay, median of the alternated rounds; whole = the expert compute as the layer runs it, "
-          "gate/up = that kernel alone; ratio = variant / committed (below 1: the lever is faster); err = the "
+          f"{args.lever} changes the {LEVER_KERNEL[args.lever]} kernel, timed alone too; ratio = variant / committed "
+          "(below 1: the lever is faster); err = the "
           "variant's output against the committed one (relative); control = the committed tiles timed again as a "
           "variant: a lever ratio no farther from 1 than the control's is noise.")
     print()
@@ -251,7 +285,8 @@ def main(argv=None) -> int:
     if out_dir:
         result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": props.name,
                   "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
-                  "python": platform.python_version(), "ceilings": ceil, "rounds": args.rounds, "rep_ms": args.rep,
+                  "python": platform.python_version(), "ceilings": ceil, "lever": args.lever, "rounds": args.rounds,
+                  "rep_ms": args.rep,
                   "rows": rows, "argv": sys.argv}
         with open(os.path.join(out_dir, "bench_levers.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
