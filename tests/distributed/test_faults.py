@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import time
 
@@ -342,6 +343,40 @@ def test_store_host_dies_survivor_raises_promptly():
     assert o["type"] == "MoonEPCollectiveTimeout", o
     assert o["op"].startswith("dispatch") and o["step"] == 1, o
     assert "rendezvous store" in o["msg"] and "global rank 0" in o["msg"], o["msg"]
+    assert o["elapsed"] < TIMEOUT_S + SLACK_S, o
+
+
+def store_host_frozen():
+    moe, w13, w2 = _build()
+    x, ids, w = _step_inputs(0)
+    moe.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    pids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    if dist.get_rank() == 0:  # frozen by rank 1 (its store thread with it), then killed
+        time.sleep(120)
+        os._exit(0)
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        x, ids, w = _step_inputs(1)
+        exc, el = _timed(moe.forward, x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    finally:
+        os.kill(pids[0], signal.SIGKILL)
+    out = _describe(exc, el)
+    _teardown(moe)
+    return out
+
+
+def test_store_host_frozen_survivor_raises_within_the_bound():
+    """A survivor whose collective timed out then waited on the rendezvous store for the store's own timeout (20 s
+    here, minutes by default) when the store's host is alive but frozen (stopped, or stuck tearing its group down):
+    the arrival board's reads were unbounded (a CI run's teardown took 23 s against a 3 s bound). It must raise within
+    the bound plus the slack and say the store did not answer."""
+    res = _fresh(2, store_host_frozen)
+    assert isinstance(res[0], RankFailure), res[0]
+    o = res[1]
+    assert o["type"] == "MoonEPCollectiveTimeout", o
+    assert o["op"].startswith("dispatch") and o["step"] == 1, o
+    assert "rendezvous store did not answer within" in o["msg"] and "global rank 0" in o["msg"], o["msg"]
     assert o["elapsed"] < TIMEOUT_S + SLACK_S, o
 
 

@@ -7,7 +7,10 @@ publishes the latest ``(count, heartbeat, step, op)`` to the group's rendezvous 
 stores a tuple in memory: no store round trip per collective. On a failure the survivor reads
 every peer's key twice, ``probe_s`` apart: a peer whose count is behind never entered this
 collective (its last operation is reported), a peer whose heartbeat did not advance is dead or
-frozen. ``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (errors then name no peer);
+frozen. Each read of the board is bounded (``read_bound_s``): the store lives in global rank 0's
+process, and a frozen or half-torn-down host holds a read for the store's own timeout (minutes by
+default), which would carry the failure past the collective's bound; an unanswered read is reported
+as such. ``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (errors then name no peer);
 ``VLLM_MOONEP_HEARTBEAT_S`` overrides the publish interval (default
 ``clamp(timeout_s / 20, 0.02, 1.0)``). The transports (``collective``, ``symmetric``) consult it.
 """
@@ -27,6 +30,9 @@ __all__ = ["ARRIVAL_ENV", "HEARTBEAT_ENV", "ArrivalBoard", "heartbeat_s"]
 
 ARRIVAL_ENV = "VLLM_MOONEP_ARRIVAL_BOARD"
 HEARTBEAT_ENV = "VLLM_MOONEP_HEARTBEAT_S"
+#: the least time a diagnosis gives one read of the board (more where the probe interval is longer): a healthy
+#: store answers in milliseconds, also on a loaded 2-core machine
+STORE_READ_BOUND_S = 0.5
 
 
 def _board_enabled() -> bool:
@@ -64,6 +70,7 @@ class ArrivalBoard:
         self.label = label
         self.interval_s = float(interval_s)
         self.probe_s = 2.5 * self.interval_s
+        self.read_bound_s = max(STORE_READ_BOUND_S, self.probe_s)
         self.seq = 0
         self._last = (0, None, "")  # (seq, step, op) of the last collective entered
         self._beat = 0
@@ -163,7 +170,27 @@ class ArrivalBoard:
 
     # -- diagnosis -----------------------------------------------------------------------------
     def snapshot(self) -> dict[int, tuple | None]:
-        """``{group rank: (seq, beat, step, op) or None}`` for every peer (raises if the store is gone)."""
+        """``{group rank: (seq, beat, step, op) or None}`` for every peer; raises if the store is gone, and
+        ``TimeoutError`` if it does not answer within ``read_bound_s`` (the read goes on in a daemon thread
+        until the store's own timeout ends it)."""
+        got: dict = {}
+
+        def read():
+            try:
+                got["value"] = self._read()
+            except BaseException as exc:  # handed to the caller
+                got["error"] = exc
+
+        reader = threading.Thread(target=read, name=f"moonep-arrival-read-{self.label}", daemon=True)
+        reader.start()
+        reader.join(self.read_bound_s)
+        if reader.is_alive():
+            raise TimeoutError(f"the rendezvous store did not answer within {self.read_bound_s:g}s")
+        if "error" in got:
+            raise got["error"]
+        return got["value"]
+
+    def _read(self) -> dict[int, tuple | None]:
         store = self.store
         if store is None:
             raise MoonEPStateError("the arrival board was released")

@@ -29,7 +29,8 @@ twice, ``probe_s`` apart: a peer whose count is behind never entered this collec
 operation is reported), a peer whose heartbeat did not advance is dead or frozen. The probe is
 taken inside the bound (the wait is split into ``timeout_s - probe_s`` and ``probe_s``), so a
 timeout is reported after ``timeout_s``; a transport error (dead peer) is reported after the
-error plus ``probe_s``. ``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (the error then
+error plus ``probe_s``. A store that does not answer (its host frozen) costs at most the board's
+``read_bound_s`` more, and the error says so. ``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (the error then
 names no peer); ``VLLM_MOONEP_HEARTBEAT_S`` overrides the publish interval
 (default ``clamp(timeout_s / 20, 0.02, 1.0)``).
 
