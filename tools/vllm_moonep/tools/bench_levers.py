@@ -25,9 +25,10 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
                   ratio to committed is the run's noise at the point, the band a lever must clear
 
 each as the whole expert compute, as the layer calls it (``row_ends``, ``zero_tail=False``, ``padded=False``,
-as ``bench_experts``), and as the kernel the lever changes alone (``_launch_gate_up`` or ``_launch_down``). The variants are timed in alternation, ``--rounds`` times, each round starting one variant later
-than the last (at the power-bound 4096-token points the same tiles read up to 10% apart by their place in
-a round: the control measured it), and each time is the median of the rounds. Each
+as ``bench_experts``), and as the kernel the lever changes alone (``_launch_gate_up`` or ``_launch_down``).
+The variants are timed in alternation, ``--rounds`` times, each round's order rotated
+(``timing.rotated_times``: at the power-bound 4096-token points the same tiles read up to 10% apart by
+their place in a round), and each time is the median of the rounds. Each
 variant's output (untimed call, every row written) is checked against the committed one: relative
 error. Prints the ceilings (``bench_experts.measure_ceilings``) and a markdown table; writes
 ``bench_levers.json`` to ``$OUT`` if set. A variant that cannot run (compile error, out of shared memory)
@@ -55,7 +56,7 @@ from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _cei
                                              make_inputs, make_weights, measure_ceilings, rank0_case, tile_text)
 from vllm_moonep.tools.timing import ROUNDS, rotated_times
 
-#: the points of the A/B by default: where the gate/up GEMM is compute-bound enough for the MMA to matter
+#: the points of the A/B by default: where the GEMMs are compute-bound enough for the levers to matter
 DEFAULT_TOKENS = (256, 1024, 4096)
 #: the shapes by default (``bench_experts.SHAPES``)
 DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
