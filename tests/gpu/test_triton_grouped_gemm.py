@@ -658,8 +658,8 @@ def test_w13i_tiles(H, I, schedule):
 def test_w13i_at_kimi_k2_scale(ws):
     """w13i at Kimi-K2's size, as ``bench_levers`` times it: Kimi-K2's dimensions, 48 groups (a rank's 24 experts
     and 24 slots) and ~8000 rows in segments padded to 128, the 4096-token tiles (BN 256; with and without the
-    warp-specialized loop, "ws", as the table runs them), three launches in a row, without the tile skip (``padded=False``, where the down loop is flattened)
-    and a graph replay: rows left unwritten, or a drift from the same tiles without w13i (each checked against
+    warp-specialized loop, "ws", as the table runs them), three launches in a row, without the tile skip
+    (``padded=False``, where the down loop is flattened) and a graph replay: rows left unwritten, or a drift from the same tiles without w13i (each checked against
     float64 in ``test_w13i_tiles``)."""
     tk = _triton()
     if torch.cuda.get_device_capability()[0] < 9:

@@ -109,6 +109,13 @@ def test_flat_lever_toggles_the_down_tiles_only():
     off = {k: x for k, x in on.items() if k != "flat"}
     v = bench_levers.variants({"gate_up": gu, "down": off}, "flat")
     assert list(v) == ["committed", "flat_on", "control"] and v["flat_on"]["down"] == on
+    # a one-launch entry does not take flat: no variant that would time the committed tiles again, and a reason
+    one = {"gate_up": gu, "down": on, "fused": {"num_warps": 8, "num_stages": 4, "progs_per_sm": 1}}
+    assert list(bench_levers.variants(one, "flat")) == ["committed", "control"]
+    assert "one launch" in bench_levers.lever_absent(one, "flat")
+    assert bench_levers.lever_absent({"gate_up": gu, "down": on}, "flat") is None
+    assert bench_levers.lever_absent(one, "w13i") is None, "the one launch takes w13i"
+    assert "w13i" in bench_levers.variants(one, "w13i")
     with pytest.raises(ValueError, match="unknown lever 'tma'"):
         bench_levers.variants({"gate_up": gu, "down": on}, "tma")
     lines = bench_levers.table([_row(4096, True, "flat"), _row(1024, False, "flat")])

@@ -68,14 +68,13 @@ in a rotated A/B (``--rounds`` rounds, the shipped tiles twice: the second is th
 only where faster at both routings by more than the control's band. Each writes
 ``tuning.json`` (to ``$OUT`` if set, else the current directory; a GPU without a section of its own gets one,
 starting from the tiles and ``auto`` regimes it borrowed) and uses it for the table. A point the table runs
-as one launch is also timed as three launches of the same tiles (the ``three launches`` column). Prints a markdown table; writes
-``bench_experts.json`` to ``$OUT`` if set.
+as one launch is also timed as three launches of the same tiles (the ``three launches`` column). Prints a
+markdown table; writes ``bench_experts.json`` to ``$OUT`` if set.
 
 After the table it names, per library and shape ``(H, I)``, the runs of measured tokens per rank where
 the library beat Triton at both routings by more than the point's control band (CUDA-graph times): the
-``auto`` regimes of this GPU's
-section of ``tuning.json`` (``vllm_moonep.common.grouped_gemm.policy``; ``impl=auto`` then takes the
-library there, for callers that pass the step's tokens).
+``auto`` regimes of this GPU's section of ``tuning.json`` (``vllm_moonep.common.grouped_gemm.policy``;
+``impl=auto`` then takes the library there, for callers that pass the step's tokens).
 """
 
 from __future__ import annotations
@@ -610,12 +609,8 @@ def _us(v) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
-def _ratio(v) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
-def _fmt3(v) -> str:
-    return "-" if v is None else f"{v:.3f}"
+def _ratio(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def _column_note(row: dict, name: str, detail: str) -> str:
@@ -804,6 +799,9 @@ def main(argv=None) -> int:
             nvs = cases[0][4]
             cfg = None
 
+            def quick(replay):  # one timing of a sweep (ms): shorter than the table's
+                return _bench(replay, warmup=10, rep=max(20, args.rep // 3))
+
             def kernel_times(kind, c):
                 """One kernel with tile config ``c``, per routing (ms; inf where it cannot run)."""
                 times = []
@@ -818,7 +816,7 @@ def main(argv=None) -> int:
                         else:
                             fn = lambda: tk._launch_down(act, rw, cu, eff, prep, o, c, False)  # noqa: E731
                         replay, _g = _graphed(fn)
-                        times.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
+                        times.append(quick(replay))
                 except Exception as e:  # out of resources etc.
                     print(f"#   {sname} t={tokens} {kind} {c}: skipped ({type(e).__name__}: {str(e)[:80]})")
                     times = [math.inf] * len(cases)
@@ -843,36 +841,32 @@ def main(argv=None) -> int:
                         won = (ck, tk_)
                 return (best_c, best_t) if won is None else won
 
+            def whole_graph(conf, case):
+                """The whole compute with tiles ``conf`` on one routing's rows, as the layer runs it, in a
+                graph of its own (own output and act buffers): ``(replay, graph)``."""
+                routing, cu_h, cu, real, nvs_, mv, x, rw, ends = case
+                o = torch.empty_like(x)
+                act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
+                return _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf, act=act,
+                                                             padded=False, row_ends=ends, zero_tail=False))
+
             def _whole(conf):  # the whole compute with tiles ``conf``, per routing (ms)
-                tot = []
-                for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
-                    o = torch.empty_like(x)
-                    act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
-                    replay, _g = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf,
-                                                                       act=act, padded=False, row_ends=ends,
-                                                                       zero_tail=False))
-                    tot.append(_bench(replay, warmup=10, rep=max(20, args.rep // 3)))
-                return tot
+                return [quick(whole_graph(conf, case)[0]) for case in cases]
 
             def rotated_whole(confs: dict) -> dict:
                 """The whole compute with each of ``confs`` (name -> tiles), per routing (ms): the median of
                 ``--rounds`` alternated rounds in rotated order, every config in its own graph and buffers
                 (``inf`` where one cannot run)."""
                 got: dict = {k: [] for k in confs}
-                for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
+                for case in cases:
                     graphs = {}
                     for k, conf in confs.items():
-                        o = torch.empty_like(x)
-                        act = torch.empty(nvs_, I, device=dev, dtype=torch.bfloat16)
                         try:
-                            graphs[k] = _graphed(lambda conf=conf, o=o, act=act, x=x, rw=rw, cu=cu, ends=ends:
-                                                 tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf, act=act,
-                                                                      padded=False, row_ends=ends, zero_tail=False))
+                            graphs[k] = whole_graph(conf, case)
                         except Exception as e:  # out of resources etc.
                             print(f"#   {sname} t={tokens} {k} {_tiles_note(conf)}: skipped "
                                   f"({type(e).__name__}: {str(e)[:80]})")
-                    t = rotated_times(list(graphs), lambda k: _bench(graphs[k][0], warmup=10, rep=max(20, args.rep // 3)),
-                                      args.rounds)
+                    t = rotated_times(list(graphs), lambda k: quick(graphs[k][0]), args.rounds)
                     del graphs
                     for k in confs:
                         got[k].append(statistics.median(t[k]) if k in t else math.inf)
@@ -1110,7 +1104,7 @@ def main(argv=None) -> int:
             f"{r['triton_over_floor']:.2f} | {r['triton_over_floor_launch']:.2f} | {r['poc_over_floor']:.2f} | "
             f"{_ratio(r.get('quack_over_floor'))} | {_ratio(r.get('deepgemm_over_floor'))} | "
             f"{_ratio(r.get('deepgemm_masked_over_floor'))} | {_ratio(r.get('vllm_over_floor'))} | {_ratio(d_t)} | "
-            f"{_ratio(v_t)} | {_fmt3(r.get('control_ratio'))} | {r['triton_tflops_useful']:.0f} | "
+            f"{_ratio(v_t)} | {_ratio(r.get('control_ratio'), '.3f')} | {r['triton_tflops_useful']:.0f} | "
             f"{r['triton_weight_gbs']:.0f} |"
         )
     print()

@@ -9,7 +9,7 @@ The levers (``--lever``, ``LEVER_KERNEL``: each changes one kernel):
   row in one weight, one ``[2BN, BK]`` block and one MMA of ``2BN`` columns per step instead of two of ``BN``);
 - ``flat`` (down): the committed down tiles with their flattened tile loop (``"flat"``: the next tile's loads
   during this tile's epilogue) toggled: off where the table sets it, on where it does not. A one-launch
-  entry does not take ``flat`` (its lever variant runs what the committed entry runs).
+  entry does not take ``flat``: such a point has no flat variant, and its row says so.
 
 For each shape, tokens per rank and routing (balanced, skewed) it builds the same rank-0 case as
 ``bench_experts`` (its ``rank0_case``, ``make_weights``, ``make_inputs``, ``entry_ends``: rank 0 of EP=8,
@@ -111,8 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     """The configs one point times: the committed tiles; for ``w13i`` the same with ``"w13i"`` and (where the
     committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved and ``"w13i"``; for ``flat`` the
-    same with the down tiles' ``"flat"`` toggled (``flat_off`` or ``flat_on``); and the committed tiles again
-    as ``control`` (last)."""
+    same with the down tiles' ``"flat"`` toggled (``flat_off`` or ``flat_on``; none where the committed entry
+    is one launch, which does not take ``flat``: ``lever_absent`` says so); and the committed tiles again as
+    ``control`` (last)."""
     if lever not in LEVER_KERNEL:
         raise ValueError(f"bench_levers: unknown lever {lever!r}; known: {', '.join(sorted(LEVER_KERNEL))}")
     out = {"committed": committed}
@@ -121,7 +122,7 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
         out["w13i"] = {**committed, "gate_up": {**gu, "w13i": True}}
         if 2 * gu["BN"] > MAX_MMA_N:
             out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2, "w13i": True}}
-    else:
+    elif not committed.get("fused"):
         dn = committed["down"]
         if dn.get("flat"):
             out["flat_off"] = {**committed, "down": {k: v for k, v in dn.items() if k != "flat"}}
@@ -129,6 +130,13 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
             out["flat_on"] = {**committed, "down": {**dn, "flat": True}}
     out["control"] = {k: dict(v) for k, v in committed.items()}
     return out
+
+
+def lever_absent(committed: dict, lever: str) -> str | None:
+    """Why a point has no variant of ``lever`` (``None`` where it has one)."""
+    if lever == "flat" and committed.get("fused"):
+        return "the committed entry runs as one launch, which does not take \"flat\""
+    return None
 
 
 def _fmt(v, spec=".1f") -> str:
@@ -148,10 +156,14 @@ def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, s
     x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7 + int(sigma * 10))
     ends = entry_ends(cu_h, real).to(dev)
     n = int(cu_h[-1])
-    confs = variants(tk.select_config(H, I, nvs, G, tokens=tokens), lever)
+    committed = tk.select_config(H, I, nvs, G, tokens=tokens)
+    confs = variants(committed, lever)
     eff = torch.empty(G, dtype=torch.int32, device=dev)
     tk._launch_trim(cu, rw, eff)
     outs, fns, why = {}, {}, {}
+    absent = lever_absent(committed, lever)
+    if absent is not None:
+        why[lever] = absent
     for name, conf in confs.items():
         try:
             o = torch.full_like(x, float("nan"))
