@@ -123,3 +123,20 @@ def test_flat_lever_toggles_the_down_tiles_only():
                         "| err | control us | ratio | down ratio | err | flat_on us | ratio | down ratio | err |"), lines[0]
     assert lines[2].startswith("| kimi-k2 | 4096 | balanced | 128x256x64 flat | 100.0 | 100.0 | 0.950 |")
     assert lines[3].endswith("| - | - | - | - | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 |")
+
+
+def test_mix_lever_times_both_kernels_and_each_alone():
+    """The mix lever leaving a kernel out, changing anything but the order, editing the committed tiles in place, or
+    timing a one-launch entry (which takes its own order) against itself."""
+    gu = {"BM": 64, "BN": 128, "BK": 64, "tma": True}
+    dn = {"BM": 64, "BN": 128, "BK": 64, "tma": True, "flat": True}
+    v = bench_levers.variants({"gate_up": gu, "down": dn}, "mix")
+    assert list(v) == ["committed", "mix", "mix_gate_up", "mix_down", "control"]
+    assert v["mix"] == {"gate_up": {**gu, "mix": True}, "down": {**dn, "mix": True}}
+    assert v["mix_gate_up"] == {"gate_up": {**gu, "mix": True}, "down": dn}
+    assert v["mix_down"] == {"gate_up": gu, "down": {**dn, "mix": True}}
+    assert "mix" not in gu and "mix" not in dn, "the committed tiles were edited in place"
+    one = {"gate_up": gu, "down": dn, "fused": {"num_warps": 8, "num_stages": 4, "progs_per_sm": 1}}
+    assert list(bench_levers.variants(one, "mix")) == ["committed", "control"]
+    assert "one launch" in bench_levers.lever_absent(one, "mix") and "mix" in bench_levers.lever_absent(one, "mix")
+    assert bench_levers.parse_args(["--lever", "mix"]).lever == "mix"

@@ -260,6 +260,16 @@ def _child_main() -> None:
                 swap["unwritten"] += int(torch.isnan(g64).sum())
                 swap["err"] = _worst(swap["err"], rel(g64))
                 swap["zero_ok"] &= bool((g64[zero_rows] == 0).all()) if n else True
+            # the tiles taken from both ends of the groups sorted by rows ("mix"), three launches with pointer and
+            # TMA loads and with stream-K over 2 programs: only the order moves, so the same bits (a tile taken
+            # twice or never, or another group's rows or weights: other bits, or NaN)
+            mix_same = True
+            for cfg in ({k: {**v, "mix": True} for k, v in _INTERP_CONFIG.items()},
+                        {k: {**v, "mix": True} for k, v in TMA_CONFIG.items()},
+                        {k: {**v, "mix": True, "streamk": True, "progs_per_sm": 1} for k, v in _INTERP_CONFIG.items()}):
+                o = torch.full_like(x, float("nan"))
+                expert_ffn_triton(x, rw, cu, w, out=o, config=cfg)
+                mix_same &= bool(torch.equal(o[:n], out[:n]))
             # stream-K: the last tiles cut between programs. 2 programs (pieces of one tile on two),
             # launched three times: against the float64 reference, the same bits on the second launch
             # (pieces summed in a fixed order), the tile skip off on the third. 6 programs with TMA
@@ -295,15 +305,59 @@ def _child_main() -> None:
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
                             "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same, "ends_same": ends_same,
                             "tails": tails,
-                            "fused_reset": fused_reset, "streamk": sk, "swap": swap}
+                            "fused_reset": fused_reset, "streamk": sk, "swap": swap, "mix_same": mix_same}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        report["_order"] = _order_report()
+    except Exception as e:  # report, don't hide
+        report["_order"] = {"error": f"{type(e).__name__}: {e}"}
     try:
         report["_trim"] = _trim_report()
     except Exception as e:  # report, don't hide
         report["_trim"] = {"error": f"{type(e).__name__}: {e}"}
     report["_said"] = said
     print("REPORT " + json.dumps(report))
+
+
+#: rows per group for the tile order (BM = 16: m-blocks 0, 3, 1, 0, 7, 2, 1, 5), 2 column blocks each
+ORDER_ROWS = [0, 40, 9, 0, 100, 17, 16, 70]
+ORDER_BM, ORDER_BN, ORDER_N = 16, 8, 16
+
+
+def _order_report() -> dict:
+    """Every tile index ``t`` decoded as the kernels decode it (``_tile_order``, ``_tile``), in group order and
+    with ``MIX``: ``[(group, first row, first column)]`` per order, one program over the whole list."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from vllm_moonep.common.grouped_gemm import triton_kernels
+
+    global _group_table, _tile, _tile_order  # a jitted function resolves the helpers it calls in its module's globals
+    _group_table, _tile, _tile_order = triton_kernels._group_table, triton_kernels._tile, triton_kernels._tile_order
+
+    @triton.jit
+    def order_kernel(cu_ptr, out_ptr, G, N, GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     MIX: tl.constexpr):
+        gidx, start, eend, end, mb = _group_table(cu_ptr, cu_ptr, G, GP2, BM)
+        nt = tl.cdiv(N, BN)
+        total = tl.sum(mb * nt, 0)
+        order, omb, otiles, ocum = _tile_order(gidx, mb, nt, GP2, MIX)
+        for t in range(0, total):
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, ocum, otiles, order, omb, gidx,
+                                                                         start, eend, N, BM, BN, True, MIX)
+            tl.store(out_ptr + 3 * t, g)
+            tl.store(out_ptr + 3 * t + 1, row0)
+            tl.store(out_ptr + 3 * t + 2, col0)
+
+    cu = torch.tensor(ORDER_ROWS, dtype=torch.int64).cumsum(0).to(torch.int32)
+    got = {}
+    for mix in (False, True):
+        out = torch.full((3 * 64,), -1, dtype=torch.int32)
+        order_kernel[(1,)](cu, out, len(ORDER_ROWS), ORDER_N, GP2=16, BM=ORDER_BM, BN=ORDER_BN, MIX=mix)
+        got["mix" if mix else "group"] = [tuple(out[3 * i : 3 * i + 3].tolist()) for i in range(64)]
+    return got
 
 
 #: segments for the trim scan, ``(length, rows with a non-zero weight)``; the kernel scans 256-row blocks
@@ -378,6 +432,42 @@ def _assert_outputs(d: dict, what: str, hint: str) -> None:
     assert d["err"] < TOL, f"{what}: relative error {d['err']:.3e} >= {TOL}{hint}"
 
 
+def test_mixed_tile_order(report):
+    """The tile order "mix" decodes every tile exactly once (a permutation of the group order's tiles) and
+    takes them from both ends of the groups sorted by rows: a wrong end index (a tile twice, one never),
+    a sort by group instead of rows, or one end only would each fail here, where the outputs alone
+    cannot tell an order."""
+    r = report["_order"]
+    assert "error" not in r, r.get("error")
+    mb = [-(-n // ORDER_BM) for n in ORDER_ROWS]
+    total = sum(mb) * (ORDER_N // ORDER_BN)
+    grp, mix = ([tuple(e) for e in r[k]] for k in ("group", "mix"))  # JSON brought them back as lists
+    assert all(e == (-1, -1, -1) for e in grp[total:] + mix[total:]), "a tile decoded past the list"
+    grp, mix = grp[:total], mix[:total]
+    starts = [0] + list(torch_free_cumsum(ORDER_ROWS))[:-1]
+    want = [(g, starts[g] + m * ORDER_BM, n * ORDER_BN) for g in range(len(mb)) for n in range(ORDER_N // ORDER_BN)
+            for m in range(mb[g])]
+    assert grp == want, "group order: the tiles are not group by group, column block by column block"
+    assert sorted(mix) == sorted(want) and len(set(mix)) == total, "mix: not every tile exactly once"
+    by_rows = sorted((b, g) for g, b in enumerate(mb) if b)  # fewest m-blocks first, ties by group
+    assert mix[0][0] == by_rows[0][1] and mix[1][0] == by_rows[-1][1], (
+        f"mix: the first two tiles are of groups {mix[0][0]} and {mix[1][0]}, not the coldest ({by_rows[0][1]}) "
+        f"and the hottest ({by_rows[-1][1]})")
+    cold = [g for g, _, _ in mix[0::2]]
+    hot = [g for g, _, _ in mix[1::2]]
+    assert [mb[g] for g in cold][: total // 4] == sorted(mb[g] for g in cold)[: total // 4], "mix: even tiles not coldest first"
+    assert [mb[g] for g in hot][: total // 4] == sorted((mb[g] for g in hot), reverse=True)[: total // 4], (
+        "mix: odd tiles not hottest first")
+
+
+def torch_free_cumsum(xs):
+    out, acc = [], 0
+    for v in xs:
+        acc += v
+        out.append(acc)
+    return out
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_interpreter_case(report, case):
     """Triton kernel logic (unwritten rows, non-zero padding rows, drift from float64) wrong where only the CPU
@@ -400,6 +490,8 @@ def test_interpreter_case(report, case):
                                                f"one launch: {t['left']} untouched rows; the checks above are vacuous)")
     assert r["fused_same"], f"{case}: the one-launch kernel gave other outputs than the three launches' same tiles"
     assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
+    assert r["mix_same"], (f"{case}: the tiles in the mixed order (\"mix\") gave other outputs than in group order "
+                           "(a tile taken twice or never, or with another group's rows)")
     _assert_outputs(r["swap"], f"{case}: swapped tiles", " (a transpose lost or doubled)")
     k = r["streamk"]
     _assert_outputs(k, f"{case}: stream-K", " (a piece never summed, summed twice or lost)")

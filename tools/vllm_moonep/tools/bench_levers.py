@@ -1,6 +1,6 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat] [--shapes kimi-k2,qwen3-30b-a3b]
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix] [--shapes kimi-k2,qwen3-30b-a3b]
 [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``, ``LEVER_KERNEL``: each changes one kernel):
@@ -10,6 +10,9 @@ The levers (``--lever``, ``LEVER_KERNEL``: each changes one kernel):
 - ``flat`` (down): the committed down tiles with their flattened tile loop (``"flat"``: the next tile's loads
   during this tile's epilogue) toggled: off where the table sets it, on where it does not. A one-launch
   entry does not take ``flat``: such a point has no flat variant, and its row says so.
+- ``mix`` (both kernels; gate/up timed alone): the committed tiles taken in the mixed order (``"mix"``,
+  ``triton_kernels._tile``: the groups sorted by rows, tiles from both ends in turn), on both kernels and on
+  each alone. A one-launch entry does not take it (its row says so).
 
 For each shape, tokens per rank and routing (balanced, skewed) it builds the same rank-0 case as
 ``bench_experts`` (its ``rank0_case``, ``make_weights``, ``make_inputs``, ``entry_ends``: rank 0 of EP=8,
@@ -21,6 +24,8 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
     w13i BN/2     where the committed gate/up BN makes 2*BN exceed 256 (the widest warpgroup MMA):
                   the same tiles with BN halved and "w13i" (the same MMA width as committed)
     flat_off/on   (--lever flat) the same tiles with the down tiles' "flat" toggled
+    mix, mix_gate_up, mix_down
+                  (--lever mix) the same tiles with "mix" on both kernels, on gate/up only, on down only
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
                   ratio to committed is the run's noise at the point, the band a lever must clear
 
@@ -66,7 +71,7 @@ DEFAULT_REP = 50
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
 MAX_MMA_N = 256
 #: the levers ``--lever`` takes, and the kernel each one changes (timed alone beside the whole compute)
-LEVER_KERNEL = {"w13i": "gate_up", "flat": "down"}
+LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up"}
 #: the lever by default
 DEFAULT_LEVER = "w13i"
 
@@ -112,8 +117,9 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     """The configs one point times: the committed tiles; for ``w13i`` the same with ``"w13i"`` and (where the
     committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved and ``"w13i"``; for ``flat`` the
     same with the down tiles' ``"flat"`` toggled (``flat_off`` or ``flat_on``; none where the committed entry
-    is one launch, which does not take ``flat``: ``lever_absent`` says so); and the committed tiles again as
-    ``control`` (last)."""
+    is one launch, which does not take ``flat``: ``lever_absent`` says so); for ``mix`` the same with ``"mix"`` on
+    both kernels and on each alone (none for a one-launch entry); and the committed tiles again as ``control``
+    (last)."""
     if lever not in LEVER_KERNEL:
         raise ValueError(f"bench_levers: unknown lever {lever!r}; known: {', '.join(sorted(LEVER_KERNEL))}")
     out = {"committed": committed}
@@ -122,6 +128,12 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
         out["w13i"] = {**committed, "gate_up": {**gu, "w13i": True}}
         if 2 * gu["BN"] > MAX_MMA_N:
             out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2, "w13i": True}}
+    elif lever == "mix":
+        if not committed.get("fused"):
+            gu, dn = committed["gate_up"], committed["down"]
+            out["mix"] = {**committed, "gate_up": {**gu, "mix": True}, "down": {**dn, "mix": True}}
+            out["mix_gate_up"] = {**committed, "gate_up": {**gu, "mix": True}}
+            out["mix_down"] = {**committed, "down": {**dn, "mix": True}}
     elif not committed.get("fused"):
         dn = committed["down"]
         if dn.get("flat"):
@@ -134,8 +146,8 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
 
 def lever_absent(committed: dict, lever: str) -> str | None:
     """Why a point has no variant of ``lever`` (``None`` where it has one)."""
-    if lever == "flat" and committed.get("fused"):
-        return "the committed entry runs as one launch, which does not take \"flat\""
+    if lever in ("flat", "mix") and committed.get("fused"):
+        return f"the committed entry runs as one launch, which does not take \"{lever}\""
     return None
 
 

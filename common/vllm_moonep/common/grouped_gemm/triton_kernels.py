@@ -69,6 +69,11 @@ interleaved if it is kept).
 ``"flat": true`` flattens a kernel's persistent tile loop into its main loop (Triton's
 ``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue), on steps
 without padding (``padded=False``) and without ``ws`` (``_flat``). Same bits either way.
+``"mix": true`` takes the tiles in another order (``_tile_order``, ``_tile``): the groups sorted by their rows on
+the device (one ``tl.sort`` per program), then tiles from both ends of that list in turn, so that under
+skewed routing the programs running at once mix memory-bound tiles (groups of few rows, each tile a weight
+slice of its own) with compute-bound ones (a hot group's row tiles, sharing a slice through L2) instead of
+running them in separate rounds. Same bits either way.
 
 Tile configurations come from the GPU's section of ``tuning.json`` (``policy.py``: its own, or the one
 its compute capability borrows, said once), looked up by ``H``, ``I`` and the step's tokens per rank
@@ -147,14 +152,44 @@ def _group_table(cu_ptr, eff_ptr, G, GP2: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _tile(t, cum, tiles, gidx, mb, start, eend, N, BM: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr):
-    """Decode persistent tile ``t``: its group, the group mask, the end of the group's rows that
-    need computing, the tile's rows and columns (plus clamped copies always safe to load), and
-    its first row and column (where the tensor-descriptor loads start)."""
-    g = tl.sum((cum <= t).to(tl.int32), 0)
-    sel = gidx == g
-    local = t - pick(sel, cum - tiles)
-    mbg = pick(sel, mb)
+def _tile_order(gidx, mb, nt, GP2: tl.constexpr, MIX: tl.constexpr):
+    """The order tiles are taken in: per position of the tile list, its group and m-blocks, and the list's
+    tile counts and their running sum. Group order, or (``MIX``, a tile config's ``"mix"``) groups sorted by
+    their m-blocks, fewest first, for ``_tile`` to take from both ends at once (see ``_tile``)."""
+    order = gidx
+    omb = mb
+    if MIX:  # one sort of (m-blocks, group) keys: unique, so the order is the same in every program
+        key = tl.sort(mb * GP2 + gidx)
+        order = key % GP2
+        omb = key // GP2
+    otiles = omb * nt
+    return order, omb, otiles, tl.cumsum(otiles, 0)
+
+
+@triton.jit
+def _tile(t, total, ocum, otiles, order, omb, gidx, start, eend, N, BM: tl.constexpr, BN: tl.constexpr,
+          EVEN_N: tl.constexpr, MIX: tl.constexpr):
+    """Decode persistent tile ``t`` of ``total`` in the order of ``_tile_order``: its group, the group mask, the
+    end of the group's rows that need computing, the tile's rows and columns (plus clamped copies always safe
+    to load), and its first row and column (where the tensor-descriptor loads start). ``MIX``: even ``t``
+    take the sorted list from its start (groups of few rows: tiles that each read a weight slice of their
+    own, bound by memory), odd ``t`` from its end (the hot groups: row tiles that share a slice through L2,
+    bound by the tensor cores), so the programs running at once mix the two kinds instead of running
+    a hot group's tiles together and then the cold groups' (under skewed routing one then waits for
+    memory, the other for math). The order moves no tile's work: the outputs are the same bits."""
+    p = t
+    if MIX:
+        p = tl.where(t % 2 == 0, t // 2, total - 1 - t // 2)
+    pos = tl.sum((ocum <= p).to(tl.int32), 0)
+    psel = gidx == pos
+    local = p - pick(psel, ocum - otiles)
+    mbg = pick(psel, omb)
+    if MIX:
+        g = pick(psel, order)
+        sel = gidx == g
+    else:
+        g = pos
+        sel = psel
     ntile = local // mbg
     mtile = local - ntile * mbg
     ee = pick(sel, eend)
@@ -241,15 +276,15 @@ def _gate_up_kernel(
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
-    W13I: tl.constexpr,
+    W13I: tl.constexpr, MIX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BM)
     nt = tl.cdiv(N, BN)
     tiles = mb * nt
-    cum = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
+    order, omb, otiles, ocum = _tile_order(gidx, mb, nt, GP2, MIX)
     wty = tl.pointer_type(x_ptr.dtype.element_ty)
     xd = x_ptr
     if TMA:  # rows past the group's end load the next group's (never stored), past M zeros
@@ -258,8 +293,8 @@ def _gate_up_kernel(
     if STREAMK:
         rr_total, ipt, L, it, it_end = _sk_range(total, nprog, pid, K, BK)
     for t in tl.range(pid, rr_total, nprog, flatten=FLAT):
-        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN,
-                                                                     EVEN_N)
+        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, ocum, otiles, order, omb, gidx, start, eend,
+                                                                     N, BM, BN, EVEN_N, MIX)
         wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
         gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
@@ -268,8 +303,8 @@ def _gate_up_kernel(
     if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
         while it < it_end:
             ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
-            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, cum, tiles, gidx, mb, start,
-                                                                         eend, N, BM, BN, EVEN_N)
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, total, ocum, otiles, order, omb,
+                                                                         gidx, start, eend, N, BM, BN, EVEN_N, MIX)
             wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
             wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
             acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0,
@@ -299,15 +334,15 @@ def _down_kernel(
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
-    ZT: tl.constexpr,
+    ZT: tl.constexpr, MIX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BM)
     nt = tl.cdiv(N, BN)
     tiles = mb * nt
-    cum = tl.cumsum(tiles, 0)
     total = tl.sum(tiles, 0)
+    order, omb, otiles, ocum = _tile_order(gidx, mb, nt, GP2, MIX)
     # zero tiles: rows [start + mb*BM, end) of each segment (trimmed tail, all-zero output)
     zstart = tl.minimum(start + mb * BM, end)
     zrows = tl.maximum(end - zstart, 0)
@@ -322,8 +357,8 @@ def _down_kernel(
     if STREAMK:
         rr_total, ipt, L, it, it_end = _sk_range(total, nprog, pid, K, BK)
     for t in tl.range(pid, rr_total, nprog, flatten=FLAT):
-        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, cum, tiles, gidx, mb, start, eend, N, BM, BN,
-                                                                     EVEN_N)
+        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, ocum, otiles, order, omb, gidx, start, eend,
+                                                                     N, BM, BN, EVEN_N, MIX)
         wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
         down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
                   N, K, stride_am, stride_om, s_dn, s_dk,
@@ -333,8 +368,8 @@ def _down_kernel(
         first_z = total + pid
         while it < it_end:
             ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
-            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, cum, tiles, gidx, mb, start,
-                                                                         eend, N, BM, BN, EVEN_N)
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, total, ocum, otiles, order, omb,
+                                                                         gidx, start, eend, N, BM, BN, EVEN_N, MIX)
             wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
             acc = down_acc(act_ptr, rw_ptr, wd, ad, rows, rows_ld, ee, cols_ld, row0, col0, kk0 * BK, kk1 * BK,
                            N, K, stride_am, s_dn, s_dk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
@@ -665,6 +700,12 @@ def _swap(c: dict) -> bool:
     return bool(c.get("swap", False))
 
 
+def _mix(c: dict) -> bool:
+    """A tile config's ``mix`` (``_tile``: cold groups' tiles and hot groups' taken side by side): off unless the
+    config asks; both kernels of three launches take it with every other option."""
+    return bool(c.get("mix", False))
+
+
 def _flat(c: dict, ws: bool, skip: bool) -> bool:
     """A tile config's ``flat`` where Triton can flatten the tile loop: not with ``ws``, and not when
     tiles of weight-0 rows are skipped (``skip``: the main loop's bound then varies by tile, and
@@ -720,7 +761,7 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
         s_gn, s_gk, s_un, s_uk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
         EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, SWAP=_swap(c), W13I=w13i, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, SWAP=_swap(c), W13I=w13i, MIX=_mix(c), num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 
@@ -738,7 +779,8 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False, zero_
         s_dn, s_dk,
         GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
         EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, SWAP=_swap(c), ZT=zero_tail, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        STREAMK=sk, SWAP=_swap(c), ZT=zero_tail, MIX=_mix(c), num_warps=c["num_warps"],
+        num_stages=c["num_stages"],
     )
 
 
@@ -753,7 +795,7 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
     say_once(f"MoonEP expert kernels: steps whose tile entry says so (H={H}, I={I}: decode, tuning.json) run as "
              "one launch instead of three; its work counters belong to the layer's weights, so one layer's "
              "expert compute must run in stream order (not on two CUDA streams at once)", __name__)
-    unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn)) for opt in ("ws", "flat", "streamk")
+    unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn)) for opt in ("ws", "flat", "streamk", "mix")
               if c.get(opt)]
     if unused:
         say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its loops are neither "
