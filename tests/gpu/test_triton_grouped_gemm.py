@@ -689,3 +689,50 @@ def test_w13i_at_kimi_k2_scale(ws):
     graph.replay()
     torch.cuda.synchronize()
     assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"
+
+
+@pytest.mark.parametrize("schedule", ["pointer", "tma", "big ws", "big flat", "streamk"])
+def test_mixed_tile_order_same_bits(schedule):
+    """The ``"mix"`` tile order (groups sorted by rows on the device, tiles taken from both ends in turn) on a GPU,
+    under every three-launch schedule that takes it, on skewed groups (a hot group beside one-row ones, empty and
+    weightless groups, two pools): only the order moves, so the outputs must be the same bits as the same tiles in
+    group order. A tile taken twice or never (rows NaN or other bits), the sort's keys colliding across programs
+    (programs disagreeing on the order: tiles lost), or another group's weights; then a captured graph replayed on
+    rows of another skew (the order is decided on the device at every launch)."""
+    tk = _triton()
+    if schedule != "pointer" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    H, I = 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    w = _two_pools(gen, H, I, [0, 0, -1, 1, 0, 0, 1, 0], [0, 1, -1, 0, 2, 3, 1, 4])
+    lens = [1, 37, 0, 3, 900, 0, 16, 130]
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
+    plain = {k: dict(v) for k, v in _SWAP_TILES.items()}
+    padded = True
+    if schedule == "tma":
+        plain = {k: {**v, "tma": True} for k, v in plain.items()}
+    elif schedule.startswith("big"):
+        plain = {"gate_up": {**_BIG_GU, "ws": schedule == "big ws"}, "down": {**_BIG_DOWN, "flat": schedule == "big flat"}}
+        padded = schedule != "big flat"  # the flattened loop only without the tile skip
+    elif schedule == "streamk":
+        plain = {k: {**v, "streamk": True} for k, v in plain.items()}
+    mix = {k: {**v, "mix": True} for k, v in plain.items()}
+    want = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=mix, padded=padded))
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(out[:total]).any()), "the mixed order left output rows unwritten"
+    same = torch.equal if schedule != "streamk" else (lambda a, b: _rel(a, b) < _W13I_SAME_TOL)  # stream-K cuts other
+    # tiles in another order: a cut tile's pieces are summed in another grouping (float32), so not the same bits
+    assert same(out[:total], want[:total]), f"the mixed order changed the outputs: {_rel(out[:total], want[:total]):.2e}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=mix, padded=padded)
+    total2 = _refill(x, rw, cu, [300, 0, 0, 64, 1, 0, 31, 2], H, gen)
+    out.fill_(float("nan"))
+    graph.replay()
+    tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
+    torch.cuda.synchronize()
+    assert same(out[:total2], want[:total2]), "a replayed mixed-order launch drifted"
