@@ -327,8 +327,7 @@ ORDER_BM, ORDER_BN, ORDER_N = 16, 8, 16
 
 def _order_report() -> dict:
     """Every tile index ``t`` decoded as the kernels decode it (``_tile_order``, ``_tile``), in group order and
-    with ``MIX`` for 3 and 4 programs: ``[(group, first row, first column)]`` per order, one program decoding the
-    whole list."""
+    with ``MIX``: ``[(group, first row, first column)]`` per order, one program decoding the whole list."""
     import torch
     import triton
     import triton.language as tl
@@ -339,25 +338,25 @@ def _order_report() -> dict:
     _group_table, _tile, _tile_order = triton_kernels._group_table, triton_kernels._tile, triton_kernels._tile_order
 
     @triton.jit
-    def order_kernel(cu_ptr, out_ptr, G, N, nprog, GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    def order_kernel(cu_ptr, out_ptr, G, N, GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      MIX: tl.constexpr):
         gidx, start, eend, end, mb = _group_table(cu_ptr, cu_ptr, G, GP2, BM)
         nt = tl.cdiv(N, BN)
         total = tl.sum(mb * nt, 0)
         order, omb, otiles, ocum = _tile_order(gidx, mb, nt, GP2, MIX)
         for t in range(0, total):  # every program's tiles, decoded by one (the order is the same in all)
-            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, nprog, ocum, otiles, order, omb,
-                                                                         gidx, start, eend, N, BM, BN, True, MIX)
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, ocum, otiles, order, omb, gidx,
+                                                                         start, eend, N, BM, BN, True, MIX)
             tl.store(out_ptr + 3 * t, g)
             tl.store(out_ptr + 3 * t + 1, row0)
             tl.store(out_ptr + 3 * t + 2, col0)
 
     cu = torch.tensor(ORDER_ROWS, dtype=torch.int64).cumsum(0).to(torch.int32)
     got = {}
-    for mix, nprog in ((False, 4), (True, 3), (True, 4)):
+    for mix in (False, True):
         out = torch.full((3 * 64,), -1, dtype=torch.int32)
-        order_kernel[(1,)](cu, out, len(ORDER_ROWS), ORDER_N, nprog, GP2=16, BM=ORDER_BM, BN=ORDER_BN, MIX=mix)
-        got[f"mix {nprog}" if mix else "group"] = [tuple(out[3 * i : 3 * i + 3].tolist()) for i in range(64)]
+        order_kernel[(1,)](cu, out, len(ORDER_ROWS), ORDER_N, GP2=16, BM=ORDER_BM, BN=ORDER_BN, MIX=mix)
+        got["mix" if mix else "group"] = [tuple(out[3 * i : 3 * i + 3].tolist()) for i in range(64)]
     return got
 
 
@@ -433,18 +432,17 @@ def _assert_outputs(d: dict, what: str, hint: str) -> None:
     assert d["err"] < TOL, f"{what}: relative error {d['err']:.3e} >= {TOL}{hint}"
 
 
-def _mixed_order_model(mb: list, nprog: int) -> list:
+def _mixed_order_model(mb: list) -> list:
     """``[(group, first row, first column)]`` per tile index in the mixed order, counted tile by tile: the tiles
     of the groups sorted by (m-blocks, group), group by group and column block by column block; tile ``t``
-    (program ``t % nprog`` of round ``t // nprog``) takes the next from that list's start where program and
-    round have the same parity, else the next from its end."""
+    takes the next from that list's start where ``t`` is even, else the next from its end."""
     starts = [0] + torch_free_cumsum(ORDER_ROWS)[:-1]
     srt = [g for _, g in sorted((b, g) for g, b in enumerate(mb))]
     tiles = [(g, starts[g] + m * ORDER_BM, n * ORDER_BN) for g in srt for n in range(ORDER_N // ORDER_BN)
              for m in range(mb[g])]
     front, back, out = 0, len(tiles) - 1, []
     for t in range(len(tiles)):
-        if (t % nprog + t // nprog) % 2 == 0:
+        if t % 2 == 0:
             out.append(tiles[front])
             front += 1
         else:
@@ -455,10 +453,9 @@ def _mixed_order_model(mb: list, nprog: int) -> list:
 
 def test_mixed_tile_order(report):
     """The tile order "mix" as the kernels decode it (``_tile_order``, ``_tile``), against a model that counts the
-    tiles one by one, for 3 and 4 programs: a wrong closed form for the tiles taken before ``t`` (a tile twice,
-    one never), a sort by group instead of rows, one end only, or each program kept on one end (the parity of
-    ``t`` alone: with an even program count half the programs would only ever take cold tiles) fail here, where
-    the outputs cannot tell an order. The group order is checked too (unchanged by the option)."""
+    tiles one by one: a wrong index from either end (a tile twice, one never), a sort by
+    group instead of rows, or one end only fail here, where the outputs cannot tell an order. The group order is
+    checked too (unchanged by the option)."""
     r = report["_order"]
     assert "error" not in r, r.get("error")
     mb = [-(-n // ORDER_BM) for n in ORDER_ROWS]
@@ -473,14 +470,12 @@ def test_mixed_tile_order(report):
         if key == "group":
             assert got == group, "group order: the tiles are not group by group, column block by column block"
             continue
-        nprog = int(key.split()[1])
-        want = _mixed_order_model(mb, nprog)
+        want = _mixed_order_model(mb)
         assert sorted(got) == sorted(group), f"{key}: not every tile exactly once"
         assert got == want, f"{key}: first difference at tile {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
-    # the model itself alternates each program between the ends (program 0 of 4: start, end, start, ...)
-    m4 = _mixed_order_model(mb, 4)
-    firsts = [m4[t][0] for t in range(0, 12, 4)]
-    assert mb[firsts[0]] == min(b for b in mb if b) and mb[firsts[1]] == max(mb) and mb[firsts[2]] <= mb[firsts[1]], firsts
+    # the model itself: the coldest busy group's tile first, the hottest's second
+    model = _mixed_order_model(mb)
+    assert mb[model[0][0]] == min(b for b in mb if b) and mb[model[1][0]] == max(mb), model[:2]
 
 
 def torch_free_cumsum(xs):

@@ -70,10 +70,10 @@ interleaved if it is kept).
 ``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue), on steps
 without padding (``padded=False``) and without ``ws`` (``_flat``). Same bits either way.
 ``"mix": true`` takes the tiles in another order (``_tile_order``, ``_tile``): the groups sorted by their rows on
-the device (one ``tl.sort`` per program), then tiles from both ends of that list in turn (each program
-alternating between the ends round by round), so that under skewed routing the programs running at once mix
-memory-bound tiles (groups of few rows, each tile a weight slice of its own) with compute-bound ones (a hot
-group's row tiles, sharing a slice through L2) instead of running them in separate rounds. Same bits either way.
+the device (one ``tl.sort`` per program), then tiles from both ends of that list in turn, so that under
+skewed routing the programs running at once mix memory-bound tiles (groups of few rows, each tile a weight
+slice of its own) with compute-bound ones (a hot group's row tiles, sharing a slice through L2) instead of
+running them in separate rounds. Same bits either way.
 
 Tile configurations come from the GPU's section of ``tuning.json`` (``policy.py``: its own, or the one
 its compute capability borrows, said once), looked up by ``H``, ``I`` and the step's tokens per rank
@@ -167,25 +167,21 @@ def _tile_order(gidx, mb, nt, GP2: tl.constexpr, MIX: tl.constexpr):
 
 
 @triton.jit
-def _tile(t, total, nprog, ocum, otiles, order, omb, gidx, start, eend, N, BM: tl.constexpr, BN: tl.constexpr,
+def _tile(t, total, ocum, otiles, order, omb, gidx, start, eend, N, BM: tl.constexpr, BN: tl.constexpr,
           EVEN_N: tl.constexpr, MIX: tl.constexpr):
     """Decode persistent tile ``t`` of ``total`` in the order of ``_tile_order``: its group, the group mask, the
     end of the group's rows that need computing, the tile's rows and columns (plus clamped copies always safe
-    to load), and its first row and column (where the tensor-descriptor loads start). ``MIX``: tile ``t`` is
-    program ``j`` 's tile of round ``r`` (``t = r * nprog + j``, the persistent loop's order); where ``j + r`` is
-    even it is the next tile from the sorted list's start (groups of few rows: tiles that each read a weight
-    slice of their own, bound by memory), else the next from its end (the hot groups: row tiles that share a
-    slice through L2, bound by the tensor cores). So the programs running at once mix the two kinds instead of
-    running a hot group's tiles together and then the cold groups' (under skewed routing one then waits for
-    memory, the other for math), and each program alternates between them round by round (a kind fixed per
-    program would leave the programs of the cheaper kind idle at the end). The order moves no tile's work:
-    the outputs are the same bits."""
+    to load), and its first row and column (where the tensor-descriptor loads start). ``MIX``: even ``t``
+    take the sorted list from its start (groups of few rows: tiles that each read a weight slice of their
+    own, bound by memory), odd ``t`` from its end (the hot groups: row tiles that share a slice through L2,
+    bound by the tensor cores), so the programs running at once mix the two kinds instead of running
+    a hot group's tiles together and then the cold groups' (under skewed routing one then waits for
+    memory, the other for math). With an even program count each program stays on one end (its ``t`` keep their
+    parity); programs alternating between the ends round by round measured the same or 1-2% slower (one H100,
+    ``bench_levers --lever mix``). The order moves no tile's work: the outputs are the same bits."""
     p = t
-    if MIX:  # fb: the tiles before t taken from the start (rounds 0..r-1, then this round's up to program j)
-        r = t // nprog
-        j = t - r * nprog
-        fb = (r // 2) * nprog + (r % 2) * ((nprog + 1) // 2) + (j + 1 - r % 2) // 2
-        p = tl.where((j + r) % 2 == 0, fb, total - 1 - (t - fb))
+    if MIX:
+        p = tl.where(t % 2 == 0, t // 2, total - 1 - t // 2)
     pos = tl.sum((ocum <= p).to(tl.int32), 0)
     psel = gidx == pos
     local = p - pick(psel, ocum - otiles)
@@ -299,8 +295,8 @@ def _gate_up_kernel(
     if STREAMK:
         rr_total, ipt, L, it, it_end = _sk_range(total, nprog, pid, K, BK)
     for t in tl.range(pid, rr_total, nprog, flatten=FLAT):
-        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, nprog, ocum, otiles, order, omb, gidx,
-                                                                     start, eend, N, BM, BN, EVEN_N, MIX)
+        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, ocum, otiles, order, omb, gidx, start,
+                                                                     eend, N, BM, BN, EVEN_N, MIX)
         wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
         gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
@@ -309,9 +305,8 @@ def _gate_up_kernel(
     if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
         while it < it_end:
             ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
-            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, total, nprog, ocum, otiles,
-                                                                         order, omb, gidx, start, eend, N, BM, BN,
-                                                                         EVEN_N, MIX)
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, total, ocum, otiles, order, omb,
+                                                                         gidx, start, eend, N, BM, BN, EVEN_N, MIX)
             wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
             wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
             acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0,
@@ -364,8 +359,8 @@ def _down_kernel(
     if STREAMK:
         rr_total, ipt, L, it, it_end = _sk_range(total, nprog, pid, K, BK)
     for t in tl.range(pid, rr_total, nprog, flatten=FLAT):
-        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, nprog, ocum, otiles, order, omb, gidx,
-                                                                     start, eend, N, BM, BN, EVEN_N, MIX)
+        g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, ocum, otiles, order, omb, gidx, start,
+                                                                     eend, N, BM, BN, EVEN_N, MIX)
         wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
         down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
                   N, K, stride_am, stride_om, s_dn, s_dk,
@@ -375,9 +370,8 @@ def _down_kernel(
         first_z = total + pid
         while it < it_end:
             ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
-            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, total, nprog, ocum, otiles,
-                                                                         order, omb, gidx, start, eend, N, BM, BN,
-                                                                         EVEN_N, MIX)
+            g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(rr_total + ts, total, ocum, otiles, order, omb,
+                                                                         gidx, start, eend, N, BM, BN, EVEN_N, MIX)
             wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
             acc = down_acc(act_ptr, rw_ptr, wd, ad, rows, rows_ld, ee, cols_ld, row0, col0, kk0 * BK, kk1 * BK,
                            N, K, stride_am, s_dn, s_dk, BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
