@@ -3,7 +3,8 @@
 ``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix] [--shapes kimi-k2,qwen3-30b-a3b]
 [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
-The levers (``--lever``, ``LEVER_KERNEL``: each changes one kernel):
+The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
+changes, or for ``mix``, which changes both, gate/up):
 
 - ``w13i`` (gate/up): ``"w13i"`` gate/up tiles (``triton_tiles.gate_up_acc``: gate and up interleaved row by
   row in one weight, one ``[2BN, BK]`` block and one MMA of ``2BN`` columns per step instead of two of ``BN``);
@@ -70,7 +71,8 @@ DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
 DEFAULT_REP = 50
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
 MAX_MMA_N = 256
-#: the levers ``--lever`` takes, and the kernel each one changes (timed alone beside the whole compute)
+#: the levers ``--lever`` takes, and the kernel each one changes (mix: both; gate/up), timed alone beside the whole
+#: compute
 LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up"}
 #: the lever by default
 DEFAULT_LEVER = "w13i"
