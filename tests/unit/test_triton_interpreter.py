@@ -11,6 +11,7 @@ the bar here, 1e-2 on the GPU.
 
 from __future__ import annotations
 
+import itertools
 import json
 import zlib
 
@@ -432,14 +433,19 @@ def _assert_outputs(d: dict, what: str, hint: str) -> None:
     assert d["err"] < TOL, f"{what}: relative error {d['err']:.3e} >= {TOL}{hint}"
 
 
+def _order_tiles(groups, mb: list) -> list:
+    """``[(group, first row, first column)]`` of ``ORDER_ROWS``' tiles, group by group in the order ``groups``,
+    column block by column block within a group."""
+    starts = [0, *itertools.accumulate(ORDER_ROWS)]
+    return [(g, starts[g] + m * ORDER_BM, n * ORDER_BN) for g in groups for n in range(ORDER_N // ORDER_BN)
+            for m in range(mb[g])]
+
+
 def _mixed_order_model(mb: list) -> list:
     """``[(group, first row, first column)]`` per tile index in the mixed order, counted tile by tile: the tiles
-    of the groups sorted by (m-blocks, group), group by group and column block by column block; tile ``t``
-    takes the next from that list's start where ``t`` is even, else the next from its end."""
-    starts = [0] + torch_free_cumsum(ORDER_ROWS)[:-1]
-    srt = [g for _, g in sorted((b, g) for g, b in enumerate(mb))]
-    tiles = [(g, starts[g] + m * ORDER_BM, n * ORDER_BN) for g in srt for n in range(ORDER_N // ORDER_BN)
-             for m in range(mb[g])]
+    of the groups sorted by (m-blocks, group); tile ``t`` takes the next from that list's start where ``t`` is
+    even, else the next from its end."""
+    tiles = _order_tiles([g for _, g in sorted((b, g) for g, b in enumerate(mb))], mb)
     front, back, out = 0, len(tiles) - 1, []
     for t in range(len(tiles)):
         if t % 2 == 0:
@@ -460,9 +466,7 @@ def test_mixed_tile_order(report):
     assert "error" not in r, r.get("error")
     mb = [-(-n // ORDER_BM) for n in ORDER_ROWS]
     total = sum(mb) * (ORDER_N // ORDER_BN)
-    starts = [0] + torch_free_cumsum(ORDER_ROWS)[:-1]
-    group = [(g, starts[g] + m * ORDER_BM, n * ORDER_BN) for g in range(len(mb)) for n in range(ORDER_N // ORDER_BN)
-             for m in range(mb[g])]
+    group = _order_tiles(range(len(mb)), mb)
     for key, got in r.items():
         got = [tuple(e) for e in got]  # JSON brought them back as lists
         assert all(e == (-1, -1, -1) for e in got[total:]), f"{key}: a tile decoded past the list"
@@ -476,14 +480,6 @@ def test_mixed_tile_order(report):
     # the model itself: the coldest busy group's tile first, the hottest's second
     model = _mixed_order_model(mb)
     assert mb[model[0][0]] == min(b for b in mb if b) and mb[model[1][0]] == max(mb), model[:2]
-
-
-def torch_free_cumsum(xs):
-    out, acc = [], 0
-    for v in xs:
-        acc += v
-        out.append(acc)
-    return out
 
 
 @pytest.mark.parametrize("case", CASES)
