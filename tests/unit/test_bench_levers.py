@@ -125,18 +125,21 @@ def test_flat_lever_toggles_the_down_tiles_only():
     assert lines[3].endswith("| - | - | - | - | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 |")
 
 
-def test_mix_lever_times_both_kernels_and_each_alone():
-    """The mix lever leaving a kernel out, changing anything but the order, editing the committed tiles in place, or
-    timing a one-launch entry (which takes its own order) against itself."""
+@pytest.mark.parametrize("lever", ["mix", "streamk"])
+def test_both_kernel_levers_time_both_kernels_and_each_alone(lever):
+    """A lever set on both kernels (the mixed order, stream-K) leaving a kernel out, changing anything but its own
+    option, editing the committed tiles in place, or timing a one-launch entry (which takes neither) against
+    itself."""
     gu = {"BM": 64, "BN": 128, "BK": 64, "tma": True}
     dn = {"BM": 64, "BN": 128, "BK": 64, "tma": True, "flat": True}
-    v = bench_levers.variants({"gate_up": gu, "down": dn}, "mix")
-    assert list(v) == ["committed", "mix", "mix_gate_up", "mix_down", "control"]
-    assert v["mix"] == {"gate_up": {**gu, "mix": True}, "down": {**dn, "mix": True}}
-    assert v["mix_gate_up"] == {"gate_up": {**gu, "mix": True}, "down": dn}
-    assert v["mix_down"] == {"gate_up": gu, "down": {**dn, "mix": True}}
-    assert "mix" not in gu and "mix" not in dn, "the committed tiles were edited in place"
+    v = bench_levers.variants({"gate_up": gu, "down": dn}, lever)
+    assert list(v) == ["committed", lever, f"{lever}_gate_up", f"{lever}_down", "control"]
+    assert v[lever] == {"gate_up": {**gu, lever: True}, "down": {**dn, lever: True}}
+    assert v[f"{lever}_gate_up"] == {"gate_up": {**gu, lever: True}, "down": dn}
+    assert v[f"{lever}_down"] == {"gate_up": gu, "down": {**dn, lever: True}}
+    assert lever not in gu and lever not in dn, "the committed tiles were edited in place"
     one = {"gate_up": gu, "down": dn, "fused": {"num_warps": 8, "num_stages": 4, "progs_per_sm": 1}}
-    assert list(bench_levers.variants(one, "mix")) == ["committed", "control"]
-    assert "one launch" in bench_levers.lever_absent(one, "mix") and "mix" in bench_levers.lever_absent(one, "mix")
-    assert bench_levers.parse_args(["--lever", "mix"]).lever == "mix"
+    assert list(bench_levers.variants(one, lever)) == ["committed", "control"]
+    assert "one launch" in bench_levers.lever_absent(one, lever) and lever in bench_levers.lever_absent(one, lever)
+    assert bench_levers.parse_args(["--lever", lever]).lever == lever
+    assert bench_levers.LEVER_KERNEL[lever] == "gate_up", "the kernel timed alone beside the whole compute"

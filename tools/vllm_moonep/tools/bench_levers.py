@@ -1,10 +1,10 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix] [--shapes kimi-k2,qwen3-30b-a3b]
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk] [--shapes kimi-k2,qwen3-30b-a3b]
 [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
-changes, or for ``mix``, which changes both, gate/up):
+changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 
 - ``w13i`` (gate/up): ``"w13i"`` gate/up tiles (``triton_tiles.gate_up_acc``: gate and up interleaved row by
   row in one weight, one ``[2BN, BK]`` block and one MMA of ``2BN`` columns per step instead of two of ``BN``);
@@ -14,6 +14,9 @@ changes, or for ``mix``, which changes both, gate/up):
 - ``mix`` (both kernels; gate/up timed alone): the committed tiles taken in the mixed order (``"mix"``,
   ``triton_kernels._tile``: the groups sorted by rows, tiles from both ends in turn), on both kernels and on
   each alone. A one-launch entry does not take it (its row says so).
+- ``streamk`` (both kernels; gate/up timed alone): the committed tiles with their last tiles cut between
+  programs (``"streamk"``, ``triton_kernels._sk_range``), on both kernels and on each alone; as ``mix``, none
+  at a one-launch entry.
 
 For each shape, tokens per rank and routing (balanced, skewed) it builds the same rank-0 case as
 ``bench_experts`` (its ``rank0_case``, ``make_weights``, ``make_inputs``, ``entry_ends``: rank 0 of EP=8,
@@ -27,6 +30,8 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
     flat_off/on   (--lever flat) the same tiles with the down tiles' "flat" toggled
     mix, mix_gate_up, mix_down
                   (--lever mix) the same tiles with "mix" on both kernels, on gate/up only, on down only
+    streamk, streamk_gate_up, streamk_down
+                  (--lever streamk) the same, with "streamk"
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
                   ratio to committed is the run's noise at the point, the band a lever must clear
 
@@ -71,9 +76,11 @@ DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
 DEFAULT_REP = 50
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
 MAX_MMA_N = 256
-#: the levers ``--lever`` takes, and the kernel each one changes (mix: both; gate/up), timed alone beside the whole
-#: compute
-LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up"}
+#: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk: both; gate/up), timed alone beside
+#: the whole compute
+LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up"}
+#: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
+BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
 DEFAULT_LEVER = "w13i"
 
@@ -119,9 +126,9 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     """The configs one point times: the committed tiles; for ``w13i`` the same with ``"w13i"`` and (where the
     committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved and ``"w13i"``; for ``flat`` the
     same with the down tiles' ``"flat"`` toggled (``flat_off`` or ``flat_on``; none where the committed entry
-    is one launch, which does not take ``flat``: ``lever_absent`` says so); for ``mix`` the same with ``"mix"`` on
-    both kernels and on each alone (none for a one-launch entry); and the committed tiles again as ``control``
-    (last)."""
+    is one launch, which does not take ``flat``: ``lever_absent`` says so); for ``mix`` and ``streamk`` the same
+    with that option on both kernels and on each alone (none for a one-launch entry); and the committed tiles
+    again as ``control`` (last)."""
     if lever not in LEVER_KERNEL:
         raise ValueError(f"bench_levers: unknown lever {lever!r}; known: {', '.join(sorted(LEVER_KERNEL))}")
     out = {"committed": committed}
@@ -130,12 +137,12 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
         out["w13i"] = {**committed, "gate_up": {**gu, "w13i": True}}
         if 2 * gu["BN"] > MAX_MMA_N:
             out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2, "w13i": True}}
-    elif lever == "mix":
+    elif lever in BOTH_KERNELS:
         if not committed.get("fused"):
             gu, dn = committed["gate_up"], committed["down"]
-            out["mix"] = {**committed, "gate_up": {**gu, "mix": True}, "down": {**dn, "mix": True}}
-            out["mix_gate_up"] = {**committed, "gate_up": {**gu, "mix": True}}
-            out["mix_down"] = {**committed, "down": {**dn, "mix": True}}
+            out[lever] = {**committed, "gate_up": {**gu, lever: True}, "down": {**dn, lever: True}}
+            out[f"{lever}_gate_up"] = {**committed, "gate_up": {**gu, lever: True}}
+            out[f"{lever}_down"] = {**committed, "down": {**dn, lever: True}}
     elif not committed.get("fused"):
         dn = committed["down"]
         if dn.get("flat"):
@@ -148,7 +155,7 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
 
 def lever_absent(committed: dict, lever: str) -> str | None:
     """Why a point has no variant of ``lever`` (``None`` where it has one)."""
-    if lever in ("flat", "mix") and committed.get("fused"):
+    if (lever == "flat" or lever in BOTH_KERNELS) and committed.get("fused"):
         return f"the committed entry runs as one launch, which does not take \"{lever}\""
     return None
 
