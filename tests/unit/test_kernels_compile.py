@@ -18,6 +18,19 @@ from triton.compiler import ASTSource  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 
 
+# the expert kernels' runtime arguments (everything but their constexprs)
+_GEMM_PTRS = dict(x_ptr="*bf16", rw_ptr="*fp32", cu_ptr="*i32")
+_GEMM_DIMS = dict(M="i32", G="i32", N="i32", K="i32")
+_SK_PTRS = dict(ws_ptr="*fp32", tk_ptr="*i32")  # the stream-K workspace and tickets
+GATE_UP_SIG = dict(_GEMM_PTRS, eff_ptr="*i32", tab_ptr="*i64", act_ptr="*bf16", **_SK_PTRS, **_GEMM_DIMS,
+                   stride_xm="i32", stride_am="i32", s_gn="i32", s_gk="i32", s_un="i32", s_uk="i32")
+DOWN_SIG = dict(act_ptr="*bf16", rw_ptr="*fp32", cu_ptr="*i32", eff_ptr="*i32", tab_ptr="*i64", out_ptr="*bf16",
+                **_SK_PTRS, **_GEMM_DIMS, stride_am="i32", stride_om="i32", s_dn="i32", s_dk="i32")
+FUSED_SIG = dict(_GEMM_PTRS, ends_ptr="*i32", tab_ptr="*i64", act_ptr="*bf16", out_ptr="*bf16", sync_ptr="*i32",
+                 M="i32", G="i32", I="i32", H="i32", stride_xm="i32", stride_am="i32", stride_om="i32", s_gn="i32",
+                 s_gk="i32", s_un="i32", s_uk="i32", s_dn="i32", s_dk="i32")
+
+
 def _kernels():
     from vllm_moonep.common import pad_kernel
     from vllm_moonep.engine.planning import device_planner as dp
@@ -60,16 +73,7 @@ def _kernels():
     # the expert kernels at Kimi-K2 shape, decode and prefill tiles (tuning.json's), and the one-launch kernel
     from vllm_moonep.common.grouped_gemm import triton_fused, triton_kernels as gk
 
-    gemm_ptrs = dict(x_ptr=bf16, rw_ptr="*fp32", cu_ptr="*i32")
-    gemm_dims = dict(M=i32, G=i32, N=i32, K=i32)
-    sk_ptrs = dict(ws_ptr="*fp32", tk_ptr="*i32")  # the stream-K workspace and tickets
-    gu_sig = dict(gemm_ptrs, eff_ptr="*i32", tab_ptr="*i64", act_ptr=bf16, **sk_ptrs, **gemm_dims, stride_xm=i32,
-                  stride_am=i32, s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32)
-    dn_sig = dict(act_ptr=bf16, rw_ptr="*fp32", cu_ptr="*i32", eff_ptr="*i32", tab_ptr="*i64", out_ptr=bf16, **sk_ptrs,
-                  **gemm_dims, stride_am=i32, stride_om=i32, s_dn=i32, s_dk=i32)
-    fused_sig = dict(gemm_ptrs, ends_ptr="*i32", tab_ptr="*i64", act_ptr=bf16, out_ptr=bf16, sync_ptr="*i32", M=i32, G=i32, I=i32, H=i32,
-                     stride_xm=i32, stride_am=i32, stride_om=i32, s_gn=i32, s_gk=i32, s_un=i32, s_uk=i32, s_dn=i32,
-                     s_dk=i32)
+    gu_sig, dn_sig, fused_sig = GATE_UP_SIG, DOWN_SIG, FUSED_SIG
     flags = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True)
     fused_cx = dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128,
                     BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, SWAP1=False, SWAP2=False, ZT=True,
@@ -174,3 +178,108 @@ def test_kernel_compiles_for_sm90(name):
     if "swapped" in name:
         ptx = compiled.asm["ptx"]
         assert "wgmma" in ptx and "mma.sync" not in ptx, f"{name}: swapped tiles compiled to the per-warp MMA"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the tiles the product ships, compiled as a Hopper GPU compiles them at their launch
+# ------------------------------------------------------------------------------------------------------------
+
+#: the shared memory one block may opt into on Hopper (H100, H200)
+SMEM_PER_BLOCK = 227 * 1024
+#: the generic tiles (``DEFAULT_CONFIGS``) are compiled at a shape with no tuning.json entry: Qwen3-235B-A22B's
+GENERIC_SHAPE = (4096, 1536)
+#: groups per launch (the kernels' ``GP2``): E/R + B at EP=8 for the shipped shapes is 17-49
+GROUPS = 64
+#: arguments the launch's values specialize (Triton's JIT): unit strides become the constant 1, and pointers,
+#: row strides and the dimensions (multiples of 16 at every shape) are known divisible by 16. The
+#: unspecialized compile of ``test_kernel_compiles_for_sm90`` cannot vectorize the weight loads and leaves
+#: every pointer-load main loop unpipelined, which no GPU runs.
+UNIT_STRIDES = ("s_gk", "s_uk", "s_dk")
+DIVISIBLE = ("stride_xm", "stride_am", "stride_om", "s_gn", "s_un", "s_dn", "N", "K", "H", "I")
+
+
+def _shipped():
+    """``(label, kernel, signature, launch meta)`` for each kernel launch the
+    shipped tiles make on a Hopper GPU (options resolved as ``expert_ffn_triton`` resolves them there, on the
+    layer's call: the engine's row ends, tails left, padded steps; the unpadded form too where it differs): every
+    entry of every device section of tuning.json, and the generic tiles."""
+    import json
+    from importlib import resources
+
+    from vllm_moonep.common.grouped_gemm import triton_fused, triton_kernels as tk
+
+    table = json.loads(resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json").read_text())
+    entries = [(f"{dev} {e['shape']} {e['tokens_per_rank']}", e["H"], e["I"], e)
+               for dev, sec in table["devices"].items() for e in sec["tiles"]]
+    entries += [(f"generic {name} at H={GENERIC_SHAPE[0]} I={GENERIC_SHAPE[1]}", *GENERIC_SHAPE, cfg)
+                for name, cfg in tk.DEFAULT_CONFIGS.items()]
+    out = []
+    for label, H, I, e in entries:
+        gu, dn = e["gate_up"], e["down"]
+        if e.get("fused"):
+            meta = tk.fused_meta(e, H, I, GROUPS, dot_f32=False, skip=True, tma1=bool(gu.get("tma")),
+                                 tma2=bool(dn.get("tma")), w13i=bool(gu.get("w13i")), zero_tail=False, has_ends=True)
+            out.append((f"{label} one launch", triton_fused.fused_kernel, FUSED_SIG, meta))
+            continue
+        for kind, fn, sig, c, build in (("gate_up", tk._gate_up_kernel, GATE_UP_SIG, gu, tk.gate_up_meta),
+                                         ("down", tk._down_kernel, DOWN_SIG, dn, tk.down_meta)):
+            tma = bool(c.get("tma"))
+            ws = tma and tk._ws(c)
+            for skip in (True, False):
+                flat = tk._flat(c, ws, skip)
+                if not skip and not flat:
+                    continue  # the unpadded form compiles to the same loops
+                extra = dict(w13i=bool(c.get("w13i"))) if kind == "gate_up" else dict(zero_tail=False)
+                meta = build(c, H, I, GROUPS, dot_f32=False, skip=skip, tma=tma, ws=ws, flat=flat,
+                             streamk=bool(c.get("streamk")), **extra)
+                out.append((f"{label} {kind}{'' if skip else ' unpadded'}", fn, sig, meta))
+    return out
+
+
+def _shipped_ids():
+    try:
+        return [c[0] for c in _shipped()]
+    except Exception as exc:  # pragma: no cover - reported by the test below
+        return [f"import-failed:{type(exc).__name__}"]
+
+
+@pytest.mark.parametrize("name", _shipped_ids())
+def test_shipped_tiles_pipeline_and_fit_hopper(name):
+    """Each launch of the shipped tiles, compiled with the specialization and the warps and stages it launches
+    with. Catches: a main loop the pipeliner leaves synchronous (a load it cannot make asynchronous: right
+    results, several times slower, invisible on CPU), and a tile set whose stages exceed what one block may hold
+    (it fails at its first launch). Not checked: that ``progs_per_sm`` programs reside together; where fewer
+    do, the rest run as a second wave, which measured faster for the generic "mid" tiles."""
+    _, fn, sig, meta = {c[0]: c for c in _shipped()}[name]
+    constexprs = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
+    signature = dict(sig)
+    attrs = {}
+    for key in signature:
+        if key in UNIT_STRIDES:
+            constexprs[key] = 1
+        elif signature[key].startswith("*") or key in DIVISIBLE:
+            attrs[(fn.arg_names.index(key),)] = [["tt.divisibility", 16]]
+    for key in constexprs:
+        signature[key] = "constexpr"
+    stages = meta["num_stages"]
+    k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
+                       options=dict(num_warps=meta["num_warps"], num_stages=stages))
+    ptx, shared = k.asm["ptx"], k.metadata.shared
+    tma = constexprs.get("TMA", False) or constexprs.get("TMA1", False)
+    assert stages > 1 and ("cp.async.bulk.tensor" if tma else "cp.async.cg") in ptx, \
+        f"{name}: {stages} stages asked, but the main loop's loads are not asynchronous (not pipelined)"
+    # every operand block of a main-loop step held in stages - 1 buffers at least: a weight load left
+    # synchronous beside asynchronous row loads holds one (seen with the unit strides not specialized)
+    step = _step_bytes(fn.__name__, constexprs)
+    assert shared >= (stages - 1) * step, (f"{name}: {shared} B of shared memory for {stages} stages of "
+                                           f"{step} B operand blocks: some operand is not multi-buffered")
+    assert shared <= SMEM_PER_BLOCK, f"{name}: {shared} B of shared memory, above Hopper's {SMEM_PER_BLOCK} per block"
+
+
+def _step_bytes(kernel: str, cx: dict) -> int:
+    """Bytes of the bf16 operand blocks one main-loop step loads: the rows' ``[BM, BK]`` and the weights' (gate/up:
+    gate and up, ``[BN, BK]`` each; down: one); the one launch, the larger of its two loops' (they share memory)."""
+    if kernel == "fused_kernel":
+        return 2 * max((cx["BM1"] + 2 * cx["BN1"]) * cx["BK1"], (cx["BM2"] + cx["BN2"]) * cx["BK2"])
+    weights = 2 if kernel == "_gate_up_kernel" else 1
+    return 2 * (cx["BM"] + weights * cx["BN"]) * cx["BK"]

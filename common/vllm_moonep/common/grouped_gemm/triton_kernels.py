@@ -674,13 +674,18 @@ def _descriptors(c: dict, a: torch.Tensor, w_row_strides: tuple) -> tuple[bool, 
                  f"16-byte aligned rows (here: {a.device}, row stride {a.stride(0)} x {esize} B, weight row strides "
                  f"{tuple(w_row_strides)}); using pointer loads", __name__)
         return False, False
+    return True, _ws(c)
+
+
+def _ws(c: dict) -> bool:
+    """A TMA tile config's ``ws`` where Triton can compile it: with at least ``WS_MIN_WARPS`` warps."""
     ws = bool(c.get("ws", False))
     if ws and c["num_warps"] < WS_MIN_WARPS and not interpreting():
         say_once(f"MoonEP expert kernels: a tile config asks for the warp-specialized loop with {c['num_warps']} warps; "
                  f"Triton's Hopper warp specialization needs {WS_MIN_WARPS} (it fails to compile with fewer): "
                  "running that loop without it", __name__)
         ws = False
-    return True, ws
+    return ws
 
 
 def _w13i(prep: _Prepared, gu: dict) -> tuple[bool, torch.Tensor, tuple]:
@@ -761,10 +766,18 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
         x, route_w, cu, eff, table, act, wsp, tks,
         x.shape[0], G, I, H, x.stride(0), act.stride(0),
         s_gn, s_gk, s_un, s_uk,
-        GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
-        EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, SWAP=_swap(c), W13I=w13i, MIX=_mix(c), num_warps=c["num_warps"], num_stages=c["num_stages"],
+        **gate_up_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=sk, w13i=w13i),
     )
+
+
+def gate_up_meta(c: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
+                 streamk: bool, w13i: bool) -> dict:
+    """The gate/up kernel's compile-time arguments for tile config ``c`` with its options resolved (the launch's;
+    ``test_kernels_compile`` compiles every shipped entry from them)."""
+    return dict(GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
+                EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
+                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), W13I=w13i, MIX=_mix(c), num_warps=c["num_warps"],
+                num_stages=c["num_stages"])
 
 
 def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False, zero_tail=True):
@@ -779,11 +792,19 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False, zero_
         act, route_w, cu, eff, prep.table, dst, wsp, tks,
         act.shape[0], G, H, I, act.stride(0), dst.stride(0),
         s_dn, s_dk,
-        GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
-        EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws, FLAT=flat,
-        STREAMK=sk, SWAP=_swap(c), ZT=zero_tail, MIX=_mix(c), num_warps=c["num_warps"],
-        num_stages=c["num_stages"],
+        **down_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=sk,
+                    zero_tail=zero_tail),
     )
+
+
+def down_meta(c: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
+              streamk: bool, zero_tail: bool) -> dict:
+    """The down kernel's compile-time arguments for tile config ``c`` with its options resolved (as
+    ``gate_up_meta``)."""
+    return dict(GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
+                EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
+                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), ZT=zero_tail, MIX=_mix(c), num_warps=c["num_warps"],
+                num_stages=c["num_stages"])
 
 
 def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero_tail=True, row_ends=None):
@@ -811,14 +832,22 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
         x, route_w, cu, cu if row_ends is None else row_ends, table, act, dst, prep.sync,
         x.shape[0], G, I, H, x.stride(0), act.stride(0), dst.stride(0),
         s_gn, s_gk, s_un, s_uk, s_dn, s_dk,
-        GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
-        BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
-        BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
-        DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu), SWAP2=_swap(dn), ZT=zero_tail,
-        HAS_ENDS=row_ends is not None, W13I1=w13i, TMA2=tma2,
-        FENCE2=tma2 and not interpreting(),
-        num_warps=f["num_warps"], num_stages=f["num_stages"],
+        **fused_meta(cfg, H, I, G, dot_f32=dot_f32, skip=skip, tma1=tma1, tma2=tma2, w13i=w13i, zero_tail=zero_tail,
+                     has_ends=row_ends is not None),
     )
+
+
+def fused_meta(cfg: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma1: bool, tma2: bool, w13i: bool,
+               zero_tail: bool, has_ends: bool) -> dict:
+    """The one launch's compile-time arguments for tile entry ``cfg`` (its gate_up, down and fused configs) with
+    its options resolved (as ``gate_up_meta``)."""
+    gu, dn, f = cfg["gate_up"], cfg["down"], cfg["fused"]
+    return dict(GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
+                BM1=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
+                BM2=dn["BM"], BN2=dn["BN"], BK2=dn["BK"], EVEN_K2=(I % dn["BK"] == 0), EVEN_N2=(H % dn["BN"] == 0),
+                DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu), SWAP2=_swap(dn), ZT=zero_tail,
+                HAS_ENDS=has_ends, W13I1=w13i, TMA2=tma2, FENCE2=tma2 and not interpreting(),
+                num_warps=f["num_warps"], num_stages=f["num_stages"])
 
 
 def expert_ffn_triton(
