@@ -566,11 +566,15 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
 # configs
 # ----------------------------------------------------------------------------------------------
 
-# Generic configs by the estimated rows per busy group (used where tuning.json has no entry).
+# Generic configs (used where tuning.json has no entry for the shape), by the step's tokens per rank
+# (GENERIC_BY_TOKENS) where the caller knows them, else by the rows per group the buffer implies. "stream" runs
+# 3 stages so that its two programs per SM fit one SM's shared memory (80 KB each); "mid" asks for two programs
+# of 192 KB, one of which resides at a time, the rest running as a second wave: one program per SM measured
+# 0.98-1.07x of that (docs/PERFORMANCE.md, tile options).
 DEFAULT_CONFIGS = {
     "stream": {
-        "gate_up": {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
-        "down": {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
+        "gate_up": {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
+        "down": {"BM": 16, "BN": 64, "BK": 256, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
     },
     "mid": {
         "gate_up": {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2},
@@ -581,6 +585,11 @@ DEFAULT_CONFIGS = {
         "down": {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1},
     },
 }
+
+#: the generic config by tokens per rank: ``(up to tokens, DEFAULT_CONFIGS key)``, the first that covers the step
+#: (``None``: no upper end); measured at H=4096, I=1536 (Qwen3-235B-A22B's experts), rank 0 of EP=8, where the
+#: rows-per-group rule, which counts the buffer's padding slack as rows, took "mid" at decode
+GENERIC_BY_TOKENS = ((16, "stream"), (1024, "mid"), (None, "compute"))
 
 _INTERP_CONFIG = {
     "gate_up": {"BM": 16, "BN": 16, "BK": 32, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1},
@@ -593,8 +602,9 @@ def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None 
     ``tokens_per_rank >= tokens`` when the caller knows the step's tokens per rank (the rows a
     rank computes follow them, whatever the buffer's slack), else the smallest ``max_rows >= NvS``
     (``NvS`` = ``S*K`` plus ``2*(tp-1)*E/R`` rows of slack: at world size 1 the slack alone
-    passes every entry tuned at EP=8); with no entry, a generic regime from the rows per group
-    the buffer implies. ``entries``: tile entries (a ``policy.DevicePolicy``'s ``tiles``); ``None``:
+    passes every entry tuned at EP=8); with no entry for the shape, a generic regime
+    (``DEFAULT_CONFIGS``) by the step's tokens per rank (``GENERIC_BY_TOKENS``), else by the rows per group
+    the buffer implies (said once). ``entries``: tile entries (a ``policy.DevicePolicy``'s ``tiles``); ``None``:
     those of the current CUDA device's policy (``policy.py``: its own section of ``tuning.json``, or the
     one it borrows)."""
     if interpreting():
@@ -622,6 +632,12 @@ def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None 
         if best.get("fused"):
             cfg["fused"] = best["fused"]
         return cfg
+    say_once(f"MoonEP expert kernels: no tile entry for H={H}, I={I} on this GPU (tuning.json); generic tiles by "
+             "tokens per rank (" + ", ".join(f"{name} up to {upto}" if upto is not None else f"{name} above"
+                                             for upto, name in GENERIC_BY_TOKENS)
+             + "), or by rows per group where the step's tokens are not known", __name__)
+    if tokens is not None:
+        return DEFAULT_CONFIGS[next(name for upto, name in GENERIC_BY_TOKENS if upto is None or tokens <= upto)]
     per_group = nvs / max(1, min(n_groups, 64))
     if per_group < 48:
         return DEFAULT_CONFIGS["stream"]
