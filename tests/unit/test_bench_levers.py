@@ -143,3 +143,22 @@ def test_both_kernel_levers_time_both_kernels_and_each_alone(lever):
     assert "one launch" in bench_levers.lever_absent(one, lever) and lever in bench_levers.lever_absent(one, lever)
     assert bench_levers.parse_args(["--lever", lever]).lever == lever
     assert bench_levers.LEVER_KERNEL[lever] == "gate_up", "the kernel timed alone beside the whole compute"
+
+
+def test_generic_lever_times_the_other_generic_regimes_on_an_untuned_shape():
+    """The generic tiles (shapes without a tuning.json entry) had no A/B in the repo: the regime select_config picks
+    must run against each other one, on a shape the packaged table has no entry for, and none twice."""
+    from vllm_moonep.common.grouped_gemm import policy
+    from vllm_moonep.common.grouped_gemm.triton_kernels import DEFAULT_CONFIGS
+
+    shp = bench_levers.LEVER_SHAPES["untuned"]
+    assert bench_levers.parse_args(["--lever", "generic", "--shapes", "untuned"]).shapes == ["untuned"]
+    tuned = {(e["H"], e["I"]) for sec in policy.load_table()["devices"].values() for e in sec["tiles"]}
+    assert (shp["H"], shp["I"]) not in tuned, "the untuned shape got a tile entry: the lever would time no generic pick"
+    v = bench_levers.variants(DEFAULT_CONFIGS["stream"], "generic")
+    assert list(v) == ["committed", "mid", "compute", "control"]
+    assert v["mid"] == DEFAULT_CONFIGS["mid"] and v["mid"]["gate_up"] is not DEFAULT_CONFIGS["mid"]["gate_up"]
+    assert list(bench_levers.variants(DEFAULT_CONFIGS["compute"], "generic")) == ["committed", "stream", "mid", "control"]
+    # a tuned entry's tiles: every generic regime against them
+    assert list(bench_levers.variants({"gate_up": {"BM": 32}, "down": {"BM": 16}}, "generic")) == [
+        "committed", "stream", "mid", "compute", "control"]

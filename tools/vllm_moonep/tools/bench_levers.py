@@ -1,6 +1,6 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk] [--shapes kimi-k2,qwen3-30b-a3b]
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|generic] [--shapes kimi-k2,qwen3-30b-a3b]
 [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
@@ -17,6 +17,9 @@ changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 - ``streamk`` (both kernels; gate/up timed alone): the committed tiles with their last tiles cut between
   programs (``"streamk"``, ``triton_kernels._sk_range``), on both kernels and on each alone; as ``mix``, none
   at a one-launch entry.
+- ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
+  tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
+  ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
 
 For each shape, tokens per rank and routing (balanced, skewed) it builds the same rank-0 case as
 ``bench_experts`` (its ``rank0_case``, ``make_weights``, ``make_inputs``, ``entry_ends``: rank 0 of EP=8,
@@ -32,6 +35,8 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
                   (--lever mix) the same tiles with "mix" on both kernels, on gate/up only, on down only
     streamk, streamk_gate_up, streamk_down
                   (--lever streamk) the same, with "streamk"
+    stream, mid, compute
+                  (--lever generic) the generic regimes' tiles, each but the committed one
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
                   ratio to committed is the run's noise at the point, the band a lever must clear
 
@@ -71,6 +76,11 @@ from vllm_moonep.tools.timing import ROUNDS, rotated_times
 DEFAULT_TOKENS = (256, 1024, 4096)
 #: the shapes by default (``bench_experts.SHAPES``)
 DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
+#: a shape tuning.json has no tile entry for, so the generic tiles run it: Qwen3-235B-A22B's experts (its public
+#: config.json: hidden_size 4096, moe_intermediate_size 1536, num_experts 128, num_experts_per_tok 8)
+UNTUNED_SHAPE = {"H": 4096, "I": 1536, "E": 128, "K": 8}
+#: the shapes ``--shapes`` takes: ``bench_experts``' and ``untuned``
+LEVER_SHAPES = {**SHAPES, "untuned": UNTUNED_SHAPE}
 #: do_bench ``rep`` (ms) per timing by default: 2 shapes x 3 points x 2 routings x 4 variants x 2 scopes x ROUNDS
 #: timings (about 40 s of replays, each timing also pays its warm-up and L2 flushes), plus compiles
 DEFAULT_REP = 50
@@ -78,7 +88,7 @@ DEFAULT_REP = 50
 MAX_MMA_N = 256
 #: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk: both; gate/up), timed alone beside
 #: the whole compute
-LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up"}
+LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "generic": "gate_up"}
 #: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
 BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
@@ -98,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lever", choices=sorted(LEVER_KERNEL), default=DEFAULT_LEVER,
                     help="the lever to A/B against the committed tiles (default: %(default)s)")
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                    help=f"comma-separated model shapes, of {', '.join(sorted(SHAPES))} (default: %(default)s)")
+                    help=f"comma-separated model shapes, of {', '.join(sorted(LEVER_SHAPES))} (default: %(default)s)")
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                     help="comma-separated tokens per rank (default: %(default)s)")
     ap.add_argument("--rep", type=int, default=DEFAULT_REP,
@@ -107,9 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="alternated rounds of timings per variant, each round's order rotated (default: %(default)s)")
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES]
+    bad = [s for s in shapes if s not in LEVER_SHAPES]
     if bad or not shapes:
-        ap.error(f"--shapes: unknown shape(s) {bad or [args.shapes]}; known: {', '.join(sorted(SHAPES))}")
+        ap.error(f"--shapes: unknown shape(s) {bad or [args.shapes]}; known: {', '.join(sorted(LEVER_SHAPES))}")
     try:
         tokens = _positive_ints(args.tokens)
     except ValueError:
@@ -127,8 +137,9 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved and ``"w13i"``; for ``flat`` the
     same with the down tiles' ``"flat"`` toggled (``flat_off`` or ``flat_on``; none where the committed entry
     is one launch, which does not take ``flat``: ``lever_absent`` says so); for ``mix`` and ``streamk`` the same
-    with that option on both kernels and on each alone (none for a one-launch entry); and the committed tiles
-    again as ``control`` (last)."""
+    with that option on both kernels and on each alone (none for a one-launch entry); for ``generic`` each
+    generic regime's tiles (``DEFAULT_CONFIGS``) but the committed ones; and the committed tiles again as
+    ``control`` (last)."""
     if lever not in LEVER_KERNEL:
         raise ValueError(f"bench_levers: unknown lever {lever!r}; known: {', '.join(sorted(LEVER_KERNEL))}")
     out = {"committed": committed}
@@ -137,6 +148,12 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
         out["w13i"] = {**committed, "gate_up": {**gu, "w13i": True}}
         if 2 * gu["BN"] > MAX_MMA_N:
             out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2, "w13i": True}}
+    elif lever == "generic":
+        from vllm_moonep.common.grouped_gemm.triton_kernels import DEFAULT_CONFIGS
+
+        for name, tiles in DEFAULT_CONFIGS.items():
+            if tiles != committed:
+                out[name] = {k: dict(v) for k, v in tiles.items()}
     elif lever in BOTH_KERNELS:
         if not committed.get("fused"):
             gu, dn = committed["gate_up"], committed["down"]
@@ -285,7 +302,7 @@ def main(argv=None) -> int:
     print("# " + _ceiling_line(ceil, "measured first"), flush=True)
     rows: list[dict] = []
     for sname in args.shapes:
-        shp = SHAPES[sname]
+        shp = LEVER_SHAPES[sname]
         H, I, E = shp["H"], shp["I"], shp["E"]
         G = E + default_num_slots(E, R)
         weights = GroupedWeights.contiguous(*make_weights(H, I, G, dev))
