@@ -138,8 +138,8 @@ def test_tiles_follow_the_steps_tokens_not_the_buffers_slack():
 def test_generic_tiles_follow_the_steps_tokens(caplog):
     """A shape with no tile entry (Qwen3-235B-A22B's experts) took its generic tiles by rows per group, NvS over
     the groups: at decode the buffer's padding slack alone (4072 rows for 8 real at EP=8) made that 64 rows, and
-    every decode step ran the 64-row "mid" tiles, where the 16-row "stream" tiles take 0.89-0.96x of their time
-    (one H100, 1 and 16 tokens per rank).
+    every decode step ran the 64-row "mid" tiles, where the 16-row "stream" tiles take 0.89-0.96x of their time,
+    and so did 256 and 1024 tokens, where the 128-row "compute" tiles take 0.68-0.94x (one H100).
     With the step's tokens known, the generic regime follows them; without, the rows rule as before. The choice
     is said once."""
     tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
@@ -154,11 +154,11 @@ def test_generic_tiles_follow_the_steps_tokens(caplog):
 
     defaults._SAID.clear()
     with caplog.at_level(logging.INFO):
-        picked = {t: pick(tokens=t) for t in (1, 16, 17, 64, 1024, 1025, 4096)}
+        picked = {t: pick(tokens=t) for t in (1, 16, 17, 64, 65, 256, 4096)}
         assert pick() == "mid"  # tokens not known: rows per group (4072 / 32 = 127)
-    assert picked == {1: "stream", 16: "stream", 17: "mid", 64: "mid", 1024: "mid", 1025: "compute", 4096: "compute"}
+    assert picked == {1: "stream", 16: "stream", 17: "mid", 64: "mid", 65: "compute", 256: "compute", 4096: "compute"}
     said = [r.getMessage() for r in caplog.records if "no tile entry for H=4096, I=1536" in r.getMessage()]
-    assert len(said) == 1 and "stream up to 16, mid up to 1024, compute above" in said[0], said
+    assert len(said) == 1 and "stream up to 16, mid up to 64, compute above" in said[0], said
     # a shape the table has: its entry, whatever the tokens
     assert tk.select_config(7168, 2048, nvs, groups, entries=table, tokens=1) == {"gate_up": {}, "down": {}}
 

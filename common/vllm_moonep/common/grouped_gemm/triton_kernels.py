@@ -587,9 +587,10 @@ DEFAULT_CONFIGS = {
 }
 
 #: the generic config by tokens per rank: ``(up to tokens, DEFAULT_CONFIGS key)``, the first that covers the step
-#: (``None``: no upper end); measured at H=4096, I=1536 (Qwen3-235B-A22B's experts), rank 0 of EP=8, where the
-#: rows-per-group rule, which counts the buffer's padding slack as rows, took "mid" at decode
-GENERIC_BY_TOKENS = ((16, "stream"), (1024, "mid"), (None, "compute"))
+#: (``None``: no upper end); measured at H=4096, I=1536 (Qwen3-235B-A22B's experts), rank 0 of EP=8
+#: (``bench_levers --lever generic --shapes untuned``), where the rows-per-group rule, which counts the buffer's
+#: padding slack as rows, took "mid" from 1 to 1024 tokens
+GENERIC_BY_TOKENS = ((16, "stream"), (64, "mid"), (None, "compute"))
 
 _INTERP_CONFIG = {
     "gate_up": {"BM": 16, "BN": 16, "BK": 32, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1},
