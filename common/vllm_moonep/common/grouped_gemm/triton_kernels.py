@@ -570,7 +570,7 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
 # (GENERIC_BY_TOKENS) where the caller knows them, else by the rows per group the buffer implies. "stream" runs
 # 3 stages so that its two programs per SM fit one SM's shared memory (80 KB each); "mid" asks for two programs
 # of 192 KB, one of which resides at a time, the rest running as a second wave: one program per SM measured
-# 0.98-1.07x of that (docs/PERFORMANCE.md, tile options).
+# 0.98-1.07x of that (docs/PERFORMANCE.md, shapes without a tile entry).
 DEFAULT_CONFIGS = {
     "stream": {
         "gate_up": {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4, "num_stages": 3, "progs_per_sm": 2},
