@@ -186,8 +186,6 @@ def test_kernel_compiles_for_sm90(name):
 
 #: the shared memory one block may opt into on Hopper (H100, H200)
 SMEM_PER_BLOCK = 227 * 1024
-#: the generic tiles (``DEFAULT_CONFIGS``) are compiled at a shape with no tuning.json entry: Qwen3-235B-A22B's
-GENERIC_SHAPE = (4096, 1536)
 #: groups per launch (the kernels' ``GP2``): E/R + B at EP=8 for the shipped shapes is 17-49
 GROUPS = 64
 #: arguments the launch's values specialize (Triton's JIT): unit strides become the constant 1, and pointers,
@@ -199,20 +197,22 @@ DIVISIBLE = ("stride_xm", "stride_am", "stride_om", "s_gn", "s_un", "s_dn", "N",
 
 
 def _shipped():
-    """``(label, kernel, signature, launch meta)`` for each kernel launch the
-    shipped tiles make on a Hopper GPU (options resolved as ``expert_ffn_triton`` resolves them there, on the
-    layer's call: the engine's row ends, tails left, padded steps; the unpadded form too where it differs): every
-    entry of every device section of tuning.json, and the generic tiles."""
+    """``(label, kernel, signature, launch meta)`` for each kernel launch the shipped tiles make on a Hopper GPU
+    (options resolved as ``expert_ffn_triton`` resolves them there, on the layer's call: the engine's row ends,
+    tails left, padded steps; the unpadded form too where it differs): every entry of every device section of
+    tuning.json, and the generic tiles at the shape ``bench_levers --lever generic`` measures them on, which has
+    no entry."""
     import json
     from importlib import resources
 
     from vllm_moonep.common.grouped_gemm import triton_fused, triton_kernels as tk
+    from vllm_moonep.tools.bench_levers import UNTUNED_SHAPE
 
     table = json.loads(resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json").read_text())
     entries = [(f"{dev} {e['shape']} {e['tokens_per_rank']}", e["H"], e["I"], e)
                for dev, sec in table["devices"].items() for e in sec["tiles"]]
-    entries += [(f"generic {name} at H={GENERIC_SHAPE[0]} I={GENERIC_SHAPE[1]}", *GENERIC_SHAPE, cfg)
-                for name, cfg in tk.DEFAULT_CONFIGS.items()]
+    H, I = UNTUNED_SHAPE["H"], UNTUNED_SHAPE["I"]
+    entries += [(f"generic {name} at H={H} I={I}", H, I, cfg) for name, cfg in tk.DEFAULT_CONFIGS.items()]
     out = []
     for label, H, I, e in entries:
         gu, dn = e["gate_up"], e["down"]
