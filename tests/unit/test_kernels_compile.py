@@ -154,14 +154,15 @@ def _kernels():
     return cases
 
 
-def _ids():
+def _ids(cases):
+    """The test ids of a case builder (``_kernels``, ``_shipped``): one id naming the error where it fails."""
     try:
-        return [c[0] for c in _kernels()]
+        return [c[0] for c in cases()]
     except Exception as exc:  # pragma: no cover - reported by the test below
         return [f"import-failed:{type(exc).__name__}"]
 
 
-@pytest.mark.parametrize("name", _ids())
+@pytest.mark.parametrize("name", _ids(_kernels))
 def test_kernel_compiles_for_sm90(name):
     """A kernel that passes the interpreter but cannot be compiled (would fail at its first GPU launch); and
     swapped tiles (weight blocks of 64+ columns on the M side) that do not run Hopper's warpgroup MMA, their
@@ -236,14 +237,7 @@ def _shipped():
     return out
 
 
-def _shipped_ids():
-    try:
-        return [c[0] for c in _shipped()]
-    except Exception as exc:  # pragma: no cover - reported by the test below
-        return [f"import-failed:{type(exc).__name__}"]
-
-
-@pytest.mark.parametrize("name", _shipped_ids())
+@pytest.mark.parametrize("name", _ids(_shipped))
 def test_shipped_tiles_pipeline_and_fit_hopper(name):
     """Each launch of the shipped tiles, compiled with the specialization and the warps and stages it launches
     with. Catches: a main loop the pipeliner leaves synchronous (a load it cannot make asynchronous: right

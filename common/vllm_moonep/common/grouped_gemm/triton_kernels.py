@@ -588,9 +588,11 @@ DEFAULT_CONFIGS = {
 
 #: the generic config by tokens per rank: ``(up to tokens, DEFAULT_CONFIGS key)``, the first that covers the step
 #: (``None``: no upper end); measured at H=4096, I=1536 (Qwen3-235B-A22B's experts), rank 0 of EP=8
-#: (``bench_levers --lever generic --shapes untuned``), where the rows-per-group rule, which counts the buffer's
-#: padding slack as rows, took "mid" from 1 to 1024 tokens
+#: (``bench_levers --lever generic --shapes untuned``), where the rows-per-group rule (the fallback without the
+#: step's tokens), which counts the buffer's padding slack as rows, takes "mid" from 1 to 1024 tokens
 GENERIC_BY_TOKENS = ((16, "stream"), (64, "mid"), (None, "compute"))
+_GENERIC_RULE = ", ".join(f"{name} up to {upto}" if upto is not None else f"{name} above"
+                          for upto, name in GENERIC_BY_TOKENS)
 
 _INTERP_CONFIG = {
     "gate_up": {"BM": 16, "BN": 16, "BK": 32, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1},
@@ -634,9 +636,7 @@ def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None 
             cfg["fused"] = best["fused"]
         return cfg
     say_once(f"MoonEP expert kernels: no tile entry for H={H}, I={I} on this GPU (tuning.json); generic tiles by "
-             "tokens per rank (" + ", ".join(f"{name} up to {upto}" if upto is not None else f"{name} above"
-                                             for upto, name in GENERIC_BY_TOKENS)
-             + "), or by rows per group where the step's tokens are not known", __name__)
+             f"tokens per rank ({_GENERIC_RULE}), or by rows per group where the step's tokens are not known", __name__)
     if tokens is not None:
         return DEFAULT_CONFIGS[next(name for upto, name in GENERIC_BY_TOKENS if upto is None or tokens <= upto)]
     per_group = nvs / max(1, min(n_groups, 64))
