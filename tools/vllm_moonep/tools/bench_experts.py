@@ -3,7 +3,7 @@
 ``python -m vllm_moonep.tools.bench_experts [--tune] [--shapes qwen3-30b-a3b,kimi-k2] [--tokens 1,16,...]``
 
 One run measures the ceilings (bf16 8192^3 matmul TFLOP/s, device copy GB/s counting bytes read
-plus written), then for each shape, tokens per rank and routing (balanced, skewed) builds rank
+plus written, and a plain read's GB/s), then for each shape, tokens per rank and routing (balanced, skewed) builds rank
 0's realistic ``cu_seqlens`` of an EP=8 deployment: eight ranks' routing
 (``vllm_moonep.testing.routing.route``) gives ``tpe[8, E]``, the real planner
 (``vllm_moonep.engine.planning.planner.plan_global``, ``B = E/8`` slots, padding 128) gives
@@ -48,6 +48,10 @@ margins the library regimes are chosen on:
   groups (vLLM ships no tuned file for these group counts: its default tiles; the JSON records them).
   Where vLLM cannot run here (not installed, compiled ops missing, ``--no-vllm``) the column reads
   ``-`` and the reason is printed;
+- ``read``, ``read_phased``: the touched weight bytes (the floor's) read by a plain kernel that does nothing
+  else (``weight_read``: one launch; gate and up then down, two launches), the fastest of its tiles: the
+  time those bytes take with a launch, the DRAM's ramp and the last programs' tail, which the floor does
+  not count;
 - ``floor`` = max(useful FLOP / measured matmul rate, touched weight bytes / measured copy rate),
   useful FLOP = ``6*H*I`` per real row (never padding), touched bytes = ``3*H*I*2`` per non-empty
   group;
@@ -239,8 +243,9 @@ CEILING_ROUNDS = 5
 
 
 def measure_ceilings(dev, warm_s: float = CEILING_WARM_S, rounds: int = CEILING_ROUNDS) -> dict:
-    """bf16 8192^3 matmul TFLOP/s and device copy GB/s (bytes read plus written), each the best
-    of ``rounds`` medians after ``warm_s`` seconds of warm-up; every round's figure is kept."""
+    """bf16 8192^3 matmul TFLOP/s, device copy GB/s (bytes read plus written) and plain-read GB/s
+    (``weight_read``, the same 2 GB), each the best of ``rounds`` medians after ``warm_s`` seconds of
+    warm-up; every round's figure is kept."""
     import time
 
     n = 8192
@@ -259,7 +264,12 @@ def measure_ceilings(dev, warm_s: float = CEILING_WARM_S, rounds: int = CEILING_
     cp = [2 * nbytes / (_bench(functools.partial(dst.copy_, src), warmup=20, rep=200) * 1e-3) / 1e9 for _ in range(rounds)]
     del src, dst
     torch.cuda.empty_cache()
+    from vllm_moonep.tools.weight_read import read_rates
+
+    rd, rd_cfg = read_rates(dev, nbytes, lambda fn: _bench(fn, warmup=20, rep=200) * 1e-3, rounds)
+    torch.cuda.empty_cache()
     return {"matmul_tflops": max(mm), "copy_gbs": max(cp), "matmul_rounds": mm, "copy_rounds": cp,
+            "read_gbs": max(rd), "read_rounds": rd, "read_config": rd_cfg, "rate_bytes": nbytes,
             "warm_s": warm_s, "launch_us": launch_floor_us(dev)}
 
 
@@ -278,8 +288,9 @@ def _ceiling_line(ceil: dict, where: str) -> str:
     return (f"Ceilings ({where}): bf16 8192^3 matmul {ceil['matmul_tflops']:.1f} TFLOP/s (best of "
             f"{len(ceil['matmul_rounds'])} medians after {ceil['warm_s']:.0f} s warm-up; rounds "
             f"{', '.join(f'{v:.0f}' for v in ceil['matmul_rounds'])}), device copy {ceil['copy_gbs']:.0f} GB/s "
-            f"(read+write); an empty one-kernel graph replay, timed as the rows are: {ceil.get('launch_us', float('nan')):.1f} us "
-            f"(in every time below, in no floor)")
+            f"(read+write); a plain read {ceil.get('read_gbs', float('nan')):.0f} GB/s (weight_read, "
+            f"{ceil.get('rate_bytes', 0) >> 30} GB); an empty one-kernel graph replay, timed as the rows are: "
+            f"{ceil.get('launch_us', float('nan')):.1f} us (in every time below, in no floor)")
 
 
 def rank0_case(shape: dict, tokens: int, sigma: float, seed: int = 0):
@@ -730,6 +741,7 @@ def main(argv=None) -> int:
     from vllm_moonep.common.grouped_gemm import policy
     from vllm_moonep.common.grouped_gemm.deepgemm_impl import ROW_LAYOUT, deepgemm_unusable
     from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack, quack_unusable
+    from vllm_moonep.tools.weight_read import WeightRead, fastest
 
     if args.deepgemm_layout is None:
         args.deepgemm_layout = ROW_LAYOUT
@@ -995,6 +1007,13 @@ def main(argv=None) -> int:
                     replays["three"] = _graphed(lambda: tk.expert_ffn_triton(x, rw, cu, weights, out=out_3,
                                                                              config=conf3, act=act, padded=False,
                                                                              row_ends=ends, zero_tail=False))
+                # the bytes-only anchors: the point's touched weights read by a plain kernel, in one launch and in
+                # the gate/up-then-down order (weight_read), each with its fastest tiles
+                reader = WeightRead(w_gate, w_up, w_down, (real > 0).nonzero().flatten())
+                read_cfg = {}
+                for col, make in (("read", reader.one), ("read_phased", reader.phased)):
+                    read_cfg[col], replays[col], _ = fastest(lambda c: _graphed(make(c)),  # noqa: B023
+                                                             lambda g: _bench(g[0], rep=args.rep))
                 drow: dict = {"deepgemm_us": None, "deepgemm_masked_us": None}
                 if q_weights is not None and why_d is None and deepgemm_error is None:
                     dfields, deepgemm_error = _deepgemm_point(x, rw, cu, q_weights, out_p, n, args, replays)
@@ -1034,6 +1053,9 @@ def main(argv=None) -> int:
                     "triton_control_us": med["control"], "control_ratio": med["control"] / t_tri,
                     "times_us": times, "rounds": args.rounds,
                     "triton_eager_us": t_tri_eager, "poc_eager_us": t_poc_eager,
+                    "read_us": med["read"], "read_phased_us": med["read_phased"], "read_configs": read_cfg,
+                    "triton_over_read": t_tri / med["read"], "triton_over_read_phased": t_tri / med["read_phased"],
+                    "read_gbs": wbytes / (med["read"] * 1e-6) / 1e9,
                     "triton_tflops_useful": flop / (t_tri * 1e-6) / 1e12,
                     "triton_weight_gbs": wbytes / (t_tri * 1e-6) / 1e9,
                     "err_vs_poc": err_tp, "unwritten": unwritten, "config": conf,
@@ -1047,6 +1069,8 @@ def main(argv=None) -> int:
                     f"# {sname:14s} t={tokens:5d} {routing:8s} rows={n:6d} real={real_rows:6d} busy={busy:3d} "
                     f"triton {t_tri:9.1f} us  poc {t_poc:9.1f} us  floor {floor_us:9.1f} us ({row['floor_kind']}) "
                     f"x{row['triton_over_floor']:.2f}{_three_note(t_three)}  control x{row['control_ratio']:.3f}  "
+                    f"read {row['read_us']:.1f} / phased {row['read_phased_us']:.1f} us (x{row['triton_over_read']:.2f}"
+                    f" / x{row['triton_over_read_phased']:.2f})  "
                     f"{row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
                     f"quack {_us(row['quack_us'])} us{_quack_note(row)}  deepgemm {_us(row['deepgemm_us'])} us{_deepgemm_note(row)}  "
                     f"vllm {_us(row['vllm_us'])} us{_vllm_note(row)}",
@@ -1088,11 +1112,15 @@ def main(argv=None) -> int:
     print()
     print("Triton us: one launch where the tiles say so (then its tiles as three launches beside it, same run).")
     print()
+    print("read us: the point's touched weight bytes (the floor's) read by a plain kernel with no other work "
+          "(weight_read), one launch; phased read: gate and up, then down, two launches (the order the compute "
+          "needs); each the fastest of weight_read.READ_CONFIGS, launch included like every time.")
+    print()
     print("vLLM us: vLLM's own fused_experts on the same real rows and weights (rows as top-1 tokens; its time includes "
           "its grouping of rows by expert and the K-sum).")
     print()
-    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | DeepGEMM us | DeepGEMM masked us | vLLM us | floor us | Triton/floor | Triton/(floor+launch) | PoC/floor | quack/floor | DeepGEMM/floor | masked/floor | vLLM/floor | DeepGEMM/Triton | vLLM/Triton | control/Triton | useful TFLOP/s | weight GB/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | DeepGEMM us | DeepGEMM masked us | vLLM us | floor us | read us | phased read us | Triton/floor | Triton/(floor+launch) | Triton/read | Triton/phased read | PoC/floor | quack/floor | DeepGEMM/floor | masked/floor | vLLM/floor | DeepGEMM/Triton | vLLM/Triton | control/Triton | useful TFLOP/s | weight GB/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         v_t = None if r.get("vllm_us") is None else r["vllm_us"] / r["triton_us"]
         d_t = None if r.get("deepgemm_us") is None else r["deepgemm_us"] / r["triton_us"]
@@ -1100,8 +1128,9 @@ def main(argv=None) -> int:
             f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['rows']} ({r['real_rows']}) | {r['busy_groups']} | "
             f"{r['triton_us']:.1f} | {_us(r.get('triton_three_launches_us'))} | {r['poc_us']:.1f} | {_us(r['quack_us'])} | "
             f"{_us(r.get('deepgemm_us'))} | {_us(r.get('deepgemm_masked_us'))} | "
-            f"{_us(r.get('vllm_us'))} | {r['floor_us']:.1f} ({r['floor_kind']}) | "
-            f"{r['triton_over_floor']:.2f} | {r['triton_over_floor_launch']:.2f} | {r['poc_over_floor']:.2f} | "
+            f"{_us(r.get('vllm_us'))} | {r['floor_us']:.1f} ({r['floor_kind']}) | {r['read_us']:.1f} | "
+            f"{r['read_phased_us']:.1f} | {r['triton_over_floor']:.2f} | {r['triton_over_floor_launch']:.2f} | "
+            f"{r['triton_over_read']:.2f} | {r['triton_over_read_phased']:.2f} | {r['poc_over_floor']:.2f} | "
             f"{_ratio(r.get('quack_over_floor'))} | {_ratio(r.get('deepgemm_over_floor'))} | "
             f"{_ratio(r.get('deepgemm_masked_over_floor'))} | {_ratio(r.get('vllm_over_floor'))} | {_ratio(d_t)} | "
             f"{_ratio(v_t)} | {_ratio(r.get('control_ratio'), '.3f')} | {r['triton_tflops_useful']:.0f} | "
