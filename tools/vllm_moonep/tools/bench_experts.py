@@ -9,8 +9,8 @@ plus written, and a plain read's GB/s), then for each shape, tokens per rank and
 (``vllm_moonep.engine.planning.planner.plan_global``, ``B = E/8`` slots, padding 128) gives
 ``cu_seqlens[0]`` over ``E+B`` groups; real rows carry random hidden states and weights,
 padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM runs the
-layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed
-before each run by ``triton.testing.do_bench``. A point's columns are captured first, each in its own
+layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed and left
+clean before each run (``timing.flushed_median_ms``). A point's columns are captured first, each in its own
 graph and buffers, then timed in ``--rounds`` alternated rounds, each round's order rotated
 (``timing.rotated_times``); each time is the median of the rounds. At the power-bound points a
 kernel's place in a fixed order alone moved its time 4-10% (docs/PERFORMANCE.md), more than the
@@ -98,7 +98,7 @@ import torch
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.models import model
 from vllm_moonep.testing.reference import relative_error
-from vllm_moonep.tools.timing import ROUNDS, capture_graph, rotated_times
+from vllm_moonep.tools.timing import ROUNDS, capture_graph, flushed_median_ms, rotated_times
 
 #: the shapes it sweeps by default (vllm_moonep.testing.models)
 SHAPES = {key: model(key).dims() for key in ("qwen3-30b-a3b", "kimi-k2")}
@@ -223,10 +223,12 @@ def one_launch_tries(tiles: dict) -> list[dict]:
 FUSED_TILES_MAX_BM = 64
 
 
-def _bench(fn, warmup=25, rep=100):
-    import triton.testing
+#: whether each timing's L2 flush leaves L2 clean (``timing.flushed_median_ms``); ``--flush dirty`` clears it
+CLEAN_FLUSH = True
 
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))  # ms
+
+def _bench(fn, warmup=25, rep=100):
+    return flushed_median_ms(fn, warmup=warmup, rep=rep, clean=CLEAN_FLUSH)  # ms
 
 
 def _graphed(fn):
@@ -706,7 +708,11 @@ def main(argv=None) -> int:
                     help="time the shipped tiles of each point also cut by stream-K (\"streamk\"), per kernel, and write "
                          "tuning.json with stream-K where it was faster at every routing (a quick pass; --tune does it "
                          "for its best candidates)")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per timing")
+    ap.add_argument("--rep", type=int, default=100, help="ms of timed calls per timing (timing.flushed_median_ms)")
+    ap.add_argument("--flush", choices=("clean", "dirty"), default="clean",
+                    help="the L2 flush before each timing: written then read back (clean, the default), or only "
+                         "written, as triton.testing.do_bench flushes (dirty: its write-back lands in the timed call; "
+                         "the method of figures taken before 2026-12-06)")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="alternated rounds in which a point's columns (and --tune's final A/B) are timed, each "
                          "round's order rotated; each time is the median of the rounds (default: %(default)s)")
@@ -723,6 +729,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be a positive number of rounds, got {args.rounds}")
+    global CLEAN_FLUSH
+    CLEAN_FLUSH = args.flush == "clean"
     case = None
     if args.profile_case is not None:
         shape, _, tok = args.profile_case.partition(":")
@@ -1108,7 +1116,8 @@ def main(argv=None) -> int:
     print()
     print(f"Times: CUDA-graph replay, median of {args.rounds} alternated rounds of every column, each round's order "
           "rotated (eager launches in the JSON); control = the Triton call timed again as a column of its own: a "
-          "ratio between columns no farther from 1 than control/Triton is noise.")
+          f"ratio between columns no farther from 1 than control/Triton is noise. L2 flushed before each timing "
+          f"({'written, then read back: left clean' if CLEAN_FLUSH else 'written only (--flush dirty): its write-back is in each time'}).")
     print()
     print("Triton us: one launch where the tiles say so (then its tiles as three launches beside it, same run).")
     print()
@@ -1151,7 +1160,7 @@ def main(argv=None) -> int:
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-        "triton": triton.__version__, "python": platform.python_version(), "ceilings": ceil,
+        "triton": triton.__version__, "python": platform.python_version(), "ceilings": ceil, "flush": args.flush,
         "rows": rows, "resources": resources, "argv": sys.argv,
         "vllm": {**vllm_info, "absent": vllm_error,
                  "method": "vLLM's fused_experts on the point's real rows as top-1 tokens over w13 [E+B, 2I, H] and "

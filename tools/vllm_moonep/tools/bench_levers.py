@@ -24,7 +24,7 @@ changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 For each shape, tokens per rank and routing (balanced, skewed) it builds the same rank-0 case as
 ``bench_experts`` (its ``rank0_case``, ``make_weights``, ``make_inputs``, ``entry_ends``: rank 0 of EP=8,
 the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, as CUDA-graph replays
-(``bench_experts._graphed``, ``_bench``: median, L2 flushed)::
+(``bench_experts._graphed``, ``_bench``: median, L2 flushed and left clean)::
 
     committed     select_config's tiles for the point (tuning.json, the step's tokens per rank)
     w13i          the same tiles with "w13i": true (gate/up reads prepare_weights' interleaved copy)
@@ -81,7 +81,7 @@ DEFAULT_SHAPES = ("kimi-k2", "qwen3-30b-a3b")
 UNTUNED_SHAPE = {"H": 4096, "I": 1536, "E": 128, "K": 8}
 #: the shapes ``--shapes`` takes: ``bench_experts``' and ``untuned``
 LEVER_SHAPES = {**SHAPES, "untuned": UNTUNED_SHAPE}
-#: do_bench ``rep`` (ms) per timing by default: 2 shapes x 3 points x 2 routings x 4 variants x 2 scopes x ROUNDS
+#: ``rep`` (ms of timed calls, ``timing.flushed_median_ms``) per timing by default: 2 shapes x 3 points x 2 routings x 4 variants x 2 scopes x ROUNDS
 #: timings (about 40 s of replays, each timing also pays its warm-up and L2 flushes), plus compiles
 DEFAULT_REP = 50
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
@@ -112,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                     help="comma-separated tokens per rank (default: %(default)s)")
     ap.add_argument("--rep", type=int, default=DEFAULT_REP,
-                    help="triton.testing.do_bench rep (ms) per timing (default: %(default)s)")
+                    help="ms of timed calls per timing (timing.flushed_median_ms; default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="alternated rounds of timings per variant, each round's order rotated (default: %(default)s)")
     args = ap.parse_args(argv)

@@ -10,10 +10,14 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["ROUNDS", "capture_graph", "on_side_stream", "round_order", "rotated_times", "sync_device", "timed_median"]
+__all__ = ["FLUSH_BYTES", "ROUNDS", "capture_graph", "flushed_median_ms", "on_side_stream", "round_order",
+           "rotated_times", "sync_device", "timed_median"]
 
 #: rounds of an alternated A/B by default (``rotated_times``): with four candidates each takes each place once
 ROUNDS = 4
+
+#: bytes the L2 flush before each timed call writes and reads back (``flushed_median_ms``; as triton.testing.do_bench's)
+FLUSH_BYTES = 256 << 20
 
 
 def sync_device(dev: torch.device) -> None:
@@ -45,6 +49,47 @@ def timed_median(fn, dev: torch.device, iters: int, warmup: int, barrier: bool =
             if cuda:
                 device.append(e0.elapsed_time(e1) / 1e3)
     return statistics.median(host), (statistics.median(device) if device else None)
+
+
+def flushed_median_ms(fn, warmup: float = 25, rep: float = 100, clean: bool = True) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA device, each call between two CUDA events after an L2
+    flush; calls for about ``warmup`` ms, then about ``rep`` ms timed (as ``triton.testing.do_bench`` sizes them
+    from five flushed calls).
+
+    The flush leaves L2 clean: it writes ``FLUSH_BYTES`` and then reads them back. ``do_bench``'s flush only
+    writes, so L2 is left full of dirty lines that the timed call's first misses write back to DRAM: on an
+    H100 that charged ``bench_experts``' points about 8-10 us they did not spend (Qwen3-30B-A3B's experts at 1
+    token, 66 MB of weights: 42.6 against 35.1 us; docs/PERFORMANCE.md, "How the figures are taken").
+    ``clean=False`` flushes as ``do_bench`` does (writes only), for comparison with figures taken that way."""
+    buf = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    total = torch.empty((), dtype=torch.int64, device="cuda")
+
+    def flush():
+        buf.zero_()
+        if clean:
+            torch.sum(buf, dim=0, out=total)  # the read evicts the dirty lines: written back before the timing
+
+    fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(5):
+        flush()
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    estimate = e0.elapsed_time(e1) / 5
+    for _ in range(max(1, int(warmup / estimate))):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(1, int(rep / estimate)))]
+    for start, end in events:
+        flush()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def on_side_stream(fn, calls: int = 1) -> None:
