@@ -24,6 +24,20 @@ def test_defaults_are_the_issue_points():
     assert a.lever == "w13i" and bench_levers.parse_args(["--lever", "flat"]).lever == "flat"
 
 
+def test_flush_is_clean_unless_asked_dirty():
+    """The timer falling back to a write-only L2 flush by default (its write-back charged to every timing), or
+    ``--flush dirty`` (the method of older figures) not reaching it."""
+    from vllm_moonep.tools import bench_experts
+
+    assert bench_levers.parse_args([]).flush == "clean" and bench_experts.CLEAN_FLUSH
+    try:
+        bench_experts.use_flush(bench_levers.parse_args(["--flush", "dirty"]).flush)
+        assert not bench_experts.CLEAN_FLUSH
+    finally:
+        bench_experts.use_flush("clean")
+    assert bench_experts.CLEAN_FLUSH
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--shapes", "kimi"], "unknown shape(s) ['kimi']"),
     (["--tokens", "256,0"], "--tokens must be comma-separated positive integers"),

@@ -231,6 +231,20 @@ def _bench(fn, warmup=25, rep=100):
     return flushed_median_ms(fn, warmup=warmup, rep=rep, clean=CLEAN_FLUSH)  # ms
 
 
+def add_flush_option(ap: argparse.ArgumentParser) -> None:
+    """``--flush clean|dirty`` (this tool's and ``bench_levers``'): the L2 flush before each timing."""
+    ap.add_argument("--flush", choices=("clean", "dirty"), default="clean",
+                    help="the L2 flush before each timing: written then read back (clean, the default), or only "
+                         "written, as triton.testing.do_bench flushes (dirty: its write-back lands in the timed call; "
+                         "the method of the figures in docs/PERFORMANCE.md that name no flush)")
+
+
+def use_flush(flush: str) -> None:
+    """Time with the ``--flush`` given (``CLEAN_FLUSH``)."""
+    global CLEAN_FLUSH
+    CLEAN_FLUSH = flush == "clean"
+
+
 def _graphed(fn):
     """Capture ``fn`` in a CUDA graph (after two warm-up calls on a side stream); returns replay."""
     g = capture_graph(fn, warm_calls=2)
@@ -709,10 +723,7 @@ def main(argv=None) -> int:
                          "tuning.json with stream-K where it was faster at every routing (a quick pass; --tune does it "
                          "for its best candidates)")
     ap.add_argument("--rep", type=int, default=100, help="ms of timed calls per timing (timing.flushed_median_ms)")
-    ap.add_argument("--flush", choices=("clean", "dirty"), default="clean",
-                    help="the L2 flush before each timing: written then read back (clean, the default), or only "
-                         "written, as triton.testing.do_bench flushes (dirty: its write-back lands in the timed call; "
-                         "the method of figures taken before 2026-12-06)")
+    add_flush_option(ap)
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="alternated rounds in which a point's columns (and --tune's final A/B) are timed, each "
                          "round's order rotated; each time is the median of the rounds (default: %(default)s)")
@@ -729,8 +740,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be a positive number of rounds, got {args.rounds}")
-    global CLEAN_FLUSH
-    CLEAN_FLUSH = args.flush == "clean"
+    use_flush(args.flush)
     case = None
     if args.profile_case is not None:
         shape, _, tok = args.profile_case.partition(":")

@@ -68,8 +68,9 @@ import torch
 
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.reference import relative_error
-from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed, entry_ends,
-                                             make_inputs, make_weights, measure_ceilings, rank0_case, tile_text)
+from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed, add_flush_option,
+                                             entry_ends, make_inputs, make_weights, measure_ceilings, rank0_case,
+                                             tile_text, use_flush)
 from vllm_moonep.tools.timing import ROUNDS, rotated_times
 
 #: the points of the A/B by default: where the GEMMs are compute-bound enough for the levers to matter
@@ -115,6 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="ms of timed calls per timing (timing.flushed_median_ms; default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="alternated rounds of timings per variant, each round's order rotated (default: %(default)s)")
+    add_flush_option(ap)
     args = ap.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes if s not in LEVER_SHAPES]
@@ -295,6 +297,7 @@ def main(argv=None) -> int:
     from vllm_moonep.common.grouped_gemm import GroupedWeights
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
 
+    use_flush(args.flush)
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     ceil = measure_ceilings(dev, warm_s=1.0, rounds=3)
@@ -337,7 +340,7 @@ def main(argv=None) -> int:
         result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": props.name,
                   "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
                   "python": platform.python_version(), "ceilings": ceil, "lever": args.lever, "rounds": args.rounds,
-                  "rep_ms": args.rep,
+                  "flush": args.flush, "rep_ms": args.rep,
                   "rows": rows, "argv": sys.argv}
         with open(os.path.join(out_dir, "bench_levers.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
