@@ -27,8 +27,8 @@ import triton.language as tl
 __all__ = ["READ_CONFIGS", "WeightRead", "fastest", "launch_read", "read_rates"]
 
 #: the read's tiles, each tried at every point (the fastest is the anchor): elements per load (BLOCK), per
-#: program (CHUNK), and warps; every load 16 bytes a thread. From 1 KB to 16 KB per load, 8 KB to 256 KB per
-#: program (on an H100, 1 KB loads and 8-32 KB programs read fastest at every point of bench_experts).
+#: program (CHUNK), and warps; every load 16 bytes a thread. From 1 KB to 16 KB per load, 16 KB to 256 KB per
+#: program (on an H100, 2 KB loads and 16-64 KB programs read fastest at every point of bench_experts).
 READ_CONFIGS = (
     {"BLOCK": 512, "CHUNK": 8192, "num_warps": 2},
     {"BLOCK": 1024, "CHUNK": 8192, "num_warps": 4},
