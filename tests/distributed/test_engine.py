@@ -336,6 +336,76 @@ def test_config_mismatch_across_ranks_is_reported():
     assert all("differs across ranks" in m for m in msgs)
 
 
+def config_mismatch_in_E():
+    """E differing across ranks (8 and Kimi-K2's 384), within one frame block (host_plan.FRAME_BLOCK): the
+    frames' sizes match."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    try:
+        Buffer(16, 8, 2, 8 if r == 0 else 384, R, device=_device(), transport=_transport())
+    except MoonEPInputError as exc:
+        return str(exc)
+    return ""
+
+
+def test_config_mismatch_in_E_is_reported():
+    """The construction check is framed like dispatch's counts (its size follows E's block): ranks that
+    disagree on E must still be told, not meet with frames of different sizes (blocks of 64 words made
+    8 and 384 differ: gloo aborted the process)."""
+    msgs = ranks(2, config_mismatch_in_E)
+    assert all("differs across ranks" in m for m in msgs)
+
+
+def capacity_disagreement():
+    """Ranks on buffers of different capacity S (a token count that differs across ranks, e.g. vLLM's
+    num_tokens_across_dp, picks a pool's buffer): one rank constructs while its peers dispatch, or
+    each dispatches on its own buffer. Every rank refuses, naming it; the next agreed step works."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    H, K, E = 8, 2, 4 * R
+    # the host-planned transports (collective, hybrid) exchange counts in a collective; the symmetric one
+    # exchanges nothing per step (a disagreement there is a device wait that times out, naming the peer)
+    kw = dict(B=2, token_padding=4, device=_device(), dtype=torch.float32, transport="collective")
+
+    def good_step(buf):
+        x, w, ids, tpe = _inputs(buf.S, E, K, H, 1.0, 7, r, torch.float32)
+        xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
+        out, rw, _ = buf.combine(plan, xn, wn)
+        return torch.equal(out, K * x) and torch.equal(rw, w)
+
+    small = Buffer(16, H, K, E, R, **kw)
+    x, w, ids, tpe = _inputs(16, E, K, H, 1.0, 3, r, torch.float32)
+    if r == 1:  # this rank builds the 32-token buffer while its peers dispatch on the 16-token one
+        peers = "; ".join(f"rank {q} is dispatching on a buffer of S=16" for q in range(R) if q != 1)
+        with pytest.raises(MoonEPInputError, match=rf"Buffer.__init__: {peers}, while this rank constructs one of "
+                                                   r"S=32: ranks that disagree on the step's token count"):
+            Buffer(32, H, K, E, R, **kw)
+    else:
+        with pytest.raises(MoonEPInputError, match=r"dispatch: rank 1 is constructing a MoonEP Buffer of S=32, while "
+                                                   r"this rank dispatches on a buffer of S=16: ranks that disagree"):
+            small.dispatch(x, w, ids, tpe)
+    ok = [good_step(small)]  # nothing was moved: the agreed step works on every rank
+    large = Buffer(32, H, K, E, R, **kw)
+    with pytest.raises(MoonEPInputError, match=r"dispatch: the ranks disagree on the step's capacity: S per rank "
+                                               + str([32 if q == 1 else 16 for q in range(R)]).replace("[", r"\[")):
+        if r == 1:
+            xl, wl, idsl, tpel = _inputs(32, E, K, H, 1.0, 3, r, torch.float32)
+            large.dispatch(xl, wl, idsl, tpel)
+        else:
+            small.dispatch(x, w, ids, tpe)
+    ok += [good_step(large), good_step(small)]
+    large.destroy()
+    small.destroy()
+    return ok
+
+
+@pytest.mark.parametrize("R", [2, 3])
+def test_ranks_on_buffers_of_different_capacity_are_told(R):
+    """One rank constructing a larger buffer while its peers dispatched: the construction check met the
+    counts all-gather (sizes 10 vs E: gloo aborted the process with "Received data size doesn't match",
+    and the other rank read the counts as a configuration); both dispatching on different buffers blamed
+    tokens_per_expert. Now every rank names the disagreement and the next agreed step works."""
+    assert ranks(R, capacity_disagreement) == [[True] * 3] * R
+
+
 def world_size_mismatch():
     with pytest.raises(MoonEPInputError, match="does not match the process group"):
         Buffer(16, 8, 2, 24, dist.get_world_size() + 1, device=_device(), transport=_transport())

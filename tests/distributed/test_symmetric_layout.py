@@ -192,6 +192,66 @@ def test_aliasing_adoption_and_bitwise_prefetch(R, E, B):
     assert all(ranks(R, aliasing_and_prefetch, E, B))
 
 
+def _slot_experts(layout, w13):
+    """The global expert each slot holds (bitwise), ``-1`` for none."""
+    return [next((e for e in range(w13.shape[0]) if torch.equal(layout.slots_w13[b], w13[e])), -1)
+            for b in range(layout.num_slots)]
+
+
+def prefetch_checks_the_plan(transport):
+    """prefetch(buffer, plan) with a plan that is not the buffer's latest: refused, slots untouched."""
+    from vllm_moonep.engine import Buffer
+
+    r, R = dist.get_rank(), dist.get_world_size()
+    E, B, S = 8, 4, 16
+    epn = E // R
+    w13, w2 = global_weights(E, H, I, seed=5)
+    layout = SymmetricWeightLayout(*local_experts(w13, w2, r, R), E, B, heap="host")
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=8, device="cpu", transport=transport)
+    other = Buffer(S, H, K, E, R, B=B, token_padding=8, device="cpu", transport=transport)
+
+    def dispatch(on, hot):  # every token to experts hot, hot+1: their home rank's peers need slots
+        ids = torch.tensor([[hot, hot + 1]] * S, dtype=torch.int32)
+        tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+        return on.dispatch(torch.randn(S, H, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16),
+                           torch.full((S, K), 0.5), ids, tpe)[3]
+
+    plan0, plan1 = dispatch(buf, 0), dispatch(buf, epn)  # rank 0's experts hot, then rank 1's
+    foreign = dispatch(other, epn)
+    assert plan0.experts_to_copy[r].tolist() != plan1.experts_to_copy[r].tolist()
+    sentinel = torch.tensor(-7.5, dtype=torch.bfloat16)
+    layout.slots_w13.fill_(sentinel)
+    layout.slots_w2.fill_(sentinel)
+    for bad, match in ((plan0, r"SymmetricWeightLayout.prefetch: the plan is from dispatch #0, but this buffer has "
+                               r"dispatched since \(latest #1\)"),
+                       (foreign, "SymmetricWeightLayout.prefetch: the plan was not made by this buffer's dispatch"),
+                       (None, "the plan was not made by this buffer's dispatch"),
+                       (SimpleNamespace(experts_to_copy=plan1.experts_to_copy), "not made by this buffer")):
+        with pytest.raises(MoonEPStateError, match=match):
+            layout.prefetch(buf, bad)
+        assert bool((layout.slots_w13 == sentinel).all()) and bool((layout.slots_w2 == sentinel).all())
+    # an engine buffer that cannot say whether the plan is its latest: refused, not trusted
+    with pytest.raises(MoonEPInputError, match="has no check_plan"):
+        layout.prefetch(SimpleNamespace(), plan1)
+    layout.prefetch(buf, plan1)  # the latest plan: the slots get its experts
+    want = plan1.experts_to_copy[r].tolist()
+    assert _slot_experts(layout, w13) == want
+    assert any(e >= 0 for e in plan1.experts_to_copy.reshape(-1).tolist())  # the test moved experts
+    other.destroy()
+    buf.destroy()
+    with pytest.raises(MoonEPStateError, match="SymmetricWeightLayout.prefetch: the buffer was destroyed"):
+        layout.prefetch(buf, plan1)
+    layout.destroy()
+    return True
+
+
+@pytest.mark.parametrize("transport", ["collective", "symmetric"])
+def test_prefetch_refuses_a_plan_that_is_not_the_buffers_latest(transport):
+    """SymmetricWeightLayout.prefetch took a stale plan (the buffer dispatched since) or another
+    buffer's and silently left the wrong experts in the slots (the replicated layout refused it)."""
+    assert ranks(2, prefetch_checks_the_plan, transport) == [True, True]
+
+
 # ---------------------------------------------------------------------------- full MoE step
 def moe_step_vs_dense_and_replicated(E, B, sigma, m_list, seed):
     r, R = dist.get_rank(), dist.get_world_size()

@@ -205,3 +205,91 @@ def test_padding_tails_written_unless_the_engine_never_reads_them():
         pass
 
     assert DispatchState(RealMoonEPBuffer(OtherEngine()), with_ends, 4, 4, 1, cu).tails_read  # type: ignore[arg-type]
+
+
+def test_buffer_options_are_validated_on_every_transport():
+    """num_sms=-3 ran 1 program and num_sms='many' raised a bare ValueError on the symmetric transport, both
+    passed on the collective one; heap='hots' was silently ignored on the collective transport."""
+    from vllm_moonep.symmetric import HostHeap
+
+    for transport in ("collective", "symmetric"):
+        for bad in (-3, 0, "many", 2.5, True):
+            with pytest.raises(MoonEPInputError, match=r"num_sms \(SMs of the symmetric transport's row kernels\) "
+                                                       r"must be None or a positive int, got " + repr(bad)):
+                Buffer(16, 8, 2, 8, 1, device="cpu", transport=transport, num_sms=bad)
+        for bad, shown in (("hots", "'hots'"), (3, "int")):
+            with pytest.raises(MoonEPInputError, match=r"heap must be None, a SymmetricHeap or one of \('auto', "
+                                                       r"'host', 'torch', 'nvshmem'\), got " + shown):
+                Buffer(16, 8, 2, 8, 1, device="cpu", transport=transport, heap=bad)
+        b = Buffer(16, 8, 2, 8, 1, device="cpu", transport=transport, num_sms=2, heap="host")  # the next good one
+        assert b.row_programs == (None if transport == "collective" else 2 * 4)
+        b.destroy()
+    heap = HostHeap()  # a heap object stays accepted (the collective transport has no use for it)
+    Buffer(16, 8, 2, 8, 1, device="cpu", transport="collective", heap=heap).destroy()
+    heap.close()
+
+
+def test_plans_of_destroyed_buffers_stay_refused_when_an_address_comes_back():
+    """A plan named its buffer by id(): once a buffer was collected, a new one at its address and step
+    accepted its plan (combine then used the old routing)."""
+    import gc
+
+    from vllm_moonep.engine import MoonEPStateError
+
+    S, H, K, E = 16, 8, 2, 8
+    x = torch.randn(S, H, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[0, 1]] * S, dtype=torch.int32)
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+    w = torch.full((S, K), 0.5)
+    stale: dict[int, object] = {}  # address -> the plan (dispatch #0) of a buffer destroyed there
+    owners, reused = [], 0
+    for n in range(80):
+        b = Buffer(S, H, K, E, 1, B=4, token_padding=4, device="cpu", dtype=torch.float32)
+        xn, wn, _, plan = b.dispatch(x, w, ids, tpe)
+        old = stale.get(id(b))
+        if old is not None:  # the same address and step: only the owner token tells them apart
+            reused += 1
+            with pytest.raises(MoonEPStateError, match="Buffer.combine: the plan was not made by this buffer's dispatch"):
+                b.combine(old, xn, wn)
+        out, _, _ = b.combine(plan, xn, wn)  # the buffer's own plan still works
+        assert torch.equal(out, K * x)
+        stale[id(b)] = plan
+        owners.append(plan.owner)
+        b.destroy()
+        del b, plan
+        if n % 5 == 4:
+            gc.collect()
+    # CPython hands freed addresses out again (about 2 in 3 buffers here: the refusal above runs); with
+    # id() as the owner, the owners repeat as the addresses do
+    assert len(set(owners)) == len(owners), f"owner tokens must never repeat ({reused} addresses came back)"
+
+
+def test_the_real_moonep_adapter_checks_plans_it_handed_out():
+    """A layout that fills its own slots asks the buffer whether the plan is its latest dispatch's; the
+    adapter of the real package must answer from what it knows (the plans its dispatch returned)."""
+    from types import SimpleNamespace
+
+    from vllm_moonep.engine import MoonEPStateError, check_plan
+
+    class Inner:  # the real package's Buffer as far as the adapter uses it
+        def dispatch(self, *args):
+            return args[0], args[1], args[2], SimpleNamespace(experts_to_copy=torch.zeros(1, 1))
+
+        def destroy(self):
+            pass
+
+    buf = RealMoonEPBuffer(Inner())
+    x = torch.zeros(1)
+    with pytest.raises(MoonEPStateError, match="op: the plan is not the one this buffer's latest dispatch returned"):
+        check_plan(buf, SimpleNamespace(experts_to_copy=None), "op")  # before any dispatch
+    first = buf.dispatch(x, x, x, x)[3]
+    check_plan(buf, first, "op")
+    second = buf.dispatch(x, x, x, x)[3]
+    with pytest.raises(MoonEPStateError, match="latest dispatch"):
+        check_plan(buf, first, "op")  # stale
+    assert buf.check_plan(second, "op") is second
+    buf.destroy()
+    with pytest.raises(MoonEPStateError, match="op: the buffer was destroyed"):
+        check_plan(buf, second, "op")
+    with pytest.raises(MoonEPInputError, match="op: SimpleNamespace has no check_plan"):
+        check_plan(SimpleNamespace(), second, "op")  # type: ignore[arg-type]

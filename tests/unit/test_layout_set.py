@@ -130,3 +130,34 @@ def test_refusals_and_kind_names():
     with pytest.raises(MoonEPInputError, match="needs the symmetric weight layout"):
         layout_kind("replicated", True)
 
+
+
+@pytest.mark.parametrize("kind", ["symmetric", "symmetric-shared"])
+def test_add_layer_checks_the_weights_before_the_heap_and_slot_pool(kind):
+    """A w2 that is not 3-D was read for the slot pool's shape before any check (a bare IndexError), and
+    a refused layer had already made the heap, or a slot pool of its shape that stayed allocated."""
+    _, local = _layers([(128, 128), (128, 256)])
+    (w13, w2), (w13b, w2b) = local
+    ls = LayoutSet(kind, E, B)
+    bad = [((w13, w2[0]), r"w13 must be \[epn, 2I, H\] and w2 \[epn, H, I\], got \[4, 256, 128\], \[128, 128\]"),
+           ((w13.float(), w2.float()), "BF16 expert weights only"),
+           ((w13.tolist(), w2), "LayoutSet.add_layer: w13_local and w2_local must be tensors, got list, Tensor"),
+           ((w13, w2[:, :, :64].contiguous()), r"w2 must be \[epn=4, H=128, I=128\]")]
+    for args, match in bad:
+        with pytest.raises(MoonEPInputError, match=match):
+            ls.add_layer(*args)
+        assert ls.heap is None and ls.slot_pools == {} and len(ls) == 0 and ls.device is None
+    ls.add_layer(w13, w2)
+    heap = ls.heap
+    live = list(heap.live())
+    # later refusals: by the checks (before the heap), or by the layout after a slot pool of a new shape
+    # was made for it (weights on another device than the heap): nothing of theirs stays allocated
+    for args, match in bad[:1] + [((w13b.to("meta"), w2b.to("meta")), "the weights are on meta")]:
+        with pytest.raises(MoonEPInputError, match=match):
+            ls.add_layer(*args)
+        assert heap.live() == live and len(ls) == 1
+        assert sorted(ls.slot_pools) == ([(128, 128)] if kind == "symmetric-shared" else [])
+    lay = ls.add_layer(w13b, w2b)  # the next good layer, of the new shape
+    assert len(ls) == 2 and lay.intermediate_size == 256 and ls.device == torch.device("cpu")
+    ls.destroy()
+    assert heap.closed and heap.live() == []

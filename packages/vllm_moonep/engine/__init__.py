@@ -10,7 +10,7 @@ from vllm_moonep.engine.multicast import disable_multicast_by_default
 
 disable_multicast_by_default()  # first: NVLink multicast off before any library loads
 
-from vllm_moonep.engine.buffer import Buffer, Plan, copy_slots_from_rows, nvs_rows, validate_config
+from vllm_moonep.engine.buffer import Buffer, Plan, check_buffer_settings, copy_slots_from_rows, nvs_rows, validate_config
 from vllm_moonep.engine.defaults import current_cuda_device, default_num_slots, group_rank_world, resolve_device
 from vllm_moonep.engine.errors import (
     MoonEPCollectiveTimeout,
@@ -20,7 +20,7 @@ from vllm_moonep.engine.errors import (
     MoonEPUnavailableError,
 )
 from vllm_moonep.engine.planning.planner import GlobalPlan, place_entries, plan_global
-from vllm_moonep.engine.protocol import MoonEPBuffer, MoonEPPlan, dispatched_rows
+from vllm_moonep.engine.protocol import MoonEPBuffer, MoonEPPlan, check_plan, dispatched_rows
 from vllm_moonep.engine.select import ENGINES, make_buffer, real_moonep_status, resolve_engine
 from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
 
@@ -36,6 +36,8 @@ __all__ = [
     "MoonEPStateError",
     "MoonEPUnavailableError",
     "Plan",
+    "check_buffer_settings",
+    "check_plan",
     "copy_slots_from_rows",
     "current_cuda_device",
     "default_num_slots",

@@ -16,6 +16,8 @@ state, teardown order); how rows move is the transport's (``transports/base.py``
 
 from __future__ import annotations
 
+import inspect
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -33,6 +35,7 @@ from vllm_moonep.engine.nodes import (
     refuse_bad_ranks_per_node,
     resolve_nodes,
 )
+from vllm_moonep.engine.planning.host_plan import CONFIG_WORDS, TAG_CONFIG, exchange_framed
 from vllm_moonep.engine.planning.planner import GlobalPlan
 from vllm_moonep.engine.protocol import MoonEPPlan
 from vllm_moonep.engine.row_copy import MAX_PLANES, copy_rows
@@ -47,7 +50,7 @@ if TYPE_CHECKING:  # the symmetric and hybrid transports are imported where a bu
     from vllm_moonep.engine.transports.hybrid import HybridTransport
     from vllm_moonep.engine.transports.symmetric import SymmetricTransport
 
-__all__ = ["Buffer", "Plan", "nvs_rows", "resolve_device", "validate_config"]
+__all__ = ["Buffer", "Plan", "check_buffer_settings", "nvs_rows", "resolve_device", "validate_config"]
 
 
 #: upstream bounds (contract, "Buffer")
@@ -61,9 +64,12 @@ def nvs_rows(S: int, K: int, E: int, R: int, token_padding: int) -> int:
     return S * K + (token_padding - 1) * 2 * (E // R)
 
 
-def validate_config(S: int, H: int, K: int, E: int, R: int, B: int | None, token_padding: int) -> None:
+def validate_config(S: int, H: int, K: int, E: int, R: int, B: int | None, token_padding: int, *,
+                    num_sms: object = None, heap: object = None) -> None:
     """Raise ``MoonEPInputError`` naming the first violated bound of the contract (``B=None``,
-    an unfilled default, is refused like any other bad ``B``)."""
+    an unfilled default, is refused like any other bad ``B``), or the first bad option: ``num_sms``
+    ``None`` or a positive int, ``heap`` ``None``, a ``SymmetricHeap`` or one of ``HEAP_KINDS``
+    (checked whatever the transport: a misspelt option must not pass where it happens to be unused)."""
     checks = [
         (isinstance(S, int) and S > 0, f"S (tokens per rank) must be a positive int, got {S!r}"),
         (isinstance(H, int) and H > 0, f"H (hidden size) must be a positive int, got {H!r}"),
@@ -74,13 +80,71 @@ def validate_config(S: int, H: int, K: int, E: int, R: int, B: int | None, token
          f"E={E} experts must be divisible by num_ep_ranks={R}"),
         (isinstance(B, int) and B > 0, f"B (prefetch slots) must be > 0, got {B!r}"),
         (isinstance(token_padding, int) and token_padding > 0, f"token_padding must be > 0, got {token_padding!r}"),
+        # num_sms=-3 ran 1 program and 'many' a bare ValueError on the symmetric transport, both passed on
+        # the collective one; a bool is an int to Python, not an SM count
+        (num_sms is None or (isinstance(num_sms, int) and not isinstance(num_sms, bool) and num_sms > 0),
+         f"num_sms (SMs of the symmetric transport's row kernels) must be None or a positive int, got {num_sms!r}"),
     ]
     for ok, msg in checks:
         if not ok:
             raise MoonEPInputError(msg)
+    _check_heap_option(heap)
     nvs = nvs_rows(S, K, E, R, token_padding)
     if nvs >= MAX_NVS:
         raise MoonEPInputError(f"NvS={nvs} rows must be < 2**24 (S={S}, K={K}, E={E}, R={R}, tp={token_padding})")
+
+
+def _check_heap_option(heap: object) -> None:
+    """``Buffer(heap=)``: ``None``, a ``SymmetricHeap`` or a kind of ``HEAP_KINDS``, else ``MoonEPInputError``
+    (``heap='hots'`` was silently ignored wherever the transport made no heap: the collective one)."""
+    if heap is None:
+        return
+    from vllm_moonep.engine.heaps import HEAP_KINDS, SymmetricHeap  # light (the GPU heaps load lazily)
+
+    if isinstance(heap, str):
+        if heap not in HEAP_KINDS:
+            raise MoonEPInputError(f"heap must be None, a SymmetricHeap or one of {HEAP_KINDS}, got {heap!r}")
+    elif not isinstance(heap, SymmetricHeap):
+        raise MoonEPInputError(f"heap must be None, a SymmetricHeap or one of {HEAP_KINDS}, got {type(heap).__name__}")
+
+
+def _checked_settings(S: int, H: int, K: int, E: int, R: int, num_sms: object, token_padding: int, B: int | None,
+                      dtype: object, transport: object, heap: object, unknown: dict[str, object]) -> int:
+    """``B`` (its default filled in) once ``Buffer``'s settings pass every check made before a collective,
+    else ``MoonEPInputError`` naming the first bad one."""
+    if unknown:
+        raise MoonEPInputError(
+            f"Buffer got unknown keyword(s) {sorted(unknown)}; it takes S, H, K, E, num_ep_ranks, num_sms, "
+            "token_padding, B, group, explicitly_destroy, device, dtype, check_inputs, timeout_s, transport, heap"
+        )
+    if transport not in TRANSPORTS:
+        raise MoonEPInputError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if B is None and isinstance(E, int) and isinstance(R, int) and R > 0:
+        B = default_num_slots(E, R)
+    validate_config(S, H, K, E, R, B, token_padding, num_sms=num_sms, heap=heap)
+    assert B is not None  # validate_config refuses None
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise MoonEPInputError(f"dtype must be torch.bfloat16 (or float32 for tests), got {dtype}")
+    return B
+
+
+def check_buffer_settings(S: int, settings: dict[str, Any]) -> None:
+    """What ``Buffer(S, **settings)`` would refuse before its first collective, without building it
+    (``MoonEPInputError``): a pool checks the settings of the buffers it will make at its construction,
+    not at its first step."""
+    try:
+        bound = inspect.signature(Buffer).bind(S, **settings)
+    except TypeError as exc:  # a required setting missing, or one given twice
+        raise MoonEPInputError(f"Buffer settings: {exc}") from None
+    bound.apply_defaults()
+    a = bound.arguments
+    _checked_settings(S, a["H"], a["K"], a["E"], a["num_ep_ranks"], a["num_sms"], a["token_padding"], a["B"],
+                      a["dtype"], a["transport"], a["heap"], a["unknown"])
+
+
+#: a fresh token per ``Buffer`` (``Plan.owner``): ``id()`` comes back once a buffer is collected, so a
+#: plan of a destroyed buffer passed for the plan of a new one at the same address and step
+_OWNER_TOKENS = itertools.count(1)
 
 
 @dataclass
@@ -94,7 +158,7 @@ class Plan:
 
     experts_to_copy: torch.Tensor
     global_plan: GlobalPlan = field(repr=False)
-    owner: int = field(repr=False)  # id() of the Buffer that made it
+    owner: int = field(repr=False)  # the token of the Buffer that made it (never reused, unlike id())
     step: int = 0
     transport_state: Any = field(default=None, repr=False)
     cu_seqlens: torch.Tensor | None = field(default=None, repr=False)  # this rank's [E+B] int32
@@ -169,7 +233,8 @@ class Buffer:
       checks ids on the device and reports through the error board), ``timeout_s`` (bound on each
       collective and device-side wait; ``None``: ``$VLLM_MOONEP_COLLECTIVE_TIMEOUT_S`` or 300 s).
 
-    Unknown keywords are refused (a misspelt option must not be silently ignored).
+    Unknown keywords are refused, and so are a ``num_sms`` that is not ``None`` or a positive int and a
+    ``heap`` kind not in ``HEAP_KINDS`` on every transport (a misspelt option must not be silently ignored).
 
     Faults: when a peer dies or stops calling, the collective transport raises
     ``MoonEPCollectiveTimeout`` within ``timeout_s`` naming the operation, the step and the peer;
@@ -203,20 +268,8 @@ class Buffer:
         explicitly_destroy: bool = True,
         **unknown: object,
     ) -> None:
-        if unknown:
-            raise MoonEPInputError(
-                f"Buffer got unknown keyword(s) {sorted(unknown)}; it takes S, H, K, E, num_ep_ranks, num_sms, "
-                "token_padding, B, group, explicitly_destroy, device, dtype, check_inputs, timeout_s, transport, heap"
-            )
-        if transport not in TRANSPORTS:
-            raise MoonEPInputError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         R = num_ep_ranks
-        if B is None and isinstance(E, int) and isinstance(R, int) and R > 0:
-            B = default_num_slots(E, R)
-        validate_config(S, H, K, E, R, B, token_padding)
-        assert B is not None  # validate_config refuses None
-        if dtype not in (torch.bfloat16, torch.float32):
-            raise MoonEPInputError(f"dtype must be torch.bfloat16 (or float32 for tests), got {dtype}")
+        B = _checked_settings(S, H, K, E, R, num_sms, token_padding, B, dtype, transport, heap, unknown)
         self.collectives = BoundedCollectives(group, world_size=R, timeout_s=timeout_s)
         if self.collectives.world_size != R:
             self.collectives.close()
@@ -224,6 +277,7 @@ class Buffer:
                 f"num_ep_ranks={R} does not match the process group's size {self.collectives.world_size}"
             )
         self.device = resolve_device(device)
+        self._token = next(_OWNER_TOKENS)  # Plan.owner: this buffer's, never another's (unlike id())
         self.S, self.H, self.K, self.E, self.R, self.B = S, H, K, E, R, B
         self.epn = E // R
         self.token_padding = token_padding
@@ -245,7 +299,10 @@ class Buffer:
             asked = TRANSPORTS.index(transport)
             mine = torch.tensor([S, H, K, E, R, B, token_padding, asked, rpn_code, host_id()], dtype=torch.int64,
                                 device=self.collectives.comm_device)
-            every = self.collectives.all_gather(mine, "Buffer.__init__ (config check)").cpu()
+            assert mine.numel() == CONFIG_WORDS
+            # framed like dispatch's counts (host_plan.py): a peer dispatching meanwhile is named, not
+            # read as a configuration (nor a size mismatch aborting the process in gloo)
+            every = exchange_framed(self.collectives, TAG_CONFIG, S, E, mine, "Buffer.__init__ (config check)")
             if bool((every[:, 8] < 0).any()):  # every rank sees it: the values' text, then one error everywhere
                 texts = self.collectives.all_gather_object(rpn_text, "Buffer.__init__ (ranks per node)")
                 refuse_bad_ranks_per_node(texts, "MoonEP Buffer")
@@ -329,14 +386,14 @@ class Buffer:
         if err is not None:
             self.collectives.mark_broken(f"{t.name} transport: {str(err).split(':')[0]}")
 
-    def _alive(self, what: str) -> None:
+    def _alive(self, op: str) -> None:
         if self._destroyed:
-            raise MoonEPStateError(f"Buffer.{what}: the buffer was destroyed")
+            raise MoonEPStateError(f"{op}: the buffer was destroyed")
         self.check_errors()
         why = self.collectives.broken
         if why is not None:
             raise MoonEPStateError(
-                f"Buffer.{what}: the process group is unusable after an earlier failure ({why}); "
+                f"{op}: the process group is unusable after an earlier failure ({why}); "
                 "destroy the buffers, pools and layouts, then the process group, and build a fresh set"
             )
 
@@ -410,7 +467,7 @@ class Buffer:
         their rows: those rows read hidden 0, weight 0, as padding rows do, and combine's outputs
         for those tokens are unspecified. A decode step padded from 1 token to 128 then moves 8
         rows, not 1024. Other transports move every row (same results on the real tokens)."""
-        self._alive("dispatch")
+        self._alive("Buffer.dispatch")
         self._check_dispatch_inputs(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)
         if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
                                        or not 0 <= num_tokens <= self.S):
@@ -423,19 +480,23 @@ class Buffer:
         except BaseException:
             self._mark_if_recorded()
             raise
-        plan = Plan(experts_to_copy=d.plan.experts_to_copy, global_plan=d.plan, owner=id(self), step=self._step,
+        plan = Plan(experts_to_copy=d.plan.experts_to_copy, global_plan=d.plan, owner=self._token, step=self._step,
                     transport_state=d.state, cu_seqlens=d.cu_seqlens, rows=d.rows, live_ends=d.live_ends)
         self._step += 1
         return d.hidden_nvsh, d.route_weights_nvs, d.cu_seqlens, plan
 
-    def _check_plan(self, plan: object, what: str) -> Plan:
-        """``plan``, once it is known to be this buffer's latest (else ``MoonEPStateError``)."""
-        self._alive(what)
-        if not isinstance(plan, Plan) or plan.owner != id(self):
-            raise MoonEPStateError(f"Buffer.{what}: the plan was not made by this buffer's dispatch")
+    def check_plan(self, plan: object, op: str) -> Plan:
+        """``plan``, once it is known to be this buffer's latest dispatch's, else ``MoonEPStateError``
+        naming ``op`` (the caller, e.g. ``"Buffer.combine"``): no plan, another buffer's (also one
+        destroyed since), or a stale one (this buffer dispatched again). ``prefetch_weight`` and
+        ``combine`` check with it, and so do layouts that fill their slots themselves
+        (``SymmetricWeightLayout.prefetch``). Metadata only: no device read."""
+        self._alive(op)
+        if not isinstance(plan, Plan) or plan.owner != self._token:
+            raise MoonEPStateError(f"{op}: the plan was not made by this buffer's dispatch")
         if plan.step != self._step - 1:
             raise MoonEPStateError(
-                f"Buffer.{what}: the plan is from dispatch #{plan.step}, but this buffer has dispatched since "
+                f"{op}: the plan is from dispatch #{plan.step}, but this buffer has dispatched since "
                 f"(latest #{self._step - 1}); a buffer holds one step in flight: combine before the next dispatch"
             )
         return plan
@@ -448,7 +509,7 @@ class Buffer:
         full_down_weight: torch.Tensor | None = None,
     ) -> None:
         """Slot row ``E+b`` of each ``[E+B, out, in]`` weight becomes a copy of row ``experts_to_copy[rank, b]``."""
-        mine = self._check_plan(plan, "prefetch_weight")
+        mine = self.check_plan(plan, "Buffer.prefetch_weight")
         weights = (("full_gate_weight", full_gate_weight), ("full_up_weight", full_up_weight), ("full_down_weight", full_down_weight))
         checked: list[torch.Tensor] = []
         for name, w in weights:
@@ -469,7 +530,7 @@ class Buffer:
         self, plan: MoonEPPlan, hidden_nvsh: torch.Tensor, route_weights_nvs: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         """Expert outputs back to their tokens; returns ``(hidden_sh [S,H], route_weights_sk or None, None)``."""
-        mine = self._check_plan(plan, "combine")
+        mine = self.check_plan(plan, "Buffer.combine")
         if not isinstance(hidden_nvsh, torch.Tensor) or hidden_nvsh.dim() != 2 or hidden_nvsh.shape[1] != self.H or hidden_nvsh.shape[0] < self.NvS:
             shape = list(hidden_nvsh.shape) if isinstance(hidden_nvsh, torch.Tensor) else type(hidden_nvsh).__name__
             raise MoonEPInputError(f"combine: hidden_nvsh must be [NvS={self.NvS}, H={self.H}], got {shape}")

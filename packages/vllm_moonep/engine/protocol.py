@@ -13,7 +13,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["MoonEPBuffer", "MoonEPPlan", "dispatched_rows"]
+from vllm_moonep.engine.errors import MoonEPInputError
+
+__all__ = ["MoonEPBuffer", "MoonEPPlan", "check_plan", "dispatched_rows"]
 
 
 @runtime_checkable
@@ -38,6 +40,9 @@ class MoonEPBuffer(Protocol):
     configuration the buffer was made with. Two capability flags say what a caller may count on
     beyond the contract (``accepts_num_tokens``, ``combine_reads_entry_rows_only``); the real
     ``moonep`` package's buffer is seen through an adapter that says no to both (``select.py``).
+    Both engines' buffers also tell whether a plan is their latest dispatch's (``check_plan``
+    below), which a layout that fills its slots itself needs; it is not a member here, so that a
+    contract engine that lacks it still passes for one (the layouts that need it refuse it).
     """
 
     @property
@@ -104,6 +109,21 @@ class MoonEPBuffer(Protocol):
     def destroy(self) -> None:
         """Idempotent; before the process group is destroyed."""
         ...
+
+
+def check_plan(buffer: MoonEPBuffer, plan: MoonEPPlan, op: str) -> None:
+    """``MoonEPStateError`` (naming ``op``) unless ``plan`` is the one ``buffer``'s latest dispatch
+    returned: for a layout that fills its slots without ``buffer.prefetch_weight`` (which checks for
+    itself), so that a stale plan or another buffer's cannot leave the wrong experts in the slots.
+    Both engines' buffers have ``check_plan(plan, op)`` (metadata only); ``MoonEPInputError`` for
+    an engine buffer without it."""
+    checker = getattr(buffer, "check_plan", None)  # not a protocol member (see MoonEPBuffer)
+    if checker is None:
+        raise MoonEPInputError(
+            f"{op}: {type(buffer).__name__} has no check_plan(plan, op), so whether the plan is its latest "
+            "dispatch's cannot be told; pass a buffer of the built-in or the real moonep engine"
+        )
+    checker(plan, op)
 
 
 def dispatched_rows(buffer: MoonEPBuffer | Any) -> int:

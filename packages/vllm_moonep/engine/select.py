@@ -21,7 +21,7 @@ import torch
 
 from vllm_moonep.engine.buffer import Buffer as BuiltinBuffer
 from vllm_moonep.engine.defaults import say_once
-from vllm_moonep.engine.errors import MoonEPInputError, MoonEPUnavailableError
+from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 from vllm_moonep.engine.multicast import OPT_IN_VAR, multicast_opted_in
 from vllm_moonep.engine.protocol import MoonEPBuffer, MoonEPPlan
 
@@ -37,6 +37,9 @@ class RealMoonEPBuffer:
 
     accepts_num_tokens = False
     combine_reads_entry_rows_only = False
+    #: the plan the latest ``dispatch`` returned (``check_plan``); ``None`` before one / after ``destroy``
+    _latest: MoonEPPlan | None = None
+    _destroyed = False
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -62,7 +65,20 @@ class RealMoonEPBuffer:
                  tokens_per_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MoonEPPlan]:
         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, MoonEPPlan] = self.inner.dispatch(
             hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)
+        self._latest = out[3]
         return out
+
+    def check_plan(self, plan: object, op: str) -> MoonEPPlan:
+        """``plan`` if it is the plan this buffer's latest ``dispatch`` returned, else ``MoonEPStateError``
+        naming ``op`` (what the adapter knows for itself: the package's own checks are its own)."""
+        if self._destroyed:
+            raise MoonEPStateError(f"{op}: the buffer was destroyed")
+        latest = self._latest
+        if latest is None or plan is not latest:
+            raise MoonEPStateError(
+                f"{op}: the plan is not the one this buffer's latest dispatch returned (another buffer's, a "
+                "stale one: the buffer dispatched since, or none before a dispatch)")
+        return latest
 
     def prefetch_weight(self, plan: MoonEPPlan | None = None, full_gate_weight: torch.Tensor | None = None,
                         full_up_weight: torch.Tensor | None = None,
@@ -77,6 +93,7 @@ class RealMoonEPBuffer:
 
     def destroy(self) -> None:
         self.inner.destroy()
+        self._destroyed, self._latest = True, None
 
     def __repr__(self) -> str:
         return f"RealMoonEPBuffer({self.inner!r})"

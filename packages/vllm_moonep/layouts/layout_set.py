@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from vllm_moonep.common.layout import check_local_experts
 from vllm_moonep.common.memory import MemoryReport
-from vllm_moonep.engine import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine import MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError, group_rank_world
 from vllm_moonep.engine.heaps import HEAP_KINDS, SymmetricHeap, make_heap
 from vllm_moonep.engine.faults.teardown import each
 from vllm_moonep.replicated import ReplicatedWeightLayout
@@ -121,25 +122,45 @@ class LayoutSet:
         Collective: every rank adds its layers in the same order."""
         if self.destroyed:
             raise MoonEPStateError("LayoutSet.add_layer: the set was destroyed")
+        if not isinstance(w13_local, torch.Tensor) or not isinstance(w2_local, torch.Tensor):
+            raise MoonEPInputError(f"LayoutSet.add_layer: w13_local and w2_local must be tensors, got "
+                                   f"{type(w13_local).__name__}, {type(w2_local).__name__}")
         E = self.num_experts if num_experts is None else num_experts
         w13, w2 = w13_local.detach(), w2_local.detach()
-        if self.device is None:
-            self.device = w13.device
         if self.kind == "replicated":
             layout: Layout = ReplicatedWeightLayout(w13, w2, E, self.num_slots, self.group,
                                                           keeps_local_params=self.keeps_local_params,
                                                           timeout_s=self.timeout_s)
         else:
+            # the weights first: a w2 that is not 3-D was read for the slot pool's shape (a bare
+            # IndexError), and a bad layer made the heap and a slot pool of its shape before the
+            # layout refused it
+            _, world = group_rank_world(self.group)
+            check_local_experts(w13, w2, E, world, self.num_slots)
             heap = self._heap(w13.device)
+            made = self.kind == "symmetric-shared" and (w2.shape[1], w2.shape[2]) not in self.slot_pools
             pool = self._slot_pool(heap, hidden_size=w2.shape[1], intermediate_size=w2.shape[2]) \
                 if self.kind == "symmetric-shared" else None
-            layout = SymmetricWeightLayout(w13, w2, E, num_slots=None if pool is not None else self.num_slots,
-                                           group=self.group, heap=heap, slot_pool=pool)
+            try:
+                layout = SymmetricWeightLayout(w13, w2, E, num_slots=None if pool is not None else self.num_slots,
+                                               group=self.group, heap=heap, slot_pool=pool)
+            except MoonEPInputError:  # refused before any allocation, on every rank: the pool this call made goes too
+                if made and pool is not None:
+                    self._drop_pool(pool)
+                raise
             self._created.append(layout)
             if self.adopt_parameters:
                 layout.adopt_parameters(w13_local, w2_local, copy=False)
+        if self.device is None:
+            self.device = w13.device
         self.layouts.append(layout)
         return layout
+
+    def _drop_pool(self, pool: SharedSlotPool) -> None:
+        """Free a slot pool made for a layer that was then refused (collective; the newest allocation)."""
+        pool.destroy()
+        self._created.remove(pool)
+        self.slot_pools = {k: p for k, p in self.slot_pools.items() if p is not pool}
 
     def _heap(self, device: torch.device) -> SymmetricHeap:
         if self.heap is None:

@@ -45,6 +45,7 @@ from vllm_moonep.engine import (
     MoonEPInputError,
     MoonEPPlan,
     MoonEPStateError,
+    check_plan,
     default_num_slots,
     group_rank_world,
     resolve_device,
@@ -396,12 +397,18 @@ class SymmetricWeightLayout:
         assert self._weights is not None  # cleared only by destroy (_alive)
         return self._weights
 
-    def prefetch(self, buffer: MoonEPBuffer, plan: MoonEPPlan,
+    def prefetch(self, buffer: MoonEPBuffer | None, plan: MoonEPPlan,
                  rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Slot ``b`` <- a bitwise copy of expert ``plan.experts_to_copy[rank, b]`` read from its owner; ``-1`` untouched.
-        ``rows=(cu_seqlens, route_weights_nvs)`` of the dispatch: slots whose rows all have weight 0
-        (padding) are not copied (``engine/row_copy.py``, ``live``)."""
+        ``plan`` must be ``buffer``'s latest dispatch's (``MoonEPStateError`` otherwise, as
+        ``buffer.prefetch_weight`` refuses it for the replicated layout); ``buffer=None`` takes a
+        hand-made table unchecked (tests, tools). ``rows=(cu_seqlens, route_weights_nvs)`` of the
+        dispatch: slots whose rows all have weight 0 (padding) are not copied (``engine/row_copy.py``, ``live``)."""
         self._alive("prefetch")
+        if buffer is not None:
+            # a stale plan (the buffer dispatched since) or another buffer's filled the slots with
+            # experts the step's rows are not grouped for, silently
+            check_plan(buffer, plan, "SymmetricWeightLayout.prefetch")
         etc = getattr(plan, "experts_to_copy", None)
         R, B, epn = self.world_size, self.num_slots, self.epn
         if not isinstance(etc, torch.Tensor) or etc.dim() != 2 or tuple(etc.shape) != (R, B):
