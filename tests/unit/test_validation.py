@@ -13,7 +13,7 @@ import torch
 
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE, capacity_for, pad_to_capacity, sanitize_routing
 from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
-from vllm_moonep.common.padding import tokens_per_expert
+from vllm_moonep.common.padding import pad_and_count, tokens_per_expert
 from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPStateError
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.testing.routing import route
@@ -188,43 +188,139 @@ def test_pool_get_rejects():
     assert capacity_for(0, 64, 16) == 16
 
 
-def test_padding_and_sanitizing_reject():
-    """Padding or sanitizing accepting mismatched shapes, float ids or out-of-range ids."""
+_ABSENT = object()  # a buffer setting left out
+_POOL_KW = dict(H=H, K=K, E=E, num_ep_ranks=1, B=B, token_padding=TP, device="cpu")
+POOL_CASES = {
+    # int() of "64" failed with a bare TypeError; 64.5 and True made a pool
+    "pool_max_str": (dict(), dict(max_tokens_per_rank="64"), "max_tokens_per_rank must be an int > 0, got str"),
+    "pool_max_float": (dict(), dict(max_tokens_per_rank=64.5), "max_tokens_per_rank must be an int > 0, got float"),
+    "pool_max_bool": (dict(), dict(max_tokens_per_rank=True), "max_tokens_per_rank must be an int > 0, got bool"),
+    # the buffer settings were first read at the first get(), mid-serving: a misspelt one failed only there
+    "pool_unknown_buffer_keyword": (dict(tokenpadding=3), dict(), "unknown keyword.*'tokenpadding'"),
+    "pool_buffer_transport": (dict(transport="symetric"), dict(), "transport must be one of"),
+    "pool_buffer_heap": (dict(heap="hots"), dict(), "heap must be None, a SymmetricHeap or one of"),
+    "pool_buffer_missing": (dict(K=_ABSENT), dict(), "missing a required argument: 'K'"),
+    "pool_buffer_config": (dict(K=33), dict(), "max_tokens_per_rank=64: K .top-k. must be in \\[1, 32\\]"),
+    # the contract's bounds at the largest capacity, not at the first (small) one
+    "pool_buffer_nvs_bound": (dict(K=32), dict(max_tokens_per_rank=2**20), "2\\*\\*24"),
+}
+
+
+@pytest.mark.parametrize("case", list(POOL_CASES))
+def test_pool_construction_rejects(case):
+    """A buffer pool accepting a maximum that is not a positive int, or buffer settings that would fail only at its
+    first get() (mid-serving): a misspelt keyword, an unknown transport, a missing size, a shape outside the
+    contract."""
+    kw, args, needle = POOL_CASES[case]
+    buffer_kwargs = {k: v for k, v in {**_POOL_KW, **kw}.items() if v is not _ABSENT}
+    with pytest.raises(MoonEPInputError, match=needle):
+        MoonEPBufferPool(buffer_kwargs, **{"max_tokens_per_rank": 64, "engine": "builtin", **args})
+    pool = MoonEPBufferPool(dict(_POOL_KW), max_tokens_per_rank=64, engine="builtin", min_capacity=16)
+    assert pool.get(5)[0] == 16
+    pool.destroy()
+
+
+def _padding_cases():
     x, w, ids, _ = _inputs()
-    with pytest.raises(MoonEPInputError, match="same shape"):  # sanitize_shape_mismatch
-        sanitize_routing(ids, w[:, :1])
-    with pytest.raises(MoonEPInputError, match="integer tensor"):  # sanitize_float_ids
-        sanitize_routing(ids.float(), w)
-    with pytest.raises(MoonEPInputError, match="capacity exceeded"):  # pad_capacity_exceeded
-        pad_to_capacity(x, ids, w, S - 1)
-    with pytest.raises(MoonEPInputError, match="rows"):  # pad_rows_mismatch
-        pad_to_capacity(x, ids[:-1], w[:-1], S)
-    with pytest.raises(MoonEPInputError, match="topk_ids must be in"):  # tokens_per_expert_out_of_range
-        tokens_per_expert(torch.full((2, 2), E, dtype=torch.int32), E)
+    return {
+        "sanitize_shape_mismatch": (lambda: sanitize_routing(ids, w[:, :1]), "same shape"),
+        "sanitize_float_ids": (lambda: sanitize_routing(ids.float(), w), "integer tensor"),
+        # bool ids were routed as experts 0 and 1
+        "sanitize_bool_ids": (lambda: sanitize_routing(ids > 3, w), "integer tensor .expert ids., got torch.bool"),
+        # an int64 id of 2**32 + 3 was cast to int32 as expert 3
+        "sanitize_ids_wrap": (lambda: sanitize_routing(ids.long() + 2**32, w), "fit int32.*got max 4294967"),
+        # a negative pad expert left invalid ids negative: dispatch then blamed topk_experts_sk
+        "sanitize_pad_expert_negative": (lambda: sanitize_routing(ids, w, pad_expert=-1),
+                                         "pad_expert must be a non-negative int"),
+        "pad_capacity_exceeded": (lambda: pad_to_capacity(x, ids, w, S - 1), "capacity exceeded"),
+        "pad_rows_mismatch": (lambda: pad_to_capacity(x, ids[:-1], w[:-1], S), "rows"),
+        # 1-D (squeezed top-1) routing failed inside F.pad with a bare RuntimeError
+        "pad_ids_1d": (lambda: pad_to_capacity(x, ids[:, 0], w[:, 0], S + 4), "must be \\[s, K\\], got \\[16\\]"),
+        # routing on another device than the hidden states: a bare torch error
+        "pad_ids_device": (lambda: pad_to_capacity(x, ids.to("meta"), w.to("meta"), S),
+                           "are on meta, the hidden states on cpu"),
+        # pad_expert >= E was accepted; dispatch then blamed topk_experts_sk
+        "pad_expert_out_of_range": (lambda: pad_to_capacity(x[:4], ids[:4], w[:4], 8, E + 5, num_experts=E),
+                                    f"pad_expert must be an expert id in \\[0, E={E}\\), got {E + 5}"),
+        "pad_and_count_pad_expert": (lambda: pad_and_count(x[:4], ids[:4], w[:4], 8, E, pad_expert=E),
+                                     f"pad_expert must be an expert id in \\[0, E={E}\\)"),
+        "tokens_per_expert_out_of_range": (lambda: tokens_per_expert(torch.full((2, 2), E, dtype=torch.int32), E),
+                                           "topk_ids must be in"),
+        # a negative id failed in torch.bincount although the message said negative ids are sanitized
+        "tokens_per_expert_negative": (lambda: tokens_per_expert(torch.tensor([[-1, 3]]), E),
+                                       "negative .invalid. ids must be sanitized first .sanitize_routing., got min -1"),
+        # float ids were truncated to experts silently
+        "tokens_per_expert_float_ids": (lambda: tokens_per_expert(ids.float() + 0.5, E), "integer tensor"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_padding_cases()))
+def test_padding_and_sanitizing_reject(case):
+    """Padding, sanitizing or counting accepting mismatched shapes, ids that are not integers (float, bool, wider than
+    int32), out-of-range or negative ids, a pad expert outside [0, E), or routing on another device."""
+    call, needle = _padding_cases()[case]
+    with pytest.raises(MoonEPInputError, match=needle):
+        call()
     ids2, w2 = sanitize_routing(torch.tensor([[-1, 3]]), torch.tensor([[0.5, 0.5]]))
     assert ids2.tolist() == [[0, 3]] and w2.tolist() == [[0.0, 0.5]]
+    # a wide negative id is invalid (pad expert, weight 0), not wrapped by the int32 cast into a valid one
+    ids3, w3 = sanitize_routing(torch.tensor([[-(2**32) + 3, 3]]), torch.tensor([[0.5, 0.5]]), pad_expert=2)
+    assert ids3.tolist() == [[2, 3]] and w3.tolist() == [[0.0, 0.5]]
+    x, w, ids, tpe = _inputs()
+    px, pid, pw, ptpe, s = pad_and_count(x, ids.long(), w, S + 4, E, pad_expert=E - 1)
+    assert s == S and torch.equal(ptpe[:-1], tpe[:-1]) and int(ptpe[-1]) == int(tpe[-1]) + 4 * K
 
 
 # ------------------------------------------------------------------------------ expert_ffn
 def test_expert_ffn_rejects():
-    """expert_ffn accepting rows, route weights, cu_seqlens, dtypes, devices, an impl or an out buffer it would
-    compute wrong."""
+    """expert_ffn accepting rows, route weights, cu_seqlens (shape, dtype, or ends that are not cumulative),
+    inconsistent weights, dtypes, devices, an impl or an out buffer it would compute wrong, or a rejected call changing
+    the next valid one's result."""
     G, Hh, Ii, N = 3, 8, 4, 12
     g = torch.Generator().manual_seed(0)
-    gw = GroupedWeights.contiguous(torch.randn(G, Ii, Hh, generator=g), torch.randn(G, Ii, Hh, generator=g),
-                                   torch.randn(G, Hh, Ii, generator=g))
+    gate, up, down = (torch.randn(G, Ii, Hh, generator=g), torch.randn(G, Ii, Hh, generator=g),
+                      torch.randn(G, Hh, Ii, generator=g))
+    gw = GroupedWeights.contiguous(gate, up, down)
     x, rw, cu = torch.randn(N, Hh), torch.rand(N), torch.tensor([4, 8, 12], dtype=torch.int32)
+    want = expert_ffn(x, rw, cu, gw, impl="reference")
+
+    def ends(*v):
+        return torch.tensor(v, dtype=torch.int32)
+
     cases = {
-        "ffn_x_shape": ((x[:, :-1], rw, cu, gw), "x must be"),
-        "ffn_route_w_shape": ((x, rw[:-1], cu, gw), "route_w must be"),
-        "ffn_cu_groups": ((x, rw, cu[:-1], gw), "one entry per group"),
-        "ffn_dtype_mismatch": ((x.double(), rw, cu, gw), "weights are"),
-        "ffn_cu_dtype": ((x, rw, cu.float(), gw), "cu_seqlens must be int32"),
-        "ffn_device_mismatch": ((x, rw.to("meta"), cu, gw), "route_w on meta"),
+        "ffn_x_shape": ((x[:, :-1], rw, cu, gw), {}, "x must be"),
+        # rows or weights that are not tensors / GroupedWeights: a bare AttributeError
+        "ffn_x_not_tensor": ((x.tolist(), rw, cu, gw), {}, "x must be .NvS, H=8., got list"),
+        "ffn_weights_not_grouped": ((x, rw, cu, (gate, up, down)), {}, "weights must be a GroupedWeights, got tuple"),
+        "ffn_route_w_shape": ((x, rw[:-1], cu, gw), {}, "route_w must be"),
+        "ffn_cu_groups": ((x, rw, cu[:-1], gw), {}, "one entry per group"),
+        "ffn_dtype_mismatch": ((x.double(), rw, cu, gw), {}, "weights are"),
+        "ffn_cu_dtype": ((x, rw, cu.float(), gw), {}, "cu_seqlens must be int32"),
+        "ffn_device_mismatch": ((x, rw.to("meta"), cu, gw), {}, "route_w on meta"),
+        # cu_seqlens not cumulative ends: a group's rows computed with another group's weights, rows never written
+        # (out's old contents returned), or an end past the rows, all without an error
+        "ffn_cu_decreasing": ((x, rw, ends(8, 4, 12), gw), {}, "cu_seqlens\\[1\\]=4 < cu_seqlens\\[0\\]=8"),
+        "ffn_cu_negative": ((x, rw, ends(-4, 8, 12), gw), {}, "cu_seqlens\\[0\\]=-4 < 0"),
+        "ffn_cu_past_rows": ((x, rw, ends(4, 8, 20), gw), {}, "cu_seqlens\\[-1\\]=20 > 12 rows"),
+        # inconsistent weights: a bare IndexError / matmul shape error, or a silent mixed-dtype compute
+        "ffn_weights_down_experts": ((x, rw, cu, GroupedWeights.contiguous(gate, up, down[:2])), {},
+                                     "down must be \\[N=3, H=8, I=4\\], got \\[2, 8, 4\\]"),
+        "ffn_weights_down_intermediate": ((x, rw, cu, GroupedWeights.contiguous(gate, up, torch.randn(G, Hh, Ii + 1))),
+                                          {}, "down must be \\[N=3, H=8, I=4\\]"),
+        "ffn_weights_dtype": ((x, rw, cu, GroupedWeights.contiguous(gate, up.double(), down)), {}, "share one dtype"),
+        "ffn_weights_device": ((x, rw, cu, GroupedWeights.contiguous(gate, up, down.to("meta"))), {},
+                               "one device .cpu., got gate on cpu, up on cpu, down on meta"),
+        # cu_seqlens on another device: NotImplementedError from the copy; out on another device: no error
+        "ffn_cu_device": ((x, rw, cu.to("meta"), gw), {}, "cu_seqlens on meta"),
+        "ffn_out_device": ((x, rw, cu, gw), {"out": torch.empty(N, Hh, device="meta")},
+                           "out must be .* on cpu, got .* on meta"),
     }
-    for name, (args, needle) in cases.items():
+    for name, (args, kw, needle) in cases.items():
         with pytest.raises(MoonEPInputError, match=needle):
-            expert_ffn(*args, impl="reference")
+            expert_ffn(*args, impl="reference", **kw)
+    assert torch.equal(expert_ffn(x, rw, cu, gw, impl="reference"), want)
+    # ends that leave the last groups empty and rows past the last end are valid (the contract: undefined rows)
+    assert torch.equal(expert_ffn(x, rw, ends(4, 4, 4), gw, impl="reference")[:4], want[:4])
     with pytest.raises(MoonEPInputError, match="impl must be one of"):  # ffn_impl_unknown
         expert_ffn(x, rw, cu, gw, impl="cublas")
     with pytest.raises(MoonEPInputError, match="cannot run here"):  # ffn_impl_unavailable
@@ -291,6 +387,26 @@ def test_moe_forward_rejects_then_works():
         "forward_dp_count_small": ((x, ids, w), {"num_tokens_across_dp": 5}, MoonEPInputError, "smaller than"),
         "forward_dp_count_over_max": ((x, ids, w), {"num_tokens_across_dp": 33}, MoonEPInputError, "capacity exceeded"),
         "forward_weight_on_input_topk": ((x, ids, w), {"apply_router_weight_on_input": True}, MoonEPInputError, "top-1"),
+        # top-1 ids with [s, 2] weights: a bare broadcast error
+        "forward_weight_on_input_shape": ((x, ids[:, :1].contiguous(), w), {"apply_router_weight_on_input": True},
+                                          MoonEPInputError, "needs topk_weights \\[s=10, 1\\] on cpu.*got \\[10, 2\\]"),
+        # squeezed top-1 routing: a bare F.pad error
+        "forward_ids_1d": ((x, ids[:, 0].contiguous(), w[:, 0].contiguous()), {}, MoonEPInputError,
+                           "must be \\[s, K\\], got \\[10\\]"),
+        # routing on another device than the hidden states: bare torch device errors
+        "forward_ids_device": ((x, ids.to("meta"), w), {}, MoonEPInputError,
+                               "topk_ids is on meta, topk_weights on cpu"),
+        "forward_weights_device": ((x, ids, w.to("meta")), {}, MoonEPInputError, "topk_weights on meta"),
+        "forward_routing_device": ((x, ids.to("meta"), w.to("meta")), {}, MoonEPInputError, "the hidden states on cpu"),
+        # bool ids were routed as experts 0 and 1; int64 ids past int32 wrapped (2**32 + 3 became expert 3)
+        "forward_ids_bool": ((x, ids > 3, w), {}, MoonEPInputError, "integer tensor .expert ids., got torch.bool"),
+        "forward_ids_int64_wrap": ((x, torch.where(ids == ids[0, 0], ids.long() + 2**32, ids.long()), w), {},
+                                   MoonEPInputError, "fit int32.*got max 4294967"),
+        # int() took "12" and truncated 20.9 (pool.get refuses non-ints)
+        "forward_dp_count_not_int": ((x, ids, w), {"num_tokens_across_dp": "12"}, MoonEPInputError,
+                                     "num_tokens_across_dp must be an int .*got str '12'"),
+        "forward_dp_count_float": ((x, ids, w), {"num_tokens_across_dp": 20.9}, MoonEPInputError,
+                                   "num_tokens_across_dp must be an int .*got float 20.9"),
     }
     for name, (args, kw, exc, needle) in cases.items():
         with pytest.raises(exc, match=needle):
@@ -300,6 +416,8 @@ def test_moe_forward_rejects_then_works():
     out = moe.forward(x, ids, w)
     ref = dense_moe(x, ids, w, w13, w2)
     assert float((out.float() - ref).norm() / ref.norm()) < 2e-2
+    # int64 ids (torch.topk's) and a one-element int tensor as the DP count stay accepted
+    assert torch.equal(moe.forward(x, ids.long(), w, num_tokens_across_dp=torch.tensor([12])), out)
     moe.pool.destroy()
     with pytest.raises(MoonEPStateError):  # forward_after_teardown
         moe.forward(x, ids, w)

@@ -17,7 +17,7 @@ import torch
 from vllm_moonep.common.grouped_gemm import expert_ffn
 from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.common.padding import pad_and_count
-from vllm_moonep.common.pool import MoonEPBufferPool
+from vllm_moonep.common.pool import MoonEPBufferPool, as_int
 from vllm_moonep.common.timing import NullTimer
 from vllm_moonep.engine import MoonEPBuffer, MoonEPInputError, MoonEPPlan, default_num_slots
 
@@ -106,6 +106,11 @@ def fold_router_weight_on_input(
         raise MoonEPInputError(
             f"apply_router_weight_on_input requires top-1 routing, got top-k ids of shape {list(topk_ids.shape)}"
         )
+    if topk_weights.shape != (hidden.shape[0], 1) or topk_weights.device != hidden.device:
+        raise MoonEPInputError(
+            f"apply_router_weight_on_input needs topk_weights [s={hidden.shape[0]}, 1] on {hidden.device} (one weight "
+            f"per token), got {list(topk_weights.shape)} on {topk_weights.device}"
+        )
     hidden = hidden * topk_weights.to(hidden.dtype)
     return hidden, torch.ones_like(topk_weights, dtype=torch.float32)
 
@@ -114,7 +119,10 @@ def step_token_count(num_local: int, num_tokens_across_dp: int | None) -> int:
     """The token count that picks the buffer: the max across DP ranks, or the local count."""
     if num_tokens_across_dp is None:
         return int(num_local)
-    n = int(num_tokens_across_dp)
+    n = as_int(num_tokens_across_dp)
+    if n is None:
+        raise MoonEPInputError(f"num_tokens_across_dp must be an int (the max token count over the DP ranks), "
+                               f"got {type(num_tokens_across_dp).__name__} {num_tokens_across_dp!r}")
     if n < num_local:
         raise MoonEPInputError(f"num_tokens_across_dp={n} is smaller than this rank's {num_local} tokens")
     return n

@@ -9,23 +9,36 @@ ranks. At most ``log2(max / 128) + 2`` buffers ever exist.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, make_buffer, resolve_device
+from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, check_buffer_settings, make_buffer, resolve_device
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.faults.teardown import each
 
 MIN_CAPACITY = 128
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as an int where it is one (an int, numpy's, a one-element int tensor), else ``None``
+    (a bool, a float, a str: ``int()`` would take some of them silently)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def capacity_for(num_tokens: int, max_tokens_per_rank: int, min_capacity: int = MIN_CAPACITY) -> int:
     """Smallest power of two >= ``num_tokens`` (and >= ``min_capacity``), capped at the maximum."""
-    if isinstance(num_tokens, bool) or not hasattr(num_tokens, "__index__"):
+    n = as_int(num_tokens)
+    if n is None:
         raise MoonEPInputError(f"token count must be an int, got {type(num_tokens).__name__} {num_tokens!r}")
-    num_tokens = num_tokens.__index__()
+    num_tokens = n
     if num_tokens < 0:
         raise MoonEPInputError(f"token count must be >= 0, got {num_tokens}")
     if num_tokens > max_tokens_per_rank:
@@ -47,15 +60,21 @@ class MoonEPBufferPool:
     """
 
     def __init__(self, buffer_kwargs: dict[str, Any], max_tokens_per_rank: int, engine: str = "auto", min_capacity: int = MIN_CAPACITY):
-        if max_tokens_per_rank <= 0:
-            raise MoonEPInputError(f"max_tokens_per_rank must be > 0, got {max_tokens_per_rank}")
+        top = as_int(max_tokens_per_rank)
+        if top is None or top <= 0:
+            raise MoonEPInputError(f"max_tokens_per_rank must be an int > 0, got {type(max_tokens_per_rank).__name__} "
+                                   f"{max_tokens_per_rank!r}")
         self._kwargs = {k: v for k, v in buffer_kwargs.items() if k != "S"}
+        try:  # at construction, not at the first get() mid-serving: a misspelt or bad setting
+            check_buffer_settings(top, self._kwargs)
+        except MoonEPInputError as exc:
+            raise MoonEPInputError(f"MoonEPBufferPool: buffer_kwargs at max_tokens_per_rank={top}: {exc}") from None
         # The step's ids and counts come from padding.tokens_per_expert (ids range-checked there,
         # counts derived from the ids), so the engine's per-call re-validation would only add host
         # synchronizations on a GPU; keep it on CPU, where it is free, unless the caller says.
         if "check_inputs" not in self._kwargs:
             self._kwargs["check_inputs"] = resolve_device(self._kwargs.get("device")).type != "cuda"
-        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self.max_tokens_per_rank = top
         self.min_capacity = int(min_capacity)
         self.engine = engine
         self.buffers: dict[int, Any] = {}

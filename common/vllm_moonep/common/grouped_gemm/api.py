@@ -127,6 +127,24 @@ def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights, tokens: int | No
     return impl
 
 
+def _check_ends(cu_seqlens: torch.Tensor, rows: int) -> None:
+    """``cu_seqlens`` (on the host) as each group's end row: non-decreasing, in ``[0, rows]``."""
+    ends = cu_seqlens.tolist()
+    if not ends:
+        return
+    drop = next((g for g in range(1, len(ends)) if ends[g] < ends[g - 1]), None)
+    if ends[0] < 0:
+        bad = f"cu_seqlens[0]={ends[0]} < 0"
+    elif drop is not None:
+        bad = f"cu_seqlens[{drop}]={ends[drop]} < cu_seqlens[{drop - 1}]={ends[drop - 1]}"
+    elif ends[-1] > rows:
+        bad = f"cu_seqlens[-1]={ends[-1]} > {rows} rows"
+    else:
+        return
+    raise MoonEPInputError(f"expert_ffn: cu_seqlens must be each group's end row (cumulative: non-decreasing, in "
+                           f"[0, NvS={rows}]), got {bad}")
+
+
 def expert_ffn(
     x: torch.Tensor,
     route_w: torch.Tensor,
@@ -155,8 +173,12 @@ def expert_ffn(
     zeros there, for a caller whose combine reads each token's entry rows only (the built-in
     engine's: 2-80 MB less to write per step, 1-4% of the compute at decode); every entry row, weight 0
     or not, is written as with ``True``."""
-    if x.dim() != 2 or x.shape[1] != weights.hidden:
-        raise MoonEPInputError(f"expert_ffn: x must be [NvS, H={weights.hidden}], got {list(x.shape)}")
+    if not isinstance(weights, GroupedWeights):
+        raise MoonEPInputError(f"expert_ffn: weights must be a GroupedWeights, got {type(weights).__name__}")
+    weights.validate_once()
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != weights.hidden:
+        raise MoonEPInputError(f"expert_ffn: x must be [NvS, H={weights.hidden}], got "
+                               f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     if route_w.shape != (x.shape[0],):
         raise MoonEPInputError(f"expert_ffn: route_w must be [NvS={x.shape[0]}], got {list(route_w.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() != weights.num_groups:
@@ -167,10 +189,13 @@ def expert_ffn(
         raise MoonEPInputError(f"expert_ffn: x is {x.dtype}, weights are {weights.dtype}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise MoonEPInputError(f"expert_ffn: cu_seqlens must be int32 (or int64), got {cu_seqlens.dtype}")
-    if route_w.device != x.device or weights.gate[0].device != x.device:
+    if not route_w.device == cu_seqlens.device == weights.gate[0].device == x.device:
         raise MoonEPInputError(
-            f"expert_ffn: x is on {x.device}, route_w on {route_w.device}, weights on {weights.gate[0].device}"
+            f"expert_ffn: x is on {x.device}, route_w on {route_w.device}, cu_seqlens on {cu_seqlens.device}, "
+            f"weights on {weights.gate[0].device}: all must be on one device"
         )
+    if cu_seqlens.device.type == "cpu":  # values on the host only (the reference path reads them there too)
+        _check_ends(cu_seqlens, x.shape[0])
     if row_ends is not None and (row_ends.shape != cu_seqlens.shape or row_ends.dtype != torch.int32
                                  or row_ends.device != x.device):
         raise MoonEPInputError(f"expert_ffn: row_ends must be [{weights.num_groups}] int32 on {x.device}, got "
@@ -178,8 +203,9 @@ def expert_ffn(
     check_tail_args(row_ends, zero_tail, "expert_ffn")
     if out is None:
         out = torch.empty_like(x)
-    elif out.shape != x.shape or out.dtype != x.dtype:
-        raise MoonEPInputError(f"expert_ffn: out must be {list(x.shape)} {x.dtype}")
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise MoonEPInputError(f"expert_ffn: out must be {list(x.shape)} {x.dtype} on {x.device}, got "
+                               f"{list(out.shape)} {out.dtype} on {out.device}")
     which = resolve_impl(impl, x, weights, tokens)
     if which == "reference":
         return expert_ffn_reference(x, route_w, cu_seqlens, weights, out=out)

@@ -14,6 +14,8 @@ from vllm_moonep.engine.errors import MoonEPInputError
 
 #: where ``gate_up_as_one`` keeps what it found, beside the device copies
 _GATE_UP_KEY = "gate_up_as_one"
+#: where ``validate_once`` notes that these weights passed ``validate()``
+_VALID_KEY = "validated"
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,15 @@ class GroupedWeights:
         return self._device_copies[_GATE_UP_KEY]
 
     def validate(self) -> None:
+        """Metadata only (shapes, dtypes, devices: no device read)."""
         n = len(self.gate)
         if not (n == len(self.up) == len(self.down)) or n == 0:
             raise MoonEPInputError("GroupedWeights: gate, up and down need the same, non-zero number of pools")
+        if self.group_pool.dim() != 1 or self.group_row.shape != self.group_pool.shape:
+            raise MoonEPInputError(f"GroupedWeights: group_pool and group_row must be [G], got "
+                                   f"{list(self.group_pool.shape)}, {list(self.group_row.shape)}")
         I, H = self.intermediate, self.hidden
+        device = self.gate[0].device
         for p in range(n):
             g, u, d = self.gate[p], self.up[p], self.down[p]
             if g.dim() != 3 or tuple(g.shape[1:]) != (I, H) or tuple(u.shape) != tuple(g.shape):
@@ -108,7 +115,18 @@ class GroupedWeights:
             if d.dim() != 3 or tuple(d.shape[1:]) != (H, I) or d.shape[0] != g.shape[0]:
                 raise MoonEPInputError(f"GroupedWeights pool {p}: down must be [N={g.shape[0]}, H={H}, I={I}], got {list(d.shape)}")
             if len({g.dtype, u.dtype, d.dtype, self.dtype}) != 1:
-                raise MoonEPInputError(f"GroupedWeights pool {p}: all weights must share one dtype")
+                raise MoonEPInputError(f"GroupedWeights pool {p}: all weights must share one dtype, got gate "
+                                       f"{g.dtype}, up {u.dtype}, down {d.dtype}")
+            if not g.device == u.device == d.device == device:
+                raise MoonEPInputError(f"GroupedWeights pool {p}: all weights must be on one device ({device}), got "
+                                       f"gate on {g.device}, up on {u.device}, down on {d.device}")
+
+    def validate_once(self) -> None:
+        """``validate()`` on this object's first call only: the expert compute's per-call check (a layout
+        hands out the same object every step, its tensors fixed)."""
+        if _VALID_KEY not in self._device_copies:
+            self.validate()
+            self._device_copies[_VALID_KEY] = True
 
 
 def check_tail_args(row_ends: torch.Tensor | None, zero_tail: bool, who: str) -> None:
