@@ -131,7 +131,6 @@ def test_refusals_and_kind_names():
         layout_kind("replicated", True)
 
 
-
 @pytest.mark.parametrize("kind", ["symmetric", "symmetric-shared"])
 def test_add_layer_checks_the_weights_before_the_heap_and_slot_pool(kind):
     """A w2 that is not 3-D was read for the slot pool's shape before any check (a bare IndexError), and

@@ -1169,7 +1169,7 @@ def main(argv=None) -> int:
         print(f"# resources {k}: {v}")
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "device": props.name, "capability": [props.major, props.minor], "sms": props.multi_processor_count, "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(), "ceilings": ceil, "flush": args.flush,
         "rows": rows, "resources": resources, "argv": sys.argv,
         "vllm": {**vllm_info, "absent": vllm_error,

@@ -1,0 +1,95 @@
+"""``bench_median``: the median of several ``bench_experts`` runs per point, and the column ``impl="auto"``
+runs there, from synthetic runs whose medians are known (each differs from the runs' mean)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_moonep.tools import bench_median as bm
+
+KIMI_FLOP = 2.0e12
+
+
+def _row(shape, tokens, routing, triton, floor=100.0, **cols):
+    return {"shape": shape, "tokens": tokens, "routing": routing, "triton_us": triton, "floor_us": floor,
+            "floor_kind": "flop", "flop": KIMI_FLOP, **{f"{c}_us": t for c, t in cols.items()}}
+
+
+def _run(device="NVIDIA H200", flush="clean", rows=None, date="2026-12-06T10:00:00"):
+    return {"device": device, "flush": flush, "date": date, "rows": rows or []}
+
+
+def _runs(**kw):
+    """Three runs: Triton 110/100/190 at 4096 tokens (median 110, mean 133), DeepGEMM 90/95/200 (median 95)."""
+    t, d = (110.0, 100.0, 190.0), (90.0, 95.0, 200.0)
+    return [_run(rows=[_row("kimi-k2", 4096, "balanced", t[i], deepgemm=d[i], quack=None),
+                       _row("kimi-k2", 1024, "skewed", 50.0 + i, floor=40.0, deepgemm=45.0)], **kw)
+            for i in range(3)]
+
+
+def _write(tmp_path, runs):
+    paths = []
+    for i, r in enumerate(runs):
+        p = tmp_path / f"run{i}.json"
+        p.write_text(json.dumps(r))
+        paths.append(str(p))
+    return paths
+
+
+def test_medians_ratios_spread_and_the_column_auto_runs():
+    """A mean for a median (one slow run would move every figure), a column one run lacks kept (its median of
+    fewer runs), or auto credited with a library's time where the table does not hand it that point."""
+    rows = bm.median_rows(_runs())
+    top, ridge = rows
+    assert (top["tokens"], ridge["tokens"]) == (4096, 1024)  # the first run's order
+    assert top["us"] == {"triton": 110.0, "deepgemm": 95.0}  # quack is None in the runs: no column
+    assert top["x_floor"]["triton"] == pytest.approx(1.10)
+    assert top["triton_spread"] == pytest.approx(190.0 / 100.0 - 1)
+    # the H200's section hands Kimi-K2 4096 tokens to DeepGEMM, 1024 to Triton (tuning.json's auto regimes)
+    assert top["auto"] == "deepgemm" and top["auto_us"] == 95.0
+    assert top["auto_tflops_useful"] == pytest.approx(KIMI_FLOP / 95e-6 / 1e12)
+    assert ridge["auto"] == "triton" and ridge["auto_us"] == 51.0 and ridge["x_floor"]["triton"] == pytest.approx(51 / 40)
+
+
+def test_auto_falls_back_as_the_product_does():
+    """Auto taken as a library the runs did not time, a GPU without a section credited with another's
+    regimes without its capability, or a shape the models do not know given a column."""
+    assert bm.auto_column("NVIDIA H200", None, "kimi-k2", 4096, {"triton"}) == "triton"  # DeepGEMM not timed
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", (9, 0), "kimi-k2", 4096, {"triton", "deepgemm"}) == "deepgemm"
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, {"triton", "deepgemm"}) == "triton"
+    # Qwen3 at 4096: quack first where it ran, DeepGEMM after it
+    assert bm.auto_column("NVIDIA H200", None, "qwen3-30b-a3b", 4096, {"triton", "quack", "deepgemm"}) == "quack"
+    assert bm.auto_column("NVIDIA H200", None, "qwen3-30b-a3b", 4096, {"triton", "deepgemm"}) == "deepgemm"
+    assert bm.auto_column("NVIDIA H200", None, "no-such-model", 4096, {"triton"}) is None
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda runs: runs[1].update(device="NVIDIA H100 80GB HBM3"), "differ in device"),
+    (lambda runs: runs[2].update(flush="dirty"), "differ in flush"),
+    (lambda runs: runs[1]["rows"].pop(), "other points"),
+    (lambda runs: runs.__delitem__(slice(1, None)), "two runs or more, got 1"),
+])
+def test_runs_that_cannot_share_a_median_are_refused(tmp_path, change, needle):
+    """Medians over runs of two GPUs, two flush methods or different points (a figure of no machine)."""
+    runs = _runs()
+    change(runs)
+    with pytest.raises(ValueError, match=needle):
+        bm.load_runs(_write(tmp_path, runs))
+
+
+def test_command_line(tmp_path, monkeypatch, capsys):
+    """The table on stdout, the JSON to $OUT, a refusal as exit status 2 with its reason."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    paths = _write(tmp_path, _runs(device="NVIDIA H100 80GB HBM3"))
+    assert bm.main([*paths, "--capability", "9.0"]) == 0
+    out = capsys.readouterr().out
+    assert "medians of 3 runs on NVIDIA H100 80GB HBM3 (clean flush)" in out
+    assert "| kimi-k2 | 4096 | balanced | 100.0 (flop) | 110.0 (1.10) | 95.0 (0.95) | 90.0% | deepgemm | 0.95 |" in out
+    saved = json.loads((tmp_path / "bench_median.json").read_text())
+    assert saved["rows"][0]["auto"] == "deepgemm" and saved["runs"] == paths
+    assert bm.main(paths[:1]) == 2
+    assert "two runs or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bm.main([*paths, "--capability", "nine"])
