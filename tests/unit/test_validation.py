@@ -305,7 +305,7 @@ def test_expert_ffn_rejects():
         # inconsistent weights: a bare IndexError / matmul shape error, or a silent mixed-dtype compute
         "ffn_weights_down_experts": ((x, rw, cu, GroupedWeights.contiguous(gate, up, down[:2])), {},
                                      "down must be \\[N=3, H=8, I=4\\], got \\[2, 8, 4\\]"),
-        "ffn_weights_down_intermediate": ((x, rw, cu, GroupedWeights.contiguous(gate, up, torch.randn(G, Hh, Ii + 1))),
+        "ffn_weights_down_intermediate": ((x, rw, cu, GroupedWeights.contiguous(gate, up, torch.zeros(G, Hh, Ii + 1))),
                                           {}, "down must be \\[N=3, H=8, I=4\\]"),
         "ffn_weights_dtype": ((x, rw, cu, GroupedWeights.contiguous(gate, up.double(), down)), {}, "share one dtype"),
         "ffn_weights_device": ((x, rw, cu, GroupedWeights.contiguous(gate, up, down.to("meta"))), {},
