@@ -302,14 +302,6 @@ def test_expert_ffn_rejects():
         "ffn_cu_decreasing": ((x, rw, ends(8, 4, 12), gw), {}, "cu_seqlens\\[1\\]=4 < cu_seqlens\\[0\\]=8"),
         "ffn_cu_negative": ((x, rw, ends(-4, 8, 12), gw), {}, "cu_seqlens\\[0\\]=-4 < 0"),
         "ffn_cu_past_rows": ((x, rw, ends(4, 8, 20), gw), {}, "cu_seqlens\\[-1\\]=20 > 12 rows"),
-        # inconsistent weights: a bare IndexError / matmul shape error, or a silent mixed-dtype compute
-        "ffn_weights_down_experts": ((x, rw, cu, GroupedWeights.contiguous(gate, up, down[:2])), {},
-                                     "down must be \\[N=3, H=8, I=4\\], got \\[2, 8, 4\\]"),
-        "ffn_weights_down_intermediate": ((x, rw, cu, GroupedWeights.contiguous(gate, up, torch.zeros(G, Hh, Ii + 1))),
-                                          {}, "down must be \\[N=3, H=8, I=4\\]"),
-        "ffn_weights_dtype": ((x, rw, cu, GroupedWeights.contiguous(gate, up.double(), down)), {}, "share one dtype"),
-        "ffn_weights_device": ((x, rw, cu, GroupedWeights.contiguous(gate, up, down.to("meta"))), {},
-                               "one device .cpu., got gate on cpu, up on cpu, down on meta"),
         # cu_seqlens on another device: NotImplementedError from the copy; out on another device: no error
         "ffn_cu_device": ((x, rw, cu.to("meta"), gw), {}, "cu_seqlens on meta"),
         "ffn_out_device": ((x, rw, cu, gw), {"out": torch.empty(N, Hh, device="meta")},
@@ -318,6 +310,17 @@ def test_expert_ffn_rejects():
     for name, (args, kw, needle) in cases.items():
         with pytest.raises(MoonEPInputError, match=needle):
             expert_ffn(*args, impl="reference", **kw)
+    # inconsistent weights: a bare IndexError / matmul shape error, or a silent mixed-dtype compute; refused
+    # where the GroupedWeights is made, before any compute can take them
+    bad_weights = {
+        "ffn_weights_down_experts": ((gate, up, down[:2]), "down must be \\[N=3, H=8, I=4\\], got \\[2, 8, 4\\]"),
+        "ffn_weights_down_intermediate": ((gate, up, torch.zeros(G, Hh, Ii + 1)), "down must be \\[N=3, H=8, I=4\\]"),
+        "ffn_weights_dtype": ((gate, up.double(), down), "share one dtype"),
+        "ffn_weights_device": ((gate, up, down.to("meta")), "one device .cpu., got gate on cpu, up on cpu, down on meta"),
+    }
+    for name, (mats, needle) in bad_weights.items():
+        with pytest.raises(MoonEPInputError, match=needle):
+            expert_ffn(x, rw, cu, GroupedWeights.contiguous(*mats), impl="reference")
     assert torch.equal(expert_ffn(x, rw, cu, gw, impl="reference"), want)
     # ends that leave the last groups empty and rows past the last end are valid (the contract: undefined rows)
     assert torch.equal(expert_ffn(x, rw, ends(4, 4, 4), gw, impl="reference")[:4], want[:4])

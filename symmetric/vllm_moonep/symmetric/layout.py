@@ -331,7 +331,7 @@ class SymmetricWeightLayout:
         dense = None
         if self.slot_pool is None and not overflow:
             dense = torch.cat([torch.arange(rank * epn, (rank + 1) * epn), torch.arange(E, E + B)]).to(torch.int64)
-        gw = GroupedWeights(
+        return GroupedWeights(
             gate=[t[:, :I, :] for t in w13s],
             up=[t[:, I:, :] for t in w13s],
             down=w2s,
@@ -339,8 +339,6 @@ class SymmetricWeightLayout:
             group_row=group_row,
             dense_groups=dense,
         )
-        gw.validate()
-        return gw
 
     # ------------------------------------------------------------------ protocol
     def _alive(self, what: str) -> None:

@@ -175,7 +175,6 @@ def expert_ffn(
     or not, is written as with ``True``."""
     if not isinstance(weights, GroupedWeights):
         raise MoonEPInputError(f"expert_ffn: weights must be a GroupedWeights, got {type(weights).__name__}")
-    weights.validate_once()
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != weights.hidden:
         raise MoonEPInputError(f"expert_ffn: x must be [NvS, H={weights.hidden}], got "
                                f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")

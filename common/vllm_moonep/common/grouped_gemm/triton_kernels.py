@@ -522,7 +522,6 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
         if w13i and hit.w13i is None:
             hit.w13i = _interleaved(weights, hit.table, device)
         return hit
-    weights.validate()
     gate, gs, k1 = _conform(list(weights.gate), "gate")
     up, us, k2 = _conform(list(weights.up), "up")
     down, ds, k3 = _conform(list(weights.down), "down")

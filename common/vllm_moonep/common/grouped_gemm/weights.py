@@ -14,8 +14,6 @@ from vllm_moonep.engine.errors import MoonEPInputError
 
 #: where ``gate_up_as_one`` keeps what it found, beside the device copies
 _GATE_UP_KEY = "gate_up_as_one"
-#: where ``validate_once`` notes that these weights passed ``validate()``
-_VALID_KEY = "validated"
 
 
 @dataclass(frozen=True)
@@ -40,6 +38,9 @@ class GroupedWeights:
     group_row: torch.Tensor
     dense_groups: torch.Tensor | None = None
     _device_copies: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.validate()  # at construction, once: every holder of a GroupedWeights may rely on it
 
     def dense_groups_on(self, device: torch.device) -> torch.Tensor:
         """``dense_groups`` on ``device``, copied once (not on every expert call)."""
@@ -99,7 +100,8 @@ class GroupedWeights:
         return self._device_copies[_GATE_UP_KEY]
 
     def validate(self) -> None:
-        """Metadata only (shapes, dtypes, devices: no device read)."""
+        """``MoonEPInputError`` naming the first inconsistent pool; metadata only (shapes, dtypes, devices: no
+        device read). Run at construction."""
         n = len(self.gate)
         if not (n == len(self.up) == len(self.down)) or n == 0:
             raise MoonEPInputError("GroupedWeights: gate, up and down need the same, non-zero number of pools")
@@ -121,12 +123,6 @@ class GroupedWeights:
                 raise MoonEPInputError(f"GroupedWeights pool {p}: all weights must be on one device ({device}), got "
                                        f"gate on {g.device}, up on {u.device}, down on {d.device}")
 
-    def validate_once(self) -> None:
-        """``validate()`` on this object's first call only: the expert compute's per-call check (a layout
-        hands out the same object every step, its tensors fixed)."""
-        if _VALID_KEY not in self._device_copies:
-            self.validate()
-            self._device_copies[_VALID_KEY] = True
 
 
 def check_tail_args(row_ends: torch.Tensor | None, zero_tail: bool, who: str) -> None:
