@@ -209,7 +209,8 @@ def test_padding_tails_written_unless_the_engine_never_reads_them():
 
 def test_buffer_options_are_validated_on_every_transport():
     """num_sms=-3 ran 1 program and num_sms='many' raised a bare ValueError on the symmetric transport, both
-    passed on the collective one; heap='hots' was silently ignored on the collective transport."""
+    passed on the collective one; heap='hots' was silently ignored on the collective transport; check_inputs='no'
+    checked ids."""
     from vllm_moonep.symmetric import HostHeap
 
     for transport in ("collective", "symmetric"):
@@ -221,6 +222,9 @@ def test_buffer_options_are_validated_on_every_transport():
             with pytest.raises(MoonEPInputError, match=r"heap must be None, a SymmetricHeap or one of \('auto', "
                                                        r"'host', 'torch', 'nvshmem'\), got " + shown):
                 Buffer(16, 8, 2, 8, 1, device="cpu", transport=transport, heap=bad)
+        for bad in ("no", 0, None):  # 'no' is truthy: it checked ids while it said not to
+            with pytest.raises(MoonEPInputError, match=r"check_inputs must be True or False, got " + repr(bad)):
+                Buffer(16, 8, 2, 8, 1, device="cpu", transport=transport, check_inputs=bad)
         b = Buffer(16, 8, 2, 8, 1, device="cpu", transport=transport, num_sms=2, heap="host")  # the next good one
         assert b.row_programs == (None if transport == "collective" else 2 * 4)
         b.destroy()

@@ -200,6 +200,8 @@ POOL_CASES = {
     "pool_buffer_transport": (dict(transport="symetric"), dict(), "transport must be one of"),
     "pool_buffer_heap": (dict(heap="hots"), dict(), "heap must be None, a SymmetricHeap or one of"),
     "pool_buffer_missing": (dict(K=_ABSENT), dict(), "missing a required argument: 'K'"),
+    # a truthy string from a config file turned the id checks on while it said 'no'
+    "pool_buffer_check_inputs": (dict(check_inputs="no"), dict(), "check_inputs must be True or False, got 'no'"),
     "pool_buffer_config": (dict(K=33), dict(), "max_tokens_per_rank=64: K .top-k. must be in \\[1, 32\\]"),
     # the contract's bounds at the largest capacity, not at the first (small) one
     "pool_buffer_nvs_bound": (dict(K=32), dict(max_tokens_per_rank=2**20), "2\\*\\*24"),

@@ -109,7 +109,8 @@ def _check_heap_option(heap: object) -> None:
 
 
 def _checked_settings(S: int, H: int, K: int, E: int, R: int, num_sms: object, token_padding: int, B: int | None,
-                      dtype: object, transport: object, heap: object, unknown: dict[str, object]) -> int:
+                      dtype: object, transport: object, heap: object, check_inputs: object,
+                      unknown: dict[str, object]) -> int:
     """``B`` (its default filled in) once ``Buffer``'s settings pass every check made before a collective,
     else ``MoonEPInputError`` naming the first bad one."""
     if unknown:
@@ -125,6 +126,8 @@ def _checked_settings(S: int, H: int, K: int, E: int, R: int, num_sms: object, t
     assert B is not None  # validate_config refuses None
     if dtype not in (torch.bfloat16, torch.float32):
         raise MoonEPInputError(f"dtype must be torch.bfloat16 (or float32 for tests), got {dtype}")
+    if not isinstance(check_inputs, bool):  # a truthy 'no' or 0/1 from a config file reads as a choice it is not
+        raise MoonEPInputError(f"check_inputs must be True or False, got {check_inputs!r}")
     return B
 
 
@@ -139,7 +142,7 @@ def check_buffer_settings(S: int, settings: dict[str, Any]) -> None:
     bound.apply_defaults()
     a = bound.arguments
     _checked_settings(S, a["H"], a["K"], a["E"], a["num_ep_ranks"], a["num_sms"], a["token_padding"], a["B"],
-                      a["dtype"], a["transport"], a["heap"], a["unknown"])
+                      a["dtype"], a["transport"], a["heap"], a["check_inputs"], a["unknown"])
 
 
 #: a fresh token per ``Buffer`` (``Plan.owner``): ``id()`` comes back once a buffer is collected, so a
@@ -269,7 +272,7 @@ class Buffer:
         **unknown: object,
     ) -> None:
         R = num_ep_ranks
-        B = _checked_settings(S, H, K, E, R, num_sms, token_padding, B, dtype, transport, heap, unknown)
+        B = _checked_settings(S, H, K, E, R, num_sms, token_padding, B, dtype, transport, heap, check_inputs, unknown)
         self.collectives = BoundedCollectives(group, world_size=R, timeout_s=timeout_s)
         if self.collectives.world_size != R:
             self.collectives.close()
