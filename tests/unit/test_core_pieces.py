@@ -74,6 +74,18 @@ def test_sanitize_and_pad():
         sanitize_routing(ids, w[:, :1])
 
 
+def test_ids_past_int32_stay_past_E_where_they_are_not_checked():
+    """On CUDA (no host read to refuse them) the cast to int32 wrapped an int64 id of 2**32 + 3 to expert 3 and
+    -(2**32) + 2 to expert 2: tokens went to experts their router never chose. The CPU path refuses them
+    (test_validation's sanitize_ids_wrap); the CUDA path is _sanitize itself, run here on CPU tensors."""
+    from vllm_moonep.common.padding import _sanitize
+
+    ids = torch.tensor([[2**32 + 3, 1], [-(2**32) + 2, 2**40]])
+    sid, sw = _sanitize(ids, torch.full((2, 2), 0.5), pad_expert=5)
+    assert sid.tolist() == [[2**31 - 1, 1], [5, 2**31 - 1]]  # past E: dispatch's own checks see them
+    assert sw.tolist() == [[0.5, 0.5], [0.0, 0.5]]
+
+
 def test_engine_selection():
     """engine='auto' taking a moonep package that is absent, or engine='moonep' silently falling back to the built-in
     engine."""

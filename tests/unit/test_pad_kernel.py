@@ -35,11 +35,19 @@ def _inputs(name):
         w = w.to(torch.bfloat16)
     if "int32" in name:
         ids = ids.to(torch.int32)
+    if "wide" in name and s:  # int64 ids past int32 either way: the cast alone wrapped them into [0, E)
+        ids.view(-1)[3::11] = 2**32 + 3
+        ids.view(-1)[4::13] = -(2**32) + 2
     return x, ids, w, cap, E, pad
 
 
+def _past_int32_as_max(ids):
+    """The ids the kernel must write (and count) for ``ids``: one past int32 becomes 2**31 - 1, past E."""
+    return ids.clamp(max=2**31 - 1) if ids.dtype == torch.int64 else ids
+
+
 CASES = ["partial", "partial-invalid", "full", "full-strided-int32", "empty_rank", "top1-invalid", "odd_k-strided",
-         "kimi_like-invalid"]
+         "kimi_like-invalid", "odd_k-wide"]
 
 
 def _expected(x, ids, w, cap, E, pad):
@@ -56,7 +64,7 @@ def run_case(name, device):
     from vllm_moonep.common.padding import pad_and_count
 
     x, ids, w, cap, E, pad = _inputs(name)
-    want = _expected(x, ids, w, cap, E, pad)
+    want = _expected(x, _past_int32_as_max(ids), w, cap, E, pad)
     H, K = x.shape[1], ids.shape[1]
     staging = (torch.full((cap + 3, H), SENTINEL, dtype=torch.bfloat16, device=device)[:cap],
                torch.full((cap, K), SENTINEL, dtype=torch.int32, device=device),
@@ -96,6 +104,7 @@ _DOCS = {
     "top1-invalid": "top-1 routing (K=1, padded tile) with invalid ids",
     "odd_k-strided": "K=3 (masked columns of the padded K tile) with strided inputs",
     "kimi_like-invalid": "Kimi-K2 sizes: H=7168 over several column blocks, E=384 bins, 128-row capacity",
+    "odd_k-wide": "int64 ids past int32 wrapped by the cast to a valid expert (2**32 + 3 -> 3) and counted there",
 }
 
 

@@ -2,7 +2,8 @@
 
     hidden [s, H], topk_ids [s, K] (any int), topk_weights [s, K] (any float)
         ──► _pad_kernel, grid cap/ROWS, program = ROWS token rows:
-              rows < s:  hidden row copied; ids to int32, an id < 0 becomes pad_expert with weight 0
+              rows < s:  hidden row copied; ids to int32 (past int32: 2**31 - 1), an id < 0 becomes
+                         pad_expert with weight 0
               rows >= s: hidden 0, ids pad_expert, weight 0
               counts of its ids in [0, E) added to tpe (one histogram, then one atomic per used bin)
         ──► x [cap, H], ids [cap, K] int32, w [cap, K] f32, tpe [E] int32: the staging tensors
@@ -48,9 +49,11 @@ def _kernel() -> "Launcher":
         k = tl.arange(0, K_P)
         src = real[:, None] & (k < K)[None, :]
         dst = rows[:, None] & (k < K)[None, :]
-        e = tl.load(ids + t64[:, None] * si0 + k[None, :] * si1, mask=src, other=-1).to(tl.int32)
+        raw = tl.load(ids + t64[:, None] * si0 + k[None, :] * si1, mask=src, other=-1)
         wv = tl.load(w + t64[:, None] * sw0 + k[None, :] * sw1, mask=src, other=0.0).to(tl.float32)
-        bad = e < 0  # padding rows and invalid ids: the rank's own expert, weight 0
+        bad = raw < 0  # padding rows and invalid ids: the rank's own expert, weight 0 (before the cast)
+        # an id past int32 stays past E (the cast alone wrapped 2**32 + 3 to expert 3)
+        e = tl.minimum(raw, 2147483647).to(tl.int32)
         e = tl.where(bad, pad_expert, e)
         wv = tl.where(bad, 0.0, wv)
         tl.store(io + t64[:, None] * K + k[None, :], e, mask=dst)

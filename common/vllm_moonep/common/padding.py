@@ -30,8 +30,9 @@ def _check_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         raise MoonEPInputError(f"topk_ids and topk_weights must be [s, K], got {list(topk_ids.shape)}")
     if topk_ids.device != topk_weights.device:
         raise MoonEPInputError(f"topk_ids is on {topk_ids.device}, topk_weights on {topk_weights.device}")
-    # the cast to int32 would wrap a wider id into [0, E) (2**32 + 3 -> 3); checked where the ids are
-    # on the host (free), not on CUDA (a host synchronization per step)
+    # the cast to int32 would wrap a wider id into [0, E) (2**32 + 3 -> 3); refused where the ids are
+    # on the host (free); on CUDA (a host synchronization per step) _sanitize and the pad kernel keep
+    # such an id past E instead, where dispatch's own checks see it
     if (topk_ids.device.type == "cpu" and topk_ids.dtype != torch.int32 and topk_ids.element_size() >= 4
             and topk_ids.numel() and int(topk_ids.max()) > _INT32_MAX):
         raise MoonEPInputError(
@@ -67,6 +68,8 @@ def _check_rows(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
 
 def _sanitize(topk_ids: torch.Tensor, topk_weights: torch.Tensor, pad_expert: int) -> tuple[torch.Tensor, torch.Tensor]:
     invalid = topk_ids < 0  # before the cast, which could wrap a wide negative id to a valid one
+    if topk_ids.dtype == torch.int64:  # an id past int32 stays past E (the cast alone wraps 2**32 + 3 to 3)
+        topk_ids = topk_ids.clamp(max=_INT32_MAX)
     ids = topk_ids.to(torch.int32)
     w = topk_weights.to(torch.float32)
     ids = torch.where(invalid, torch.full_like(ids, pad_expert), ids).contiguous()
