@@ -124,7 +124,6 @@ class GroupedWeights:
                                        f"gate on {g.device}, up on {u.device}, down on {d.device}")
 
 
-
 def check_tail_args(row_ends: torch.Tensor | None, zero_tail: bool, who: str) -> None:
     """``zero_tail=False`` only with ``row_ends``: without each segment's end of entries an entry row of
     weight 0 (a sanitized invalid id's), which combine reads, cannot be told from the padding tail."""
