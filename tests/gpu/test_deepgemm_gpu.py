@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn
+from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, interleave_gate_up
 from vllm_moonep.common.grouped_gemm.deepgemm_impl import deepgemm_unusable, expert_ffn_deepgemm
 from vllm_moonep.testing.reference import expert_ffn_float64
 
@@ -34,7 +34,9 @@ def _case(counts, G, H, I, seed, w13=True, dev="cuda"):
         rw[start + c:start + s] = 0.0
         start += s
     rw[int(cu[-1]):] = 0.0
-    if w13:
+    if w13 == "interleaved":  # the symmetric layout's order: one operand, gate and up columns alternating
+        w = GroupedWeights.of_w13(interleave_gate_up(gate, up).to(dev), down.to(dev), interleaved=True)
+    elif w13:
         one = torch.cat([gate, up], dim=1).to(dev)
         w = GroupedWeights([one[:, :I]], [one[:, I:]], [down.to(dev)], torch.zeros(G, dtype=torch.int64),
                            torch.arange(G), torch.arange(G))
@@ -60,12 +62,12 @@ CASES = [  # (live rows per group, H, I): decode (one row in some groups, empty 
 
 
 @pytest.mark.parametrize("layout", ["psum", "rows"])
-@pytest.mark.parametrize("w13", [True, False], ids=["w13", "separate"])
+@pytest.mark.parametrize("w13", [True, "interleaved", False], ids=["w13", "w13-interleaved", "separate"])
 @pytest.mark.parametrize("counts,H,I", CASES, ids=["decode", "mid", "prefill"])
 def test_deepgemm_matches_float64(counts, H, I, w13, layout):
     """DeepGEMM reading a group's rows from a neighbour (its M block straddling two segments: an alignment that does
-    not divide the padding), gate and up swapped, the route weight dropped, a padding tail's NaN reaching an output,
-    or rows left unwritten."""
+    not divide the padding), gate and up swapped (or an interleaved w13's columns split in halves), the route weight
+    dropped, a padding tail's NaN reaching an output, or rows left unwritten."""
     _skip_unless_usable()
     x, rw, cu, w = _case(counts, len(counts), H, I, seed=len(counts) + H, w13=w13)
     out = torch.full_like(x, float("nan"))

@@ -6,7 +6,8 @@ runs in both of its forms: gate and up as separate tensors (the split form) and 
 import pytest
 import torch
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, available_impls, expert_ffn, impl_unusable
+from vllm_moonep.common.grouped_gemm import (GroupedWeights, available_impls, expert_ffn, impl_unusable,
+                                              interleave_gate_up)
 from vllm_moonep.testing.reference import expert_ffn_float64
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +29,9 @@ def _case(lens, I, H, seed, w13=False):
     n = int(cu[-1]) + 64
     x = torch.randn(n, H, generator=g).to(torch.bfloat16).cuda()
     rw = torch.rand(n, generator=g).cuda()
-    if w13:  # vLLM's w13 [G, 2I, H], gate and up as views (the symmetric layout's form)
+    if w13 == "interleaved":  # the symmetric layout's w13: gate row j at 2j, up row j at 2j + 1
+        return x, rw, cu, GroupedWeights.of_w13(interleave_gate_up(gate, up), down, interleaved=True)
+    if w13:  # vLLM's w13 [G, 2I, H], gate and up as views
         one = torch.cat([gate, up], dim=1)
         ar = torch.arange(G)
         return x, rw, cu, GroupedWeights([one[:, :I]], [one[:, I:]], [down], torch.zeros(G, dtype=torch.int64), ar, ar)
@@ -44,12 +47,16 @@ def _check(impl, x, rw, cu, w, out, what=""):
     assert rel < 1e-2
 
 
+@pytest.mark.parametrize("order", ["separate", "interleaved"])
 @pytest.mark.parametrize("impl", ["reference", "grouped_mm", "triton", "quack"])
 @pytest.mark.parametrize("lens,I,H", CASES)
-def test_path_matches_float64(impl, lens, I, H):
+def test_path_matches_float64(impl, lens, I, H, order):
     """A grouped GEMM path on the GPU drifting from float64 or leaving rows of a segment unwritten (NaN-poisoned
-    output). For quack: gate and up as separate tensors (the split form: three GEMMs)."""
-    x, rw, cu, w = _case(lens, I, H, seed=len(lens) + I)
+    output), with gate and up as separate tensors or stored interleaved in one w13 (the symmetric layout's order:
+    the Triton tiles then read one weight, W13I; the library GEMMs one operand whose columns alternate). For quack
+    the separate tensors take the split form (three GEMMs)."""
+    x, rw, cu, w = _case(lens, I, H, seed=len(lens) + I, w13=order == "interleaved")
+    assert w.interleaved == (order == "interleaved")
     if impl not in available_impls(x, w):
         pytest.skip(f"{impl} is not available here: {impl_unusable(impl, x, w)}")
     out = torch.full_like(x, float("nan"))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests.conftest import ranks
 from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
-from vllm_moonep.testing.weights import local_experts
+from vllm_moonep.testing.weights import local_experts, stored_w13
 
 pytestmark = pytest.mark.gpu
 
@@ -88,8 +88,9 @@ def layout_prefetch_and_steps(E, B, sigma, seed):
     p2 = torch.nn.Parameter(lw2.clone(), requires_grad=False)
     sym.adopt_parameters(p13, p2)
     assert p13.data_ptr() == sym.home_w13.data_ptr()
+    s13 = stored_w13(w13)  # the heap's rows: gate and up interleaved
     for q in range(R):
-        assert torch.equal(sym.peer_w13(q)[:epn], w13[q * epn:(q + 1) * epn])
+        assert torch.equal(sym.peer_w13(q)[:epn], s13[q * epn:(q + 1) * epn])
         assert torch.equal(sym.peer_w2(q)[:epn], w2[q * epn:(q + 1) * epn])
     # prefetch through real peer views: bitwise; -1 slots untouched
     table = torch.full((R, B), -1, dtype=torch.int32)
@@ -104,7 +105,7 @@ def layout_prefetch_and_steps(E, B, sigma, seed):
     for b in range(B):
         e = int(table[r, b])
         if e >= 0:
-            assert torch.equal(sym.slots_w13[b].view(torch.int16), w13[e].view(torch.int16))
+            assert torch.equal(sym.slots_w13[b].view(torch.int16), s13[e].view(torch.int16))
             assert torch.equal(sym.slots_w2[b].view(torch.int16), w2[e].view(torch.int16))
         else:
             assert bool((sym.slots_w13[b] == sentinel).all())

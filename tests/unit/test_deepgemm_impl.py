@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, policy, probes, resolve_impl
+from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, interleave_gate_up, policy, probes, resolve_impl
 from vllm_moonep.common.grouped_gemm import deepgemm_impl
 from vllm_moonep.engine import MoonEPInputError
 from vllm_moonep.engine import defaults as defaults_mod
@@ -81,7 +81,10 @@ def _case(lens, groups_used, G, I=128, H=128, seed=0, w13=True):
     for j, grp in enumerate(groups_used):
         pool_group[grp], pool_row[grp] = 0, j
     dense = torch.tensor(groups_used, dtype=torch.int64)
-    if w13:
+    if w13 == "interleaved":  # the symmetric layout's order: gate row j at 2j, up row j at 2j + 1
+        one = interleave_gate_up(gate, up)
+        w = GroupedWeights([one[:, 0::2]], [one[:, 1::2]], [down], pool_group, pool_row, dense)
+    elif w13:
         one = torch.cat([gate, up], dim=1)
         w = GroupedWeights([one[:, :I]], [one[:, I:]], [down], pool_group, pool_row, dense)
     else:
@@ -102,11 +105,12 @@ def as_sm90(monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["psum", "rows"])
-@pytest.mark.parametrize("w13", [True, False], ids=["w13-view", "separate"])
+@pytest.mark.parametrize("w13", [True, "interleaved", False], ids=["w13-view", "w13-interleaved", "separate"])
 def test_deepgemm_plumbing_matches_float64(as_sm90, layout, w13):
     """deepgemm_impl handing DeepGEMM cu_seqlens itself instead of pool rows' ends (groups not in dense_groups),
-    a per-row layout off by one or without -1 past the end, gate and up swapped or the w13 view missed (a copy), the
-    route weight dropped, or NaN from a padding tail reaching an output through a weight of 0."""
+    a per-row layout off by one or without -1 past the end, gate and up swapped or the w13 view missed (a copy), an
+    interleaved w13's output split in halves (gate and up columns mixed), the route weight dropped, or NaN from a
+    padding tail reaching an output through a weight of 0."""
     mp, calls = as_sm90
     x, rw, cu, w = _case([256, 128, 384], [1, 3, 4], G=6, w13=w13)
     out = torch.full_like(x, 7.0)
@@ -210,20 +214,22 @@ h[5:9] = float("nan")
 rw = torch.rand(M, generator=g)
 rw[5:9] = 0.0
 rw[20] = 0.0
-got = torch.full((M, I), 9.0).bfloat16()
-want = torch.empty(M, I).bfloat16()
-swiglu_route(h[:, :I], h[:, I:], rw, got)
-swiglu_route_torch(h[:, :I], h[:, I:], rw, want)
-assert torch.isfinite(got).all(), "NaN of a weight-0 row reached act"
-assert (got[rw == 0] == 0).all()
-d = (got.float() - want.float()).abs().max().item()
-assert d <= 2 ** -6 * want.float().abs().max().item(), d
+for g_, u_ in ((h[:, :I], h[:, I:]), (h[:, 0::2], h[:, 1::2])):  # halves; even and odd columns (interleaved)
+    got = torch.full((M, I), 9.0).bfloat16()
+    want = torch.empty(M, I).bfloat16()
+    swiglu_route(g_, u_, rw, got)
+    swiglu_route_torch(g_, u_, rw, want)
+    assert torch.isfinite(got).all(), "NaN of a weight-0 row reached act"
+    assert (got[rw == 0] == 0).all()
+    d = (got.float() - want.float()).abs().max().item()
+    assert d <= 2 ** -6 * want.float().abs().max().item(), d
 print("ok", d)
 '''
 
 
 def test_swiglu_route_kernel_matches_its_torch_twin_under_the_interpreter():
-    """The activation kernel reading up at the wrong offset (a strided half of h), a row's weight from the wrong row,
+    """The activation kernel reading up at the wrong offset (a strided half of h) or ignoring a column stride (the
+    even and odd columns of an interleaved w13's h), a row's weight from the wrong row,
     a masked column tail, or NaN of a padding row surviving a weight of 0."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

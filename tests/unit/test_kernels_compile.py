@@ -200,9 +200,10 @@ DIVISIBLE = ("stride_xm", "stride_am", "stride_om", "s_gn", "s_un", "s_dn", "N",
 def _shipped():
     """``(label, kernel, signature, launch meta)`` for each kernel launch the shipped tiles make on a Hopper GPU
     (options resolved as ``expert_ffn_triton`` resolves them there, on the layer's call: the engine's row ends,
-    tails left, padded steps; the unpadded form too where it differs): every entry of every device section of
-    tuning.json, and the generic tiles at the shape ``bench_levers --lever generic`` measures them on, which has
-    no entry."""
+    tails left, padded steps; the unpadded form too where it differs; the gate/up tiles over weights stored in
+    halves, the replicated layout's, and interleaved, the symmetric layout's: ``W13I``): every entry of every
+    device section of tuning.json, and the generic tiles at the shape ``bench_levers --lever generic`` measures
+    them on, which has no entry."""
     import json
     from importlib import resources
 
@@ -218,9 +219,11 @@ def _shipped():
     for label, H, I, e in entries:
         gu, dn = e["gate_up"], e["down"]
         if e.get("fused"):
-            meta = tk.fused_meta(e, H, I, GROUPS, dot_f32=False, skip=True, tma1=bool(gu.get("tma")),
-                                 tma2=bool(dn.get("tma")), w13i=bool(gu.get("w13i")), zero_tail=False, has_ends=True)
-            out.append((f"{label} one launch", triton_fused.fused_kernel, FUSED_SIG, meta))
+            for w13i in (False, True):
+                meta = tk.fused_meta(e, H, I, GROUPS, dot_f32=False, skip=True, tma1=bool(gu.get("tma")),
+                                     tma2=bool(dn.get("tma")), w13i=w13i, zero_tail=False, has_ends=True)
+                out.append((f"{label} one launch{' interleaved' if w13i else ''}", triton_fused.fused_kernel,
+                            FUSED_SIG, meta))
             continue
         for kind, fn, sig, c, build in (("gate_up", tk._gate_up_kernel, GATE_UP_SIG, gu, tk.gate_up_meta),
                                          ("down", tk._down_kernel, DOWN_SIG, dn, tk.down_meta)):
@@ -230,10 +233,12 @@ def _shipped():
                 flat = tk._flat(c, ws, skip)
                 if not skip and not flat:
                     continue  # the unpadded form compiles to the same loops
-                extra = dict(w13i=bool(c.get("w13i"))) if kind == "gate_up" else dict(zero_tail=False)
-                meta = build(c, H, I, GROUPS, dot_f32=False, skip=skip, tma=tma, ws=ws, flat=flat,
-                             streamk=bool(c.get("streamk")), **extra)
-                out.append((f"{label} {kind}{'' if skip else ' unpadded'}", fn, sig, meta))
+                for w13i in ((False, True) if kind == "gate_up" else (False,)):
+                    extra = dict(w13i=w13i) if kind == "gate_up" else dict(zero_tail=False)
+                    meta = build(c, H, I, GROUPS, dot_f32=False, skip=skip, tma=tma, ws=ws, flat=flat,
+                                 streamk=bool(c.get("streamk")), **extra)
+                    out.append((f"{label} {kind}{'' if skip else ' unpadded'}{' interleaved' if w13i else ''}", fn,
+                                sig, meta))
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_moonep.common.grouped_gemm import GroupedWeights, api, available_impls, expert_ffn, policy, probes, resolve_impl
+from vllm_moonep.common.grouped_gemm.weights import interleave_gate_up
 from vllm_moonep.engine import MoonEPInputError
 from vllm_moonep.engine import defaults as defaults_mod
 from vllm_moonep.testing.reference import expert_ffn_float64
@@ -24,7 +25,7 @@ EPI = "vllm_moonep.common.grouped_gemm.quack_epilogue"
 TRITON = "vllm_moonep.common.grouped_gemm.triton_kernels"
 
 
-def _case(lens, I=16, H=32, seed=0, w13=False):
+def _case(lens, I=16, H=32, seed=0, w13=False, interleaved=False):
     g = torch.Generator().manual_seed(seed)
     G = len(lens)
     gate = (torch.randn(G, I, H, generator=g) / H**0.5).to(torch.bfloat16)
@@ -34,7 +35,9 @@ def _case(lens, I=16, H=32, seed=0, w13=False):
     n = int(cu[-1]) + 5
     x = torch.randn(n, H, generator=g).to(torch.bfloat16)
     rw = torch.rand(n, generator=g)
-    if w13:  # vLLM's w13 [G, 2I, H]: gate and up as views of one tensor
+    if interleaved:  # the symmetric layout's w13 [G, 2I, H]: gate row j at 2j, up row j at 2j + 1
+        w = GroupedWeights.of_w13(interleave_gate_up(gate, up), down, interleaved=True)
+    elif w13:  # vLLM's w13 [G, 2I, H]: gate and up as views of one tensor
         one = torch.cat([gate, up], dim=1)
         ar = torch.arange(G)
         w = GroupedWeights([one[:, :I]], [one[:, I:]], [down], torch.zeros(G, dtype=torch.int64), ar, ar)
@@ -233,7 +236,9 @@ def test_explicit_impl_errors_propagate_without_fallback(fresh, impl):
 # ------------------------------------------------------------------------------------------------
 # quack_impl's plumbing through a stand-in for quack's two calls, with quack's documented semantics
 # (quack.gemm_interface.gemm_ref): B is (L, K, N); group i is rows [cu_m[i], cu_m[i+1]); with
-# concat_layout=("B",) B's N is [gate; up] and the gated epilogue pairs column j of each half.
+# concat_layout=("B",) B's N is [gate; up] and the gated epilogue pairs column j of each half; without it
+# the epilogue pairs adjacent columns 2j, 2j + 1 (quack's own gemm_swiglu reference: preact[..., ::2],
+# preact[..., 1::2]).
 # ------------------------------------------------------------------------------------------------
 
 
@@ -253,13 +258,14 @@ def _stand_in(calls):
         return out
 
     class SwigluRoute:
-        def __call__(self, A, B, C=None, *, out, store_d, tuned, cu_seqlens_m, concat_layout, route_w):
+        def __call__(self, A, B, C=None, *, out, store_d, tuned, cu_seqlens_m, route_w, concat_layout=None):
             calls.append(("swiglu_route", tuple(B.shape), concat_layout, store_d, tuned))
-            assert C is None and not store_d and concat_layout == ("B",)
+            assert C is None and not store_d and concat_layout in (("B",), None)
             act, n = out["act"], B.shape[-1] // 2
             for i, (a, b) in enumerate(_segments(cu_seqlens_m)):
                 acc = A[a:b].float() @ B[i].float()
-                act[a:b] = (F.silu(acc[:, :n]) * acc[:, n:] * route_w[a:b, None].float()).to(act.dtype)
+                g, u = (acc[:, :n], acc[:, n:]) if concat_layout else (acc[:, 0::2], acc[:, 1::2])
+                act[a:b] = (F.silu(g) * u * route_w[a:b, None].float()).to(act.dtype)
             return out
 
     mod = types.ModuleType(EPI)
@@ -267,19 +273,24 @@ def _stand_in(calls):
     return mod
 
 
-@pytest.mark.parametrize("w13", [True, False], ids=["w13-views-fused", "separate-split"])
+@pytest.mark.parametrize("w13", ["halves", "interleaved", None], ids=["w13-views-fused", "w13-interleaved-fused",
+                                                                     "separate-split"])
 @pytest.mark.parametrize("lens", [[3, 0, 0, 17, 5], [0, 0, 40], [1, 1, 1]])
 def test_quack_plumbing_matches_float64(fresh, w13, lens):
     """quack_impl handing quack the wrong cu_seqlens_m (no leading 0, int64, END offsets), B untransposed, gate and
-    up swapped in the concat, the route weight dropped, or the view of w13 not found (a copy or the split form)."""
-    x, rw, cu, w = _case(lens, w13=w13, seed=len(lens))
+    up swapped in the concat, the route weight dropped, the view of w13 not found (a copy or the split form), or
+    interleaved weights handed over as halves (concat_layout: gate and up columns mixed)."""
+    x, rw, cu, w = _case(lens, w13=w13 == "halves", interleaved=w13 == "interleaved", seed=len(lens))
     calls: list = []
     fresh.setattr(probes, "cuda_capability", lambda t: (9, 0))
     fresh.setitem(sys.modules, EPI, _stand_in(calls))
-    one = w.gate_up_as_one()
-    assert (one is not None) == w13
-    if w13:
+    one = w.gate_up_as_one() if w13 == "halves" else w.gate_up_interleaved()
+    assert (one is not None) == (w13 is not None)
+    assert w.gate_up_as_one() is None or w13 == "halves"
+    if w13 == "halves":
         assert one.data_ptr() == w.gate[0].data_ptr() and torch.equal(one[:, 16:], w.up[0])  # a view, no copy
+    elif w13 == "interleaved":
+        assert one.data_ptr() == w.gate[0].data_ptr() and torch.equal(one[:, 1::2], w.up[0])
     out = torch.full_like(x, float("nan"))
     expert_ffn(x, rw, cu, w, impl="quack", out=out)
     end = int(cu[-1])
@@ -289,7 +300,8 @@ def test_quack_plumbing_matches_float64(fresh, w13, lens):
     assert rel < 1e-2, rel
     G, I, H = len(lens), 16, 32
     if w13:
-        assert calls == [("swiglu_route", (G, H, 2 * I), ("B",), False, False), ("gemm", (G, I, H), None, False)]
+        concat = ("B",) if w13 == "halves" else None
+        assert calls == [("swiglu_route", (G, H, 2 * I), concat, False, False), ("gemm", (G, I, H), None, False)]
     else:
         assert [c[:3] for c in calls] == [("gemm", (G, H, I), torch.float32), ("gemm", (G, H, I), torch.float32),
                                           ("gemm", (G, I, H), None)]

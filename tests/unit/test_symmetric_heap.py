@@ -11,6 +11,7 @@ import torch
 
 from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE, WeightLayout
+from vllm_moonep.common.grouped_gemm import interleave_gate_up
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import HostHeap, SharedSlotPool, SymmetricWeightLayout, make_heap
@@ -139,7 +140,9 @@ def test_layout_world_of_one_matches_dense_and_replicated():
     assert lay.heap.local_bytes() == lay.memory_report().resident  # accounted == what the heap holds
     gw = lay.grouped_weights()
     assert gw.dense_groups.tolist() == [0, 1, 2, 3, 4, 5]
-    assert torch.equal(lay.home_w13, w13) and torch.equal(lay.home_w2, w2)
+    # the home rows hold each expert's gate and up interleaved (the order the Triton tiles read as one weight)
+    assert torch.equal(lay.home_w13, interleave_gate_up(w13[:, :I], w13[:, I:])) and torch.equal(lay.home_w2, w2)
+    assert gw.interleaved and torch.equal(gw.gate[0][:E], w13[:, :I]) and torch.equal(gw.up[0][:E], w13[:, I:])
     pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=1, B=B, device="cpu"), 128, engine="builtin")
     x, ids, w = rank_inputs(50, E, K, H, sigma=1.0, seed=1, rank=0)
     out = MoonEPMoE(pool, lay, impl="reference").forward(x, ids, w)
@@ -162,9 +165,11 @@ def test_adopt_parameters_makes_parameters_heap_memory():
     heap = HostHeap()
     lay = SymmetricWeightLayout(torch.zeros_like(w13), torch.zeros_like(w2), E, 1, heap=heap)
     p13, p2 = torch.nn.Parameter(w13.clone(), requires_grad=False), torch.nn.Parameter(w2.clone(), requires_grad=False)
-    lay.adopt_parameters(p13, p2)  # copies the loaded values in, then rebinds
+    lay.adopt_parameters(p13, p2)  # copies the loaded values in (w13 interleaved), then rebinds
     assert p13.data_ptr() == lay.home_w13.data_ptr() and p2.data_ptr() == lay.home_w2.data_ptr()
-    assert torch.equal(lay.home_w13, w13)
+    assert torch.equal(lay.home_w13, interleave_gate_up(w13[:, :I], w13[:, I:]))
+    gw = lay.grouped_weights()
+    assert torch.equal(gw.gate[0][:E], w13[:, :I]) and torch.equal(gw.up[0][:E], w13[:, I:])
     with torch.no_grad():
         p2.mul_(2)
     assert torch.equal(lay.home_w2, w2 * 2)

@@ -1,11 +1,13 @@
-"""The ``"w13i"`` gate/up tiles (gate and up interleaved row by row in one weight, one MMA of ``2BN`` columns):
-under Triton's CPU interpreter against the float64 reference, compiled for Hopper, and the plumbing around them
-(``interleave_gate_up``, the interleaved copy beside the pointer table, the errors).
+"""Weights stored interleaved (gate row ``j`` at row ``2j`` of one ``w13``, up row ``j`` at ``2j + 1``: the
+symmetric layout's order) and the gate/up tiles that read them as one weight (``W13I``: one ``[2BN, BK]`` block and
+one MMA of ``2BN`` columns): under Triton's CPU interpreter against the float64 reference and against the same
+weights stored in halves, compiled for Hopper, and the plumbing (``interleave_gate_up``, the detection of the order
+from strides, the pointer table that reads the ``w13`` rows in place).
 
 The kernel checks run in a child process with ``TRITON_INTERPRET=1`` (``tests.interpreter_child``: Triton may
 already be imported here); each test asserts one entry of its report. Tolerance as in
-``test_triton_interpreter``: 2e-2 against float64 (the interpreter truncates to bf16), and the w13i output
-within ``SAME_TOL`` of the same tiles without it (the same sums over a wider MMA: equal up to float32 order).
+``test_triton_interpreter``: 2e-2 against float64 (the interpreter truncates to bf16), and the interleaved
+output within ``SAME_TOL`` of the halves' (the same sums over a wider MMA: equal up to float32 order).
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import torch
 from tests.interpreter_child import interpreter_report
 
 TOL = 2e-2
-#: w13i against the committed two-MMA tiles (same operands, same sums; a bf16 rounding at most here and there)
+#: interleaved against halves (same operands, same sums; a bf16 rounding at most here and there)
 SAME_TOL = 2e-3
 #: cases of ``test_triton_interpreter._case_data``: several groups with empty ones, H and I off the tile sizes
-#: (masked K, clamped columns), pools with -1 groups and a strided w13 view, segments padded with weight-0 rows
+#: (masked K, clamped columns), pools with -1 groups, segments padded with weight-0 rows
 CASES = ["random_ragged", "odd_dims", "multi_pool", "padded_segments"]
-#: ``(name, gate_up options, fused)``: the schedules and loads that take w13i (one launch: ``fused``)
+#: ``(name, gate_up options, fused)``: the schedules and loads that read interleaved weights (one launch: ``fused``)
 RUNS = [
     ("pointer", {}, False),
     ("tma", {"tma": True}, False),
@@ -34,48 +36,58 @@ RUNS = [
 ]
 
 
+def interleaved_copy(w):
+    """The same experts as ``w`` (a ``GroupedWeights``), every pool's gate and up stored interleaved in one
+    ``w13`` (the symmetric layout's order), the group map unchanged."""
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
+
+    w13s = [interleave_gate_up(g, u) for g, u in zip(w.gate, w.up)]
+    return GroupedWeights([t[:, 0::2] for t in w13s], [t[:, 1::2] for t in w13s], list(w.down), w.group_pool,
+                          w.group_row, w.dense_groups)
+
+
 def _child_main() -> None:
     import json
 
     from tests.unit.test_triton_interpreter import _case_data
-    from vllm_moonep.common.grouped_gemm.triton_kernels import (_INTERP_CONFIG, _descriptors, expert_ffn_triton,
+    from vllm_moonep.common.grouped_gemm.triton_kernels import (_INTERP_CONFIG, _descriptors, _w13i, expert_ffn_triton,
                                                                 interpreting, prepare_weights)
     from vllm_moonep.testing.reference import expert_ffn_float64
 
     assert interpreting()
     one = {"num_warps": 4, "num_stages": 1, "progs_per_sm": 1}
 
-    def cfg_of(opts: dict, fused: bool, w13i: bool) -> dict:
-        c = {"gate_up": {**_INTERP_CONFIG["gate_up"], **opts, "w13i": w13i}, "down": dict(_INTERP_CONFIG["down"])}
+    def cfg_of(opts: dict, fused: bool) -> dict:
+        c = {"gate_up": {**_INTERP_CONFIG["gate_up"], **opts}, "down": dict(_INTERP_CONFIG["down"])}
         return {**c, "fused": one} if fused else c
 
     report: dict = {}
     for name in CASES:
         try:
             x, rw, cu, w, n = _case_data(name)
+            wi = interleaved_copy(w)
             ref = expert_ffn_float64(x, rw, cu, w)
             denom = float(ref[:n].norm())
             zero_rows = ref[:n].abs().sum(dim=1) == 0
-            r: dict = {}
+            r: dict = {"w13i": [prepare_weights(w, x.device).w13i, prepare_weights(wi, x.device).w13i]}
             for run, opts, fused in RUNS:
                 base = torch.full_like(x, float("nan"))
-                expert_ffn_triton(x, rw, cu, w, out=base, config=cfg_of(opts, fused, False))
+                expert_ffn_triton(x, rw, cu, w, out=base, config=cfg_of(opts, fused))
                 o = torch.full_like(x, float("nan"))
-                expert_ffn_triton(x, rw, cu, w, out=o, config=cfg_of(opts, fused, True))
+                expert_ffn_triton(x, rw, cu, wi, out=o, config=cfg_of(opts, fused))
                 got = o[:n].double()
                 r[run] = {"err": float((got - ref[:n]).norm()) / denom,
-                          "vs_two_mma": float((got - base[:n].double()).norm()) / denom,
+                          "vs_halves": float((got - base[:n].double()).norm()) / denom,
                           "unwritten": int(torch.isnan(got).sum()),
                           "zero_ok": bool((got[zero_rows] == 0).all())}
             # the TMA runs loaded through descriptors (a fallback to pointer loads would pass them unseen)
-            prep = prepare_weights(w, x.device)
-            (s_gn, _), (s_un, _) = prep.w13i.strides
+            _, ((s_gn, _), (s_un, _)) = _w13i(prepare_weights(wi, x.device))
             r["tma_used"] = _descriptors({"tma": True, "ws": True, "num_warps": 4}, x, (s_gn, s_un)) == (True, True)
-            # the copy follows the weights: a pool written in place (version bump) is interleaved again
-            w.gate[0].mul_(-1)
+            # the rows are read in place: a write to the stored w13 (version bump) is what the next call computes
+            wi.gate[0].mul_(-1)
             o = torch.full_like(x, float("nan"))
-            expert_ffn_triton(x, rw, cu, w, out=o, config=cfg_of({}, False, True))
-            ref2 = expert_ffn_float64(x, rw, cu, w)
+            expert_ffn_triton(x, rw, cu, wi, out=o, config=cfg_of({}, False))
+            ref2 = expert_ffn_float64(x, rw, cu, wi)
             r["after_write_err"] = float((o[:n].double() - ref2[:n]).norm()) / max(float(ref2[:n].norm()), 1e-30)
             report[name] = r
         except Exception as e:  # report, don't hide
@@ -90,27 +102,29 @@ def report():
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("run", [r[0] for r in RUNS])
-def test_w13i_against_float64(report, case, run):
-    """w13i tiles with gate and up swapped in the split, the interleaved rows misaddressed (pointer table, TMA row
-    offset, clamp), a padding row not exactly 0, or a row left unwritten, in one schedule and load path."""
+def test_interleaved_against_float64_and_halves(report, case, run):
+    """Interleaved tiles with gate and up swapped in the split, the interleaved rows misaddressed (pointer table,
+    TMA row offset, row stride, clamp), a padding row not exactly 0, or a row left unwritten, in one schedule and
+    load path; or the halves run taking the interleaved tiles (or the interleaved run not: the check vacuous)."""
     r = report[case]
     assert "error" not in r, r.get("error")
+    assert r["w13i"] == [False, True], f"{case}: W13I taken (halves, interleaved) = {r['w13i']}, want [False, True]"
     d = r[run]
     assert d["unwritten"] == 0, f"{case}/{run}: {d['unwritten']} output elements inside segments not written"
     assert d["zero_ok"], f"{case}/{run}: rows with a zero reference (weight 0, padding) are not exactly 0"
     assert d["err"] < TOL, f"{case}/{run}: relative error {d['err']:.3e} against float64 >= {TOL}"
-    assert d["vs_two_mma"] < SAME_TOL, (f"{case}/{run}: w13i differs from the same tiles without it by "
-                                        f"{d['vs_two_mma']:.3e} (>= {SAME_TOL})")
+    assert d["vs_halves"] < SAME_TOL, (f"{case}/{run}: interleaved differs from the same weights in halves by "
+                                       f"{d['vs_halves']:.3e} (>= {SAME_TOL})")
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_w13i_copy_follows_weights_and_tma_ran(report, case):
-    """A stale interleaved copy after the weights were written in place (the pointer table rebuilt, the copy not),
-    or TMA runs that silently fell back to pointer loads."""
+def test_interleaved_rows_read_in_place_and_tma_ran(report, case):
+    """A stale copy of the interleaved rows read after the stored w13 was written in place, or TMA runs that
+    silently fell back to pointer loads."""
     r = report[case]
     assert "error" not in r, r.get("error")
-    assert r["tma_used"], f"{case}: the w13i TMA tiles fell back to pointer loads (the tma checks would be vacuous)"
-    assert r["after_write_err"] < TOL, (f"{case}: after gate was written in place the w13i tiles read old weights "
+    assert r["tma_used"], f"{case}: the interleaved TMA tiles fell back to pointer loads (the tma checks would be vacuous)"
+    assert r["after_write_err"] < TOL, (f"{case}: after gate was written in place the tiles read old weights "
                                         f"(relative error {r['after_write_err']:.3e})")
 
 
@@ -118,85 +132,88 @@ def test_w13i_copy_follows_weights_and_tma_ran(report, case):
 
 
 def _weights(G=4, I=8, H=32, seed=0):
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
-
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(G, I, H, generator=g)).to(torch.bfloat16),
             (torch.randn(G, I, H, generator=g)).to(torch.bfloat16),
-            (torch.randn(G, H, I, generator=g)).to(torch.bfloat16)], GroupedWeights
+            (torch.randn(G, H, I, generator=g)).to(torch.bfloat16)]
 
 
 def test_interleave_gate_up_rows():
     """Interleaving that puts up at even rows, or gate and up in two halves (the kernel reads row 2j as gate j)."""
-    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
-    (gate, up, _), _ = _weights()
-    w = tk.interleave_gate_up(gate, up)
+    from vllm_moonep.common.grouped_gemm import interleave_gate_up
+
+    gate, up, _ = _weights()
+    w = interleave_gate_up(gate, up)
     assert w.shape == (4, 16, 32)
     assert torch.equal(w[:, 0::2], gate) and torch.equal(w[:, 1::2], up)
     out = torch.empty_like(w)
-    assert tk.interleave_gate_up(gate, up, out=out) is out and torch.equal(out, w)
+    assert interleave_gate_up(gate, up, out=out) is out and torch.equal(out, w)
 
 
 def test_interleave_gate_up_refuses_bad_shapes():
     """Mismatched gate/up or a wrong ``out`` accepted (a silent partial copy) instead of a clear error."""
-    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
+    from vllm_moonep.common.grouped_gemm import interleave_gate_up
     from vllm_moonep.engine.errors import MoonEPInputError
 
-    (gate, up, _), _ = _weights()
+    gate, up, _ = _weights()
     with pytest.raises(MoonEPInputError, match="gate and up must be"):
-        tk.interleave_gate_up(gate, up[:, :4])
+        interleave_gate_up(gate, up[:, :4])
     with pytest.raises(MoonEPInputError, match="out must be"):
-        tk.interleave_gate_up(gate, up, out=torch.empty(4, 8, 32, dtype=torch.bfloat16))
+        interleave_gate_up(gate, up, out=torch.empty(4, 8, 32, dtype=torch.bfloat16))
 
 
-def test_interleaved_copy_only_when_asked_and_once_per_row():
-    """The interleaved copy built without a w13i config (memory spent by default), built twice for one weights
-    object, copying a (pool, row) once per group that reads it, or a table row pointing at another group's rows."""
+def test_order_found_from_strides():
+    """Halves, separate tensors, a gate/up pair swapped (up at the even rows), a sliced interleaved w13 (rows of a
+    larger one, as the heap's home rows are) or views of two different tensors taken for interleaved, or one
+    interleaved pool among halves ones making the whole source interleaved (the kernel would read a pool's
+    halves as pairs)."""
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
+
+    gate, up, down = _weights()
+    w13 = interleave_gate_up(gate, up)
+    halves = torch.cat([gate, up], dim=1)
+    inter = GroupedWeights.of_w13(w13, down, interleaved=True)
+    assert inter.interleaved and torch.equal(inter.gate[0], gate) and torch.equal(inter.up[0], up)
+    assert inter.gate_up_interleaved().data_ptr() == w13.data_ptr() and torch.equal(inter.gate_up_interleaved(), w13)
+    assert inter.gate_up_as_one() is None
+    h = GroupedWeights.of_w13(halves, down, interleaved=False)
+    assert not h.interleaved and h.gate_up_interleaved() is None and torch.equal(h.gate_up_as_one(), halves)
+    assert not GroupedWeights.contiguous(gate, up, down).interleaved
+    swapped = GroupedWeights.contiguous(w13[:, 1::2], w13[:, 0::2], down)
+    assert not swapped.interleaved and swapped.gate_up_interleaved() is None
+    big = torch.cat([w13, w13.clone()], dim=0)  # home rows then slots, one storage
+    assert GroupedWeights.of_w13(big[1:3], down[1:3], interleaved=True).interleaved
+    other = interleave_gate_up(gate, up)
+    assert not GroupedWeights.contiguous(w13[:, 0::2], other[:, 1::2], down).interleaved
+    mixed = GroupedWeights([w13[:, 0::2], gate], [w13[:, 1::2], up], [down, down], torch.tensor([0, 1, 0, 1]),
+                           torch.tensor([0, 1, 2, 3]))
+    assert not mixed.interleaved
+
+
+def test_table_reads_w13_rows_in_place():
+    """The pointer table of interleaved weights pointing anywhere but each group's w13 row (a copy, another group's
+    row), or strides that are not the interleaved rows' (the kernel would read every other row)."""
     tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
-    (gate, up, down), GW = _weights()
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
+
+    gate, up, down = _weights()
+    w13 = interleave_gate_up(gate, up)
     # groups 0 and 2 read row 1, group 1 row 3, group 3 has no weights
-    w = GW([gate], [up], [down], torch.tensor([0, 0, 0, -1]), torch.tensor([1, 3, 1, -1]))
+    w = GroupedWeights([w13[:, 0::2]], [w13[:, 1::2]], [down], torch.tensor([0, 0, 0, -1]), torch.tensor([1, 3, 1, -1]))
     prep = tk.prepare_weights(w, "cpu")
-    assert prep.w13i is None, "prepare_weights built the interleaved copy without being asked"
-    again = tk.prepare_weights(w, "cpu", w13i=True)
-    assert again is prep and prep.w13i is not None
-    copy = prep.w13i.copy
-    assert tk.prepare_weights(w, "cpu", w13i=True).w13i.copy is copy, "the copy was built again"
-    assert copy.shape == (2, 16, 32), f"one interleaved row per distinct (pool, row) read: got {tuple(copy.shape)}"
-    tab, base = prep.w13i.table.tolist(), prep.table.tolist()
-    assert tab[0][0] == tab[2][0] == tab[0][1] and tab[0][0] != tab[1][0] and tab[3] == [0, 0, 0]
-    assert [t[2] for t in tab] == [b[2] for b in base], "the w13i table's down column is not the groups' down"
-    row = {tab[1][0]: 3, tab[0][0]: 1}
-    for ptr, r in row.items():
-        i = (ptr - copy.data_ptr()) // (copy.stride(0) * copy.element_size())
-        assert torch.equal(copy[i], tk.interleave_gate_up(gate[r:r + 1], up[r:r + 1])[0])
-
-
-def test_w13i_refused_in_down_tiles_and_without_copy():
-    """``"w13i"`` in the down tiles silently ignored, or a gate/up launch asking for it without the interleaved
-    copy reading a null table: both a clear error before anything runs."""
-    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
-    from vllm_moonep.engine.errors import MoonEPInputError
-
-    (gate, up, down), GW = _weights()
-    w = GW.contiguous(gate, up, down)
-    x = torch.randn(6, 32).to(torch.bfloat16)
-    cu = torch.tensor([2, 2, 6, 6], dtype=torch.int32)
-    cfg = {"gate_up": {"BM": 16, "BN": 16, "BK": 32, "num_warps": 4, "num_stages": 1},
-           "down": {"BM": 16, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 1, "w13i": True}}
-    with pytest.raises(MoonEPInputError, match="gate_up tile option"):
-        tk.expert_ffn_triton(x, torch.rand(6), cu, w, config=cfg)
-    prep = tk.prepare_weights(w, "cpu")
-    assert prep.w13i is None
-    with pytest.raises(MoonEPInputError, match="no interleaved copy"):
-        tk._w13i(prep, {"w13i": True})
-    assert tk._w13i(prep, {})[0] is False
+    assert prep.w13i is True
+    row = w13.stride(0) * w13.element_size()
+    tab = prep.table.tolist()
+    assert [t[0] for t in tab] == [w13.data_ptr() + r * row for r in (1, 3, 1)] + [0]
+    w13i, ((s_gn, s_gk), _) = tk._w13i(prep)
+    assert w13i and (s_gn, s_gk) == (32, 1), (s_gn, s_gk)
+    assert tk._w13i(tk.prepare_weights(GroupedWeights.contiguous(gate, up, down), "cpu"))[0] is False
 
 
 # ---- compiled for Hopper (sm_90, no GPU needed) ----------------------------------------------------------------
 
-#: ``(name, kernel, constexprs, warps, wgmma shape the PTX must hold)``: the one MMA twice as wide is the lever's
-#: point: 128 x 128 tiles of 8 warps run m64n256 (two m64n128 without w13i)
+#: ``(name, kernel, constexprs, warps, wgmma shape the PTX must hold)``: the one MMA twice as wide is the point of
+#: the interleaved order: 128 x 128 tiles of 8 warps run m64n256 (two m64n128 on halves)
 _FLAGS = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True, GP2=512)
 COMPILE_CASES = [
     ("gate_up(TMA, 128x128, w13i)", "gate_up",
@@ -214,8 +231,8 @@ COMPILE_CASES = [
 
 
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[c[0] for c in COMPILE_CASES])
-def test_w13i_compiles_for_sm90(case):
-    """w13i code the interpreter takes but the compiler refuses (the reshape and split of an MMA accumulator, a
+def test_interleaved_tiles_compile_for_sm90(case):
+    """W13I code the interpreter takes but the compiler refuses (the reshape and split of an MMA accumulator, a
     [2BN, BK] descriptor), or a 128 x 128 tile whose gate/up MMA is not one warpgroup MMA of N = 256."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget

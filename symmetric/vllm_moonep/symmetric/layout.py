@@ -4,8 +4,14 @@ symmetric heap; the logical rows ``[0, E)`` alias the home ranks' memory.
 Logical row ``e`` lives on rank ``owner = e // epn`` at local row ``e % epn``. Per layer, each rank
 allocates on the heap (collective)::
 
-    w13 [epn + B, 2I, H]   rows [0, epn): home experts (gate rows first), [epn, epn+B): slots
+    w13 [epn + B, 2I, H]   rows [0, epn): home experts, [epn, epn+B): slots; each expert's gate and up
+                           interleaved (row 2j gate row j, 2j + 1 up row j: ``grouped_gemm/weights.py``)
     w2  [epn + B, H, I]
+
+The home rows are converted from the caller's gate-rows-first ``w13`` once, as they are copied in
+(``interleave_gate_up``): the expert compute reads gate and up as one weight (one MMA twice as wide),
+and every copy of a row (prefetch, a peer's read) keeps the order. An adopted parameter (vLLM's
+``w13_weight``) therefore holds its rows interleaved after loading.
 
 (``B`` slot rows are left out when a ``SharedSlotPool`` serves every layer). ``prefetch`` copies
 ``peer_view(owner)[e % epn]`` into slot ``b`` for every ``e = plan.experts_to_copy[rank, b] >= 0``.
@@ -36,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights
+from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
 from vllm_moonep.common.layout import WEIGHT_TILE, check_local_experts
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, symmetric_accounting
 from vllm_moonep.engine import (
@@ -191,7 +197,7 @@ class SymmetricWeightLayout:
     """The sharded layout of one MoE layer on one rank (see the module doc).
 
     Args:
-        w13_local: ``[epn, 2I, H]`` bf16, this rank's home experts (gate rows first).
+        w13_local: ``[epn, 2I, H]`` bf16, this rank's home experts (gate rows first; stored interleaved).
         w2_local: ``[epn, H, I]`` bf16.
         num_experts: ``E`` (global).
         num_slots: ``B`` per-layer slots (``None``: ``epn``; with ``slot_pool``: the pool's).
@@ -285,7 +291,7 @@ class SymmetricWeightLayout:
             heap.free(self._w13)
             raise
         w13, w2 = _rows(self._w13), _rows(self._w2)
-        w13[:epn].copy_(w13_local)
+        interleave_gate_up(w13_local[:, :I], w13_local[:, I:], out=w13[:epn])
         w2[:epn].copy_(w2_local)
         w13[epn:].zero_()
         w2[epn:].zero_()
@@ -331,9 +337,9 @@ class SymmetricWeightLayout:
         dense = None
         if self.slot_pool is None and not overflow:
             dense = torch.cat([torch.arange(rank * epn, (rank + 1) * epn), torch.arange(E, E + B)]).to(torch.int64)
-        return GroupedWeights(
-            gate=[t[:, :I, :] for t in w13s],
-            up=[t[:, I:, :] for t in w13s],
+        return GroupedWeights(  # every pool's w13 interleaved (the module doc)
+            gate=[t[:, 0::2, :] for t in w13s],
+            up=[t[:, 1::2, :] for t in w13s],
             down=w2s,
             group_pool=group_pool,
             group_row=group_row,
@@ -467,10 +473,11 @@ class SymmetricWeightLayout:
     def adopt_parameters(self, w13_param: torch.Tensor, w2_param: torch.Tensor, *, copy: bool = True) -> None:
         """Rebind the framework's parameters to the heap's home rows (collective).
 
-        ``w13_param [epn,2I,H]`` and ``w2_param [epn,H,I]`` (``torch.nn.Parameter`` or tensors):
-        with ``copy`` their current contents are copied into the home rows first (skipped when
-        they already alias them); then ``.data`` becomes the heap view, so the parameters ARE
-        heap memory and their old storage is released. Publishes (heap barrier) at the end.
+        ``w13_param [epn,2I,H]`` (gate rows first) and ``w2_param [epn,H,I]`` (``torch.nn.Parameter`` or
+        tensors): with ``copy`` their current contents are copied into the home rows first, ``w13``'s
+        interleaved as the constructor does (skipped when they already alias them); then ``.data`` becomes
+        the heap view, so the parameters ARE heap memory, ``w13``'s rows interleaved, and their old storage
+        is released. Publishes (heap barrier) at the end.
         """
         self._alive("adopt_parameters")
         for nm, p, home in (("w13", w13_param, self.home_w13), ("w2", w2_param, self.home_w2)):
@@ -485,7 +492,11 @@ class SymmetricWeightLayout:
         for p, home in ((w13_param, self.home_w13), (w2_param, self.home_w2)):
             if copy and p.data_ptr() != home.data_ptr():
                 with torch.no_grad():
-                    home.copy_(p.data)
+                    if p is w13_param:
+                        interleave_gate_up(p.data[:, :self.intermediate_size], p.data[:, self.intermediate_size:],
+                                           out=home)
+                    else:
+                        home.copy_(p.data)
             p.data = home
             if p.data_ptr() != home.data_ptr():
                 raise MoonEPStateError("adopt_parameters: the parameter does not alias the heap rows after rebinding")

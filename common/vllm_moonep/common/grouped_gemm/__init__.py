@@ -45,7 +45,7 @@ from vllm_moonep.common.grouped_gemm.api import (
     resolve_impl,
 )
 from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
-from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, interleave_gate_up
 
 __all__ = [
     "IMPLS",
@@ -55,5 +55,6 @@ __all__ = [
     "expert_ffn",
     "expert_ffn_reference",
     "impl_unusable",
+    "interleave_gate_up",
     "resolve_impl",
 ]

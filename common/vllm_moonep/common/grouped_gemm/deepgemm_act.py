@@ -1,7 +1,10 @@
 """The activation between DeepGEMM's two grouped GEMMs: ``act = bf16(silu(g) * u * route_w)`` per row,
 exactly 0 where the row's route weight is 0 (the padding tail, whose ``g``/``u`` rows may hold anything).
 
-    g [M, I], u [M, I] (bf16, any row stride)  --one Triton launch-->  act [M, I] (dense)
+    g [M, I], u [M, I] (bf16, any strides)  --one Triton launch-->  act [M, I] (dense)
+
+``g`` and ``u`` are the two halves of DeepGEMM's ``[M, 2I]`` output (weights stored in halves) or its even and
+odd columns (stored interleaved: ``h[:, 0::2]``, ``h[:, 1::2]``).
 
 On CPU tensors (outside Triton's interpreter) the same arithmetic runs in torch: what the plumbing
 tests on CPU exercise; the kernel itself is checked against it under the interpreter.
@@ -20,13 +23,14 @@ BLOCK = 1024
 
 
 @triton.jit
-def swiglu_route_kernel(g_ptr, u_ptr, rw_ptr, act_ptr, I, stride_g, stride_u, stride_a, BLOCK: tl.constexpr):
+def swiglu_route_kernel(g_ptr, u_ptr, rw_ptr, act_ptr, I, stride_g, stride_u, stride_a, col_g, col_u,
+                        BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
     w = tl.load(rw_ptr + row).to(tl.float32)
-    g = tl.load(g_ptr + row * stride_g + cols, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=m, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + cols * col_g, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols * col_u, mask=m, other=0.0).to(tl.float32)
     a = g / (1.0 + tl.exp(-g)) * u * w
     a = tl.where(w != 0.0, a, 0.0)
     tl.store(act_ptr + row * stride_a + cols, a.to(act_ptr.dtype.element_ty), mask=m)
@@ -47,9 +51,9 @@ def swiglu_route(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, act: t
         return act
     if act.device.type != "cuda" and not interpreting():
         return swiglu_route_torch(g, u, route_w, act)
-    if g.stride(1) != 1 or u.stride(1) != 1 or act.stride(1) != 1:
-        raise ValueError("swiglu_route: g, u and act need unit column strides")
+    if act.stride(1) != 1:
+        raise ValueError("swiglu_route: act needs a unit column stride")
     blk = min(BLOCK, triton.next_power_of_2(I))
     swiglu_route_kernel[(M, triton.cdiv(I, blk))](g, u, route_w, act, I, g.stride(0), u.stride(0), act.stride(0),
-                                                 BLOCK=blk)
+                                                 g.stride(1), u.stride(1), BLOCK=blk)
     return act

@@ -11,6 +11,7 @@ M alignment divides. Data flow (``G0`` = rows of pool 0)::
     ends = cu_seqlens[dense_groups]                       int32 [G0]: group j's rows end there
     x [NvS, H] --m_grouped_bf16_gemm_nt_contiguous--> h [NvS, 2I] bf16   (w13 [G0, 2I, H], one operand)
     h          --swiglu_route (deepgemm_act.py)-----> act [NvS, I] = bf16(silu(g) * u * route_w)
+                 (g, u: h's halves, or its even and odd columns when w13 is stored interleaved)
     act        --m_grouped_bf16_gemm_nt_contiguous--> out [NvS, H]        (down [G0, H, I])
 
 The grouped layout DeepGEMM reads is either those ends (``ROW_LAYOUT = "psum"``: its prefix-sum
@@ -138,11 +139,12 @@ def expert_ffn_deepgemm(
     psum = layout == "psum"
     layout_t = _grouped_layout(cu_seqlens, weights, M, layout)
     xc = x.contiguous()
-    w13 = weights.gate_up_as_one()
-    if w13 is not None and w13.is_contiguous():
+    w13i, w13 = weights.gate_up_interleaved(), weights.gate_up_as_one()
+    one = w13i if w13i is not None else w13
+    if one is not None and one.is_contiguous():
         h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
-        dg.m_grouped_bf16_gemm_nt_contiguous(xc, w13, h, layout_t, use_psum_layout=psum)
-        g, u = h[:, :I], h[:, I:]
+        dg.m_grouped_bf16_gemm_nt_contiguous(xc, one, h, layout_t, use_psum_layout=psum)
+        g, u = (h[:, 0::2], h[:, 1::2]) if one is w13i else (h[:, :I], h[:, I:])
     else:
         gd = torch.empty(M, I, dtype=x.dtype, device=x.device)  # DeepGEMM writes dense outputs
         ud = torch.empty(M, I, dtype=x.dtype, device=x.device)

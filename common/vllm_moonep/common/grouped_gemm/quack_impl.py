@@ -13,10 +13,12 @@ other group is empty). Data flow (``G0`` = rows of pool 0)::
     act        --gemm------------------------> out [NvS, H] = act @ down^T
     (both quack.gemm varlen calls with cu_seqlens_m=cu_m; B = the weight rows, transposed views)
 
-The first GEMM runs gate and up as one ``[G0, 2I, H]`` operand (``concat_layout=("B",)``): a view,
-no copy, when up's rows follow gate's in one tensor (vLLM's ``w13``; the symmetric layout's
-``w13[:, :I]`` / ``w13[:, I:]``). Gate and up as separate tensors (``GroupedWeights.contiguous``,
-the replicated layout) take the split form instead, still without copying weights::
+The first GEMM runs gate and up as one ``[G0, 2I, H]`` operand, a view, no copy: stored interleaved (the
+symmetric layout's ``w13``, ``weights.py``) its adjacent output columns are a gate and an up column, the pair
+quack's epilogue takes as it comes (quack's own SwiGLU GEMM pairs columns ``2c``, ``2c + 1``); stored in halves
+(vLLM's ``w13``: up's rows follow gate's in one tensor) quack pairs the halves (``concat_layout=("B",)``). Gate
+and up as separate tensors (``GroupedWeights.contiguous``, the replicated layout) take the split form instead,
+still without copying weights::
 
     x --gemm--> g [NvS, I] fp32,  x --gemm--> u [NvS, I] fp32,  act = bf16(silu(g) * u * route_w)
 
@@ -101,11 +103,12 @@ def expert_ffn_quack(
     cu_m = F.pad(cu_seqlens.index_select(0, groups).to(torch.int32), (1, 0))
     xa = _aligned(x)
     act = torch.empty(x.shape[0], weights.intermediate, dtype=x.dtype, device=x.device)
-    w13 = weights.gate_up_as_one()
-    if w13 is not None:
+    w13i = weights.gate_up_interleaved()
+    one, concat = (w13i, {}) if w13i is not None else (weights.gate_up_as_one(), {"concat_layout": ("B",)})
+    if one is not None:
         rw = route_w if route_w.stride(0) == 1 and route_w.data_ptr() % 16 == 0 else route_w.clone()
-        swiglu_route(xa, w13.mT, out={"act": act}, store_d=False, tuned=tuned, cu_seqlens_m=cu_m,
-                     concat_layout=("B",), route_w=rw)
+        swiglu_route(xa, one.mT, out={"act": act}, store_d=False, tuned=tuned, cu_seqlens_m=cu_m, route_w=rw,
+                     **concat)
     else:
         g = gemm(xa, weights.gate[0].mT, out_dtype=torch.float32, cu_seqlens_m=cu_m, tuned=tuned)
         u = gemm(xa, weights.up[0].mT, out_dtype=torch.float32, cu_seqlens_m=cu_m, tuned=tuned)

@@ -58,14 +58,11 @@ rows then runs Hopper's warpgroup MMA with the rows as its N, where unswapped it
 MMA; the sums are transposed back before the epilogue, so every schedule takes it (three launches,
 one launch, stream-K). Measured within 4% either way of the same tiles unswapped (the regime is
 memory-bound): it is one more candidate for ``--tune``.
-``"w13i": true`` (gate/up tiles, every schedule; off unless a config asks) runs each gate/up main-loop step as
-one ``[2BN, BK]`` weight block and one MMA of ``2BN`` columns (on Hopper one warpgroup MMA of N = 2BN, the
-rows' block read from shared memory once, instead of two of N = BN) on gate and up interleaved row by row
-(``interleave_gate_up``); the sums are split into gate and up columns for the same epilogue. The weights stay
-as they are: ``prepare_weights(w13i=True)`` (``expert_ffn_triton``, when a config asks) keeps an interleaved
-copy of the groups' gate and up rows beside the pointer table, one more copy of gate and up in memory (a
-lever to measure, ``python -m vllm_moonep.tools.bench_levers``: a layout would store its ``w13``
-interleaved if it is kept).
+Weights stored interleaved (gate row ``j`` at row ``2j`` of one ``w13``, up row ``j`` at ``2j + 1``: the symmetric
+layout's order, ``weights.py``; every pool so) run each gate/up main-loop step as one ``[2BN, BK]`` weight block and
+one MMA of ``2BN`` columns (``W13I``: on Hopper one warpgroup MMA of N = 2BN, the rows' block read from shared
+memory once, instead of two of N = BN), every schedule; the sums are split into gate and up columns for the same
+epilogue. The pointer table's gate column is then the ``w13`` row itself: no copy.
 ``"flat": true`` flattens a kernel's persistent tile loop into its main loop (Triton's
 ``tl.range(flatten=True)``: the next tile's loads are issued during this tile's epilogue), on steps
 without padding (``padded=False``) and without ``ws`` (``_flat``). Same bits either way.
@@ -104,7 +101,7 @@ import triton.language as tl
 
 from vllm_moonep.common.grouped_gemm import policy
 from vllm_moonep.common.grouped_gemm.probes import interpreting
-from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_args
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_args, interleaved_views
 from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
 from vllm_moonep.common.grouped_gemm.triton_tiles import (down_acc, down_store, down_tile, gate_up_acc, gate_up_store,
                                                           gate_up_tile, pick, tile_index, trim_end, zero_rows)
@@ -116,7 +113,6 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "expert_ffn_triton",
-    "interleave_gate_up",
     "prepare_weights",
     "select_config",
     "interpreting",
@@ -411,61 +407,9 @@ class _Prepared:
         self.key, self.table, self.strides, self.keep, self.device = key, table, strides, keep, device
         #: the one-launch kernel's counters (``triton_fused``): zero here, restored by each launch
         self.sync = sync
-        #: ``_Interleaved`` once a tile config asked for ``"w13i"`` (``prepare_weights(w13i=True)``), else None
-        self.w13i = None
-
-
-class _Interleaved:
-    """The ``"w13i"`` tiles' weights: an interleaved copy (``interleave_gate_up``) of the gate and up rows the
-    groups read, ``[U, 2I, H]``, and a pointer table like ``_Prepared.table`` whose gate and up columns both
-    point at a group's row of it (its down column is the group's down, so the one launch reads one table)."""
-    __slots__ = ("table", "strides", "copy")
-
-    def __init__(self, table, strides, copy):
-        self.table, self.strides, self.copy = table, strides, copy
-
-
-def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``[N, 2I, H]`` with gate and up interleaved row by row (row ``2j``: ``gate[:, j]``, ``2j + 1``:
-    ``up[:, j]``) from ``gate``, ``up`` ``[N, I, H]``: the ``"w13i"`` tiles' weight (one ``[2BN, BK]`` block
-    holds the gate and up rows of ``BN`` columns). Written into ``out`` when given (no temporary)."""
-    if gate.dim() != 3 or gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
-        raise MoonEPInputError(f"interleave_gate_up: gate and up must be [N, I, H] of one dtype and device, got "
-                               f"{list(gate.shape)} {gate.dtype} {gate.device} and {list(up.shape)} {up.dtype} "
-                               f"{up.device}")
-    n, i, h = gate.shape
-    if out is None:
-        out = torch.empty((n, 2 * i, h), dtype=gate.dtype, device=gate.device)
-    elif tuple(out.shape) != (n, 2 * i, h) or out.dtype != gate.dtype or out.device != gate.device:
-        raise MoonEPInputError(f"interleave_gate_up: out must be [{n}, {2 * i}, {h}] {gate.dtype} on {gate.device}, "
-                               f"got {list(out.shape)} {out.dtype} {out.device}")
-    out[:, 0::2].copy_(gate)
-    out[:, 1::2].copy_(up)
-    return out
-
-
-def _interleaved(weights: GroupedWeights, table: torch.Tensor, device) -> _Interleaved:
-    """The ``"w13i"`` weights of ``weights`` on ``device`` (``_Interleaved``): every distinct ``(pool, row)`` a
-    group reads, interleaved once. Memory: one more copy of those rows' gate and up (``2 * I * H`` elements
-    each; said once at INFO). A copy, not a view: weights written after it without a version bump of their
-    pool (``_weights_key``; writes that bypass torch) are not seen, so a layout whose rows change under the
-    kernels (prefetch into slots) would have to store its ``w13`` interleaved instead."""
-    gp = weights.group_pool.tolist()
-    gr = weights.group_row.tolist()
-    used = sorted({(p, r) for p, r in zip(gp, gr) if p >= 0})
-    I, H = weights.intermediate, weights.hidden
-    copy = torch.empty((len(used), 2 * I, H), dtype=weights.dtype, device=device)
-    at = {}
-    for i, (p, r) in enumerate(used):
-        interleave_gate_up(weights.gate[p][r:r + 1].to(device), weights.up[p][r:r + 1].to(device), out=copy[i:i + 1])
-        at[(p, r)] = copy.data_ptr() + i * copy.stride(0) * copy.element_size()
-    down = table.cpu().tolist()
-    tab = [(0, 0, 0) if p < 0 else (at[(p, r)], at[(p, r)], row[2]) for p, r, row in zip(gp, gr, down)]
-    say_once(f"MoonEP expert kernels: tiles with \"w13i\" read gate and up interleaved in one weight: an "
-             f"interleaved copy of the {len(used)} experts' gate and up the groups read is kept beside the weights "
-             f"({copy.numel() * copy.element_size() / 2**20:.1f} MiB on {device}, I={I}, H={H})", __name__)
-    return _Interleaved(torch.tensor(tab, dtype=torch.int64).reshape(-1, 3).to(device),
-                        ((copy.stride(1), copy.stride(2)),) * 2, copy)
+        #: every pool's gate and up are rows of one interleaved ``w13`` (``interleaved_views``): the gate/up tiles
+        #: read them as one weight (``W13I``)
+        self.w13i = False
 
 
 _CACHE: dict[int, _Prepared] = {}
@@ -503,24 +447,19 @@ def _conform(pools, what: str) -> tuple[list[torch.Tensor], tuple[int, int], lis
     return out, inner, keep
 
 
-def prepare_weights(weights: GroupedWeights, device: torch.device | str | None = None, *,
-                    w13i: bool = False) -> _Prepared:
+def prepare_weights(weights: GroupedWeights, device: torch.device | str | None = None) -> _Prepared:
     """Build (or fetch from the cache) the per-group pointer table of ``weights``.
 
     Call it once before CUDA-graph capture; ``expert_ffn_triton`` calls it too (a dictionary
-    lookup and a key check once built). The table is ``int64 [G, 3]`` on ``device``. ``w13i``: also the
-    ``"w13i"`` tiles' interleaved copy of gate and up (``_interleaved``: built once, kept with the table,
-    rebuilt with it; its memory is one more copy of the groups' gate and up).
+    lookup and a key check once built). The table is ``int64 [G, 3]`` on ``device``.
     """
     # one name per device (resolve_device): a table prepared for "cuda" must serve the layer's x.device (cuda:0),
-    # not be built again beside it (a second interleaved copy, new counters under a captured graph)
+    # not be built again beside it (new counters under a captured graph)
     device = resolve_device(device if device is not None else weights.gate[0].device)
     key = _weights_key(weights, device)
     wid = id(weights)
     hit = _CACHE.get(wid)
     if hit is not None and hit.key == key:
-        if w13i and hit.w13i is None:
-            hit.w13i = _interleaved(weights, hit.table, device)
         return hit
     gate, gs, k1 = _conform(list(weights.gate), "gate")
     up, us, k2 = _conform(list(weights.up), "up")
@@ -551,8 +490,7 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
     else:
         sync = torch.zeros(SYNC_WORDS + len(gp), dtype=torch.int32, device=device)
     prep = _Prepared(key, table, (gs, us, ds), k1 + k2 + k3, device, sync)
-    if w13i:
-        prep.w13i = _interleaved(weights, table, device)
+    prep.w13i = all(interleaved_views(g, u) for g, u in zip(gate, up))
     _CACHE[wid] = prep
     try:
         weakref.finalize(weights, _CACHE.pop, wid, None)
@@ -704,17 +642,14 @@ def _ws(c: dict) -> bool:
     return ws
 
 
-def _w13i(prep: _Prepared, gu: dict) -> tuple[bool, torch.Tensor, tuple]:
-    """``(W13I, table, gate/up strides)`` for a launch with gate/up tiles ``gu``: a tile config's ``"w13i"`` (gate and
-    up interleaved in one weight, ``triton_tiles.gate_up_acc``; off unless the config asks; every schedule takes
-    it) reads the interleaved copy's table (``prepare_weights(w13i=True)`` builds it; ``expert_ffn_triton`` does)."""
-    if not gu.get("w13i", False):
-        return False, prep.table, prep.strides[:2]
-    if prep.w13i is None:
-        raise MoonEPInputError("expert_ffn_triton: a gate_up tile config asks for \"w13i\" but these weights have no "
-                               "interleaved copy: prepare_weights(weights, device, w13i=True) builds it "
-                               "(expert_ffn_triton does)")
-    return True, prep.w13i.table, prep.w13i.strides
+def _w13i(prep: _Prepared) -> tuple[bool, tuple]:
+    """``(W13I, gate/up strides)`` of a gate/up launch: weights stored interleaved (``prep.w13i``) are read as one
+    ``[2I, H]`` weight per group at the table's gate column, whose rows are half the gate view's row stride apart
+    (``triton_tiles.gate_up_acc``; the up column and strides are then unused); halves as two."""
+    if not prep.w13i:
+        return False, prep.strides[:2]
+    s_gn, s_gk = prep.strides[0]
+    return True, ((s_gn // 2, s_gk), (s_gn // 2, s_gk))
 
 
 def _swap(c: dict) -> bool:
@@ -773,13 +708,13 @@ def _launch_trim(cu, route_w, eff):
 def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
     I, H = act.shape[1], x.shape[1]
     G = int(cu.numel())
-    w13i, table, ((s_gn, s_gk), (s_un, s_uk)) = _w13i(prep, c)
+    w13i, ((s_gn, s_gk), (s_un, s_uk)) = _w13i(prep)
     tma, ws = _descriptors(c, x, (s_gn, s_un))
     flat = _flat(c, ws, skip)
     grid = (max(1, sm_count(x.device) * int(c.get("progs_per_sm", 1))),)
     sk, wsp, tks = _streamk(c, x.device, grid[0], 2, (act, eff))
     return _gate_up_kernel[grid](
-        x, route_w, cu, eff, table, act, wsp, tks,
+        x, route_w, cu, eff, prep.table, act, wsp, tks,
         x.shape[0], G, I, H, x.stride(0), act.stride(0),
         s_gn, s_gk, s_un, s_uk,
         **gate_up_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=sk, w13i=w13i),
@@ -845,13 +780,13 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
     if unused:
         say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its loops are neither "
                  "warp-specialized nor flattened, its tiles whole); it runs without them", __name__)
-    w13i, table, ((s_gn, s_gk), (s_un, s_uk)) = _w13i(prep, gu)  # its table's down column is the group's down
+    w13i, ((s_gn, s_gk), (s_un, s_uk)) = _w13i(prep)
     s_dn, s_dk = prep.strides[2]
     tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
     tma2, _ = _descriptors({**dn, "ws": False}, act, (s_dn,))
     grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)
     return fused_kernel[grid](
-        x, route_w, cu, cu if row_ends is None else row_ends, table, act, dst, prep.sync,
+        x, route_w, cu, cu if row_ends is None else row_ends, prep.table, act, dst, prep.sync,
         x.shape[0], G, I, H, x.stride(0), act.stride(0), dst.stride(0),
         s_gn, s_gk, s_un, s_uk, s_dn, s_dk,
         **fused_meta(cfg, H, I, G, dot_f32=dot_f32, skip=skip, tma1=tma1, tma2=tma2, w13i=w13i, zero_tail=zero_tail,
@@ -914,11 +849,6 @@ def expert_ffn_triton(
     if act is None or act.shape != (NvS, I) or act.dtype != x.dtype or act.stride(1) != 1:
         act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
     cfg = config or select_config(H, I, NvS, G, entries=list(policy.policy_of(x).tiles), tokens=tokens)
-    if cfg["down"].get("w13i"):
-        raise MoonEPInputError("expert_ffn_triton: \"w13i\" is a gate_up tile option (gate and up interleaved in one "
-                               "weight); the down tiles have one weight and do not take it")
-    if cfg["gate_up"].get("w13i") and prep.w13i is None:  # the interleaved copy, once per weights
-        prep = prepare_weights(weights, dev, w13i=True)
     check_tail_args(row_ends, zero_tail, "expert_ffn_triton")
     ends = None if row_ends is None else row_ends.contiguous()  # no copy when it is already
     dot_f32 = interpreting() or x.dtype == torch.float32

@@ -15,10 +15,10 @@ epilogues and the stream-K workspace never see a swapped tile. Both reach a grou
 pointer table (``wg``, ``wu``, ``wd``: the group's base addresses), so the tiles do not know where
 the pools live. The row masks are the tile's: ``ee`` is the group's trimmed end (rows at or past it
 are never loaded past it, and their activations or outputs are written as 0 or not at all).
-``W13I`` (a gate/up tile config's ``"w13i"``, every schedule): gate and up interleaved row by row in one
-weight (``wg``; ``triton_kernels.interleave_gate_up``), one ``[2BN, BK]`` block and one MMA of ``2BN``
-columns per main-loop step instead of two of ``BN``; its sums are split into gate and up before the
-epilogue, so the epilogues and the stream-K workspace see the same two ``[BM, BN]`` tiles either way.
+``W13I`` (weights stored interleaved, ``weights.py``; every schedule): gate and up interleaved row by row in
+one weight (``wg``), one ``[2BN, BK]`` block and one MMA of ``2BN`` columns per main-loop step instead of two
+of ``BN``; its sums are split into gate and up before the epilogue, so the epilogues and the stream-K
+workspace see the same two ``[BM, BN]`` tiles either way.
 """
 
 from __future__ import annotations
