@@ -53,15 +53,17 @@ def test_bad_flags_refused_with_a_sentence(capsys, argv, needle):
 
 
 def test_variants_add_half_bn_only_past_the_widest_mma():
-    """The BN/2 variant missing where 2*BN exceeds 256 (BN 256 tiles: the w13i MMA would be two anyway), or timed
-    where it is not, or the committed tiles changed by the variants."""
+    """The BN/2 variant missing where 2*BN exceeds 256 (BN 256 tiles: the interleaved MMA would be two anyway), or
+    timed where it is not, the committed tiles changed by the variants, or a w13i variant (or the committed tiles,
+    or the control) run over the wrong order of the weights."""
     gu = {"BM": 64, "BN": 256, "BK": 64, "tma": True}
     dn = {"BM": 128, "BN": 256, "BK": 64}
     v = bench_levers.variants({"gate_up": gu, "down": dn})
     assert list(v) == ["committed", "w13i", "w13i_bn_half", "control"]
     assert v["committed"]["gate_up"] == gu and "w13i" not in gu
-    assert v["w13i"]["gate_up"] == {**gu, "w13i": True} and v["w13i"]["down"] is dn
-    assert v["w13i_bn_half"]["gate_up"] == {**gu, "BN": 128, "w13i": True}
+    assert v["w13i"] == {"gate_up": gu, "down": dn}, "the w13i variant is the same tiles (over interleaved weights)"
+    assert v["w13i_bn_half"]["gate_up"] == {**gu, "BN": 128}
+    assert set(bench_levers.INTERLEAVED_VARIANTS) == {"w13i", "w13i_bn_half"}
     assert list(bench_levers.variants({"gate_up": {**gu, "BN": 128}, "down": dn})) == ["committed", "w13i", "control"]
     # the committed tiles' other options ride along (the warp-specialized loop of Kimi-K2's 4096-token tiles)
     assert bench_levers.variants({"gate_up": {**gu, "ws": True}, "down": dn})["w13i"]["gate_up"]["ws"] is True

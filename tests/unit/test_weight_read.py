@@ -62,12 +62,23 @@ def _want(ref, cfg, first: int, count: int) -> list[float]:
 def _run_case(name: str) -> str | None:
     import torch
 
-    from vllm_moonep.tools.weight_read import WeightRead, launch_read
+    from vllm_moonep.tools.weight_read import WeightRead
 
     rows, cols, cfg = CASES[name]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ref, mats = _mats(rows, cols, dev)
-    read = WeightRead(*mats, torch.tensor(TOUCHED), configs=(cfg,))
+    w13 = torch.cat(mats[:2], dim=1)  # gate and up as the halves of one w13: groups 2 * rows * cols apart
+    for form, read_mats in (("separate", mats), ("w13 halves", (w13[:, :rows], w13[:, rows:], mats[2]))):
+        read = WeightRead(*read_mats, torch.tensor(TOUCHED), configs=(cfg,))
+        err = _check_read(read, ref, cfg)
+        if err is not None:
+            return f"{form}: {err}"
+    return None
+
+
+def _check_read(read, ref, cfg) -> str | None:
+    from vllm_moonep.tools.weight_read import launch_read
+
     for label, launches in (("one launch", [(0, 3)]), ("phased", [(0, 2), (2, 1)])):
         for first, count in launches:
             read.sums.fill_(SENTINEL)
@@ -93,7 +104,8 @@ def report():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_read_touches_exactly_the_touched_weights(report, case):
-    """A read that skips a chunk, reads an untouched group or the wrong matrix, or writes past its slots."""
+    """A read that skips a chunk, reads an untouched group or the wrong matrix (a group's block found at
+    ``g * numel`` where gate and up are the halves of one w13), or writes past its slots."""
     assert report[case]["err"] is None, f"{case}: {report[case]['err']}"
 
 
@@ -108,7 +120,7 @@ def test_bad_input_is_named_and_leaves_the_sums():
     sums = torch.full((64,), SENTINEL)
     groups = torch.tensor([1], dtype=torch.int32)
     for mats, first, count, n, words in (
-        ((gate, gate, torch.zeros(2, 8, 8, dtype=torch.bfloat16)), 0, 3, 64, "down must be contiguous"),
+        ((gate, gate, torch.zeros(2, 8, 8, dtype=torch.bfloat16)), 0, 3, 64, "down must be contiguous within"),
         ((gate, gate, gate.transpose(1, 2)), 0, 3, 64, "down must be contiguous"),
         ((gate, gate, gate), 2, 2, 64, "not within 0..2"),
         ((gate, gate, gate), 0, 3, 2, "sums holds 2 floats"),
@@ -140,9 +152,9 @@ def test_read_loads_16_bytes_per_instruction_on_hopper(even):
 
     for cfg in READ_CONFIGS:
         sig = dict(gate="*bf16", up="*bf16", down="*bf16", groups="*i32", sums="*fp32", numel="i32", first="i32",
-                   CHUNK="constexpr", BLOCK="constexpr", EVEN="constexpr")
+                   s_gate="i32", s_up="i32", s_down="i32", CHUNK="constexpr", BLOCK="constexpr", EVEN="constexpr")
         attrs = {(_read_kernel.arg_names.index(k),): [["tt.divisibility", 16]]
-                 for k in ("gate", "up", "down", "groups", "sums", "numel")}
+                 for k in ("gate", "up", "down", "groups", "sums", "numel", "s_gate", "s_up", "s_down")}
         src = ASTSource(fn=_read_kernel, signature=sig, attrs=attrs,
                         constexprs=dict(CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"], EVEN=even))
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"])).asm["ptx"]

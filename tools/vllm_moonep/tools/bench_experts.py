@@ -19,18 +19,19 @@ margins the library regimes are chosen on:
 - ``control``: the Triton call again, as a column of its own: ``control/Triton`` is the point's noise
   band, and a library is named faster only where it wins by more than that (``noise_band``);
 - ``triton``: ``expert_ffn_triton`` (tile configs from tuning.json, or the tuned ones with --tune), as the
-  layer runs it on the built-in engine: given each segment's end of entries as the GPU dispatch hands
-  them over (``row_ends``, ``entry_ends``: no trim launch), padding tails not written
+  layer runs it on the built-in engine: over ``w13 [E+B, 2I, H]`` stored as the symmetric layout stores it
+  (gate and up interleaved: the gate/up tiles read one weight), given each segment's end of entries as the
+  GPU dispatch hands them over (``row_ends``, ``entry_ends``: no trim launch), padding tails not written
   (``zero_tail=False``: that combine never reads them); the untimed check call writes every row;
 - ``poc``: three ``torch._grouped_mm`` over ``E+B`` groups plus elementwise ops, as vLLM 0.33's
-  ``MoonEPExperts.apply`` does;
-- ``quack``: ``expert_ffn_quack`` (quack-kernels' varlen GEMM, the optional extra) over gate and up
-  as views of one ``w13 [E+B, 2I, H]`` holding the same values (the symmetric layout's form: one
-  GEMM with the fused ``silu(gate) * up * route_w`` epilogue, then down), on the same rows; where
+  ``MoonEPExperts.apply`` does, on gate and up as the halves of a second ``w13`` (vLLM's order, gate rows
+  first: views, the same values);
+- ``quack``: ``expert_ffn_quack`` (quack-kernels' varlen GEMM, the optional extra) over the same interleaved
+  ``w13`` (one GEMM with the fused ``silu(gate) * up * route_w`` epilogue, then down), on the same rows; where
   quack cannot run (not installed, compile error) the column reads ``-`` and the reason is printed.
   quack's own tiles unless ``--quack-tuned`` (its autotuner: minutes per new shape);
 - ``deepgemm``: ``expert_ffn_deepgemm`` (DeepGEMM's contiguous grouped bf16 GEMMs, vLLM's bundled
-  copy or a standalone ``deep_gemm``) over the same ``w13`` views: gate/up GEMM, our ``swiglu_route``
+  copy or a standalone ``deep_gemm``) over the same interleaved ``w13``: gate/up GEMM, our ``swiglu_route``
   activation, down GEMM, grouped by the segments' ends (``--deepgemm-layout``); and, at points up to
   ``MASKED_MAX_TOKENS`` tokens per rank, ``deepgemm masked``: its masked form (the low-latency decode
   form: every group a fixed ``[max_m, H]`` block with a row count) with the same three steps, on the
@@ -444,7 +445,7 @@ def _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args, replays)
 
     def f_m():
         dg.m_grouped_bf16_gemm_nt_masked(a, w13, h, masked_m, expected)
-        swiglu_route(hv[:, :I], hv[:, I:], wv, act)
+        swiglu_route(hv[:, 0::2], hv[:, 1::2], wv, act)  # w13 interleaved: gate and up columns alternate
         dg.m_grouped_bf16_gemm_nt_masked(act.view(G, max_m, I), w_down, y, masked_m, expected)
         return y
 
@@ -687,14 +688,16 @@ def _quack_version() -> str | None:
 def _profile_case(shape: str, tokens: int) -> int:
     """One point of the sweep (rank 0 of EP=8, balanced), its Triton kernels run four times with the
     tiles the sweep uses, nothing timed: what ``--profile-case`` hands a profiler."""
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
 
     dev = torch.device("cuda")
     shp = SHAPES[shape]
     H, I, E = shp["H"], shp["I"], shp["E"]
     G = E + default_num_slots(E, R)
-    weights = GroupedWeights.contiguous(*make_weights(H, I, G, dev))
+    w_gate, w_up, w_down = make_weights(H, I, G, dev)
+    weights = GroupedWeights.of_w13(interleave_gate_up(w_gate, w_up), w_down, interleaved=True)  # the layout's order
+    del w_gate, w_up
     cu_h, real, nvs, _ = rank0_case(shp, tokens, 0.0)
     x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7)
     conf = tk.select_config(H, I, nvs, G)
@@ -754,7 +757,7 @@ def main(argv=None) -> int:
         return _profile_case(*case)
     import triton
 
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
     from vllm_moonep.common.grouped_gemm import policy
     from vllm_moonep.common.grouped_gemm.deepgemm_impl import ROW_LAYOUT, deepgemm_unusable
@@ -799,23 +802,23 @@ def main(argv=None) -> int:
         H, I, E = shp["H"], shp["I"], shp["E"]
         B = default_num_slots(E, R)
         G = E + B
+        # the weights as the symmetric layout stores them (gate and up interleaved in one w13: the Triton tiles read
+        # one weight, DeepGEMM and quack one operand) and in halves (vLLM's w13, gate rows first: its fused_experts,
+        # the PoC and the plain read take views of it); the same values, built without a third copy
         w_gate, w_up, w_down = make_weights(H, I, G, dev)
-        weights = GroupedWeights.contiguous(w_gate, w_up, w_down)
+        w13h = torch.empty(G, 2 * I, H, device=dev, dtype=torch.bfloat16)
+        w13h[:, :I].copy_(w_gate)
+        w13h[:, I:].copy_(w_up)
+        del w_gate, w_up
+        w_gate, w_up = w13h[:, :I], w13h[:, I:]
+        w13i = interleave_gate_up(w_gate, w_up)
+        weights = GroupedWeights.of_w13(w13i, w_down, interleaved=True)
         prep = tk.prepare_weights(weights, dev)
-        q_weights = w13 = None
         why_q = quack_error or quack_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights)
         why_d = deepgemm_error or deepgemm_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights)
         if why_d is not None:
             deepgemm_absent[sname] = why_d
             print(f"# deepgemm: - ({why_d})", flush=True)
-        if why_q is None or why_d is None or vllm_error is None:  # they read gate and up as one w13 (gate rows first)
-            w13 = torch.empty(G, 2 * I, H, device=dev, dtype=torch.bfloat16)
-            w13[:, :I].copy_(w_gate)
-            w13[:, I:].copy_(w_up)
-        if why_q is None or why_d is None:
-            assert w13 is not None  # made just above
-            q_weights = GroupedWeights([w13[:, :I]], [w13[:, I:]], [w_down], weights.group_pool, weights.group_row,
-                                       weights.dense_groups)
         if why_q is not None:
             quack_absent[sname] = why_q
             print(f"# quack: - ({why_q})", flush=True)
@@ -1033,27 +1036,28 @@ def main(argv=None) -> int:
                     read_cfg[col], replays[col], _ = fastest(lambda c: _graphed(make(c)),  # noqa: B023
                                                              lambda g: _bench(g[0], rep=args.rep))
                 drow: dict = {"deepgemm_us": None, "deepgemm_masked_us": None}
-                if q_weights is not None and why_d is None and deepgemm_error is None:
-                    dfields, deepgemm_error = _deepgemm_point(x, rw, cu, q_weights, out_p, n, args, replays)
+                if why_d is None and deepgemm_error is None:
+                    dfields, deepgemm_error = _deepgemm_point(x, rw, cu, weights, out_p, n, args, replays)
                     drow.update(dfields)
                     if deepgemm_error is not None:
                         deepgemm_absent[sname] = deepgemm_error
                         print(f"# deepgemm: - ({deepgemm_error}); no further DeepGEMM runs", flush=True)
-                if w13 is not None and why_d is None and masked_error is None and tokens <= MASKED_MAX_TOKENS:
-                    mfields, masked_error = _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args, replays)
+                if why_d is None and masked_error is None and tokens <= MASKED_MAX_TOKENS:
+                    mfields, masked_error = _deepgemm_masked_point(x, rw, cu_h, real, w13i, w_down, out_p, args,
+                                                                   replays)
                     drow.update(mfields)
                     if masked_error is not None:
                         deepgemm_absent["masked"] = masked_error
                         print(f"# deepgemm masked: - ({masked_error}); no further masked runs", flush=True)
                 qrow = {"quack_us": None}
-                if q_weights is not None and why_q is None and quack_error is None:
-                    qrow, quack_error = _quack_point(expert_ffn_quack, x, rw, cu, q_weights, out_p, n, args, replays)
+                if why_q is None and quack_error is None:
+                    qrow, quack_error = _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args, replays)
                     if quack_error is not None:
                         quack_absent[sname] = quack_error
                         print(f"# quack: - ({quack_error}); no further quack runs", flush=True)
                 vrow: dict = {"vllm_us": None}
                 if vllm_fn is not None and vllm_error is None:
-                    vrow, vllm_error = _vllm_point(vllm_fn, x, rw, cu_h, real, w13, w_down, out_t, args, replays)
+                    vrow, vllm_error = _vllm_point(vllm_fn, x, rw, cu_h, real, w13h, w_down, out_t, args, replays)
                     if vllm_error is not None:
                         print(f"# vllm: - ({vllm_error}); no further vLLM runs", flush=True)
                 times = rotated_times(list(replays), lambda k: _bench(replays[k][0], rep=args.rep) * 1e3, args.rounds)
@@ -1110,7 +1114,7 @@ def main(argv=None) -> int:
                 }
             except Exception as e:
                 resources[f"{sname}/t{tokens}"] = {"error": str(e)[:200]}
-        del w_gate, w_up, w_down, weights, prep, q_weights, w13
+        del w_gate, w_up, w_down, weights, prep, w13h, w13i
         tk._CACHE.clear()
         torch.cuda.empty_cache()
 

@@ -6,8 +6,10 @@
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
 changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 
-- ``w13i`` (gate/up): ``"w13i"`` gate/up tiles (``triton_tiles.gate_up_acc``: gate and up interleaved row by
-  row in one weight, one ``[2BN, BK]`` block and one MMA of ``2BN`` columns per step instead of two of ``BN``);
+- ``w13i`` (gate/up): the weights stored as the symmetric layout stores them (gate and up interleaved row by row
+  in one ``w13``: the gate/up tiles read one ``[2BN, BK]`` block and run one MMA of ``2BN`` columns per step,
+  ``triton_tiles.gate_up_acc``) against the same values stored as the replicated layout stores them (gate and
+  up as two tensors: two blocks and two MMAs of ``BN``), the same tiles;
 - ``flat`` (down): the committed down tiles with their flattened tile loop (``"flat"``: the next tile's loads
   during this tile's epilogue) toggled: off where the table sets it, on where it does not. A one-launch
   entry does not take ``flat``: such a point has no flat variant, and its row says so.
@@ -26,10 +28,12 @@ For each shape, tokens per rank and routing (balanced, skewed) it builds the sam
 the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, as CUDA-graph replays
 (``bench_experts._graphed``, ``_bench``: median, L2 flushed and left clean)::
 
-    committed     select_config's tiles for the point (tuning.json, the step's tokens per rank)
-    w13i          the same tiles with "w13i": true (gate/up reads prepare_weights' interleaved copy)
+    committed     select_config's tiles for the point (tuning.json, the step's tokens per rank); for
+                  --lever w13i over gate and up as two tensors
+    w13i          the same tiles over the same weights stored interleaved (INTERLEAVED_VARIANTS)
     w13i BN/2     where the committed gate/up BN makes 2*BN exceed 256 (the widest warpgroup MMA):
-                  the same tiles with BN halved and "w13i" (the same MMA width as committed)
+                  the same tiles with BN halved, over the interleaved weights (the same MMA width as
+                  committed)
     flat_off/on   (--lever flat) the same tiles with the down tiles' "flat" toggled
     mix, mix_gate_up, mix_down
                   (--lever mix) the same tiles with "mix" on both kernels, on gate/up only, on down only
@@ -50,7 +54,7 @@ error. Prints the ceilings (``bench_experts.measure_ceilings``) and a markdown t
 ``bench_levers.json`` to ``$OUT`` if set. A variant that cannot run (compile error, out of shared memory)
 reads ``-`` with the reason.
 
-Memory (w13i): the interleaved copy is one more copy of gate and up (Kimi-K2: 432 x 2 x 2048 x 7168 bf16 =
+Memory (w13i): the interleaved weights are a second copy of gate and up (Kimi-K2: 432 x 2 x 2048 x 7168 bf16 =
 25 GB beside the 38 GB of weights), made once per shape.
 """
 
@@ -94,6 +98,8 @@ LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": 
 BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
 DEFAULT_LEVER = "w13i"
+#: the variants that run over the weights stored interleaved (``--lever w13i``); every other over two tensors
+INTERLEAVED_VARIANTS = ("w13i", "w13i_bn_half")
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -135,8 +141,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
-    """The configs one point times: the committed tiles; for ``w13i`` the same with ``"w13i"`` and (where the
-    committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN halved and ``"w13i"``; for ``flat`` the
+    """The configs one point times: the committed tiles; for ``w13i`` the same (run over the interleaved weights:
+    ``INTERLEAVED_VARIANTS``) and (where the committed gate/up BN makes ``2*BN`` exceed ``MAX_MMA_N``) with BN
+    halved; for ``flat`` the
     same with the down tiles' ``"flat"`` toggled (``flat_off`` or ``flat_on``; none where the committed entry
     is one launch, which does not take ``flat``: ``lever_absent`` says so); for ``mix`` and ``streamk`` the same
     with that option on both kernels and on each alone (none for a one-launch entry); for ``generic`` each
@@ -147,9 +154,9 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     out = {"committed": committed}
     if lever == "w13i":
         gu = committed["gate_up"]
-        out["w13i"] = {**committed, "gate_up": {**gu, "w13i": True}}
+        out["w13i"] = {k: dict(v) for k, v in committed.items()}
         if 2 * gu["BN"] > MAX_MMA_N:
-            out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2, "w13i": True}}
+            out["w13i_bn_half"] = {**committed, "gate_up": {**gu, "BN": gu["BN"] // 2}}
     elif lever == "generic":
         from vllm_moonep.common.grouped_gemm.triton_kernels import DEFAULT_CONFIGS
 
@@ -183,14 +190,15 @@ def _fmt(v, spec=".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, sigma: float, dev, rep: int,
+def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, sigma: float, dev, rep: int,
           rounds: int = ROUNDS, lever: str = DEFAULT_LEVER) -> dict:
     """One point's row: the lever's variants (``variants``) checked (untimed call, every row written) and timed
     (whole compute and the kernel the lever changes, ``rounds`` alternated rounds of ``_graphed`` replays,
-    ``timing.rotated_times``)."""
+    ``timing.rotated_times``). ``stored``: ``{"halves": (weights, prepared table), "interleaved": ...}``, the
+    same values in either order (``interleaved`` only for ``--lever w13i``)."""
     kernel = LEVER_KERNEL[lever]
     H, I = shp["H"], shp["I"]
-    G = weights.num_groups
+    G = stored["halves"][0].num_groups
     cu_h, real, nvs, mv = rank0_case(shp, tokens, sigma)
     cu = cu_h.to(dev)
     x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7 + int(sigma * 10))
@@ -205,16 +213,17 @@ def point(tk, weights, prep, sname: str, shp: dict, tokens: int, routing: str, s
     if absent is not None:
         why[lever] = absent
     for name, conf in confs.items():
+        weights, prep = stored["interleaved" if name in INTERLEAVED_VARIANTS else "halves"]
         try:
             o = torch.full_like(x, float("nan"))
             act = torch.empty(nvs, I, device=dev, dtype=x.dtype)
             tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf, act=act, padded=False, row_ends=ends)
             outs[name] = o[:n].clone()  # the timed calls write o again (tails left)
-            whole = (lambda conf=conf, o=o, act=act:
+            whole = (lambda conf=conf, o=o, act=act, weights=weights:
                      tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf, act=act, padded=False,
                                           row_ends=ends, zero_tail=False))
 
-            def alone(conf=conf, act=act, o=o):  # the lever's kernel (down: on the act rows the check call wrote)
+            def alone(conf=conf, act=act, o=o, prep=prep):  # the lever's kernel (down: on the act rows the check call wrote)
                 if kernel == "gate_up":
                     return tk._launch_gate_up(x, rw, cu, eff, prep, act, conf["gate_up"], False)
                 return tk._launch_down(act, rw, cu, eff, prep, o, conf["down"], False)
@@ -294,7 +303,7 @@ def main(argv=None) -> int:
         return 2
     import triton
 
-    from vllm_moonep.common.grouped_gemm import GroupedWeights
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
 
     use_flush(args.flush)
@@ -309,19 +318,21 @@ def main(argv=None) -> int:
         H, I, E = shp["H"], shp["I"], shp["E"]
         G = E + default_num_slots(E, R)
         weights = GroupedWeights.contiguous(*make_weights(H, I, G, dev))
-        # w13i: the interleaved copy, once per shape, before any capture
-        prep = tk.prepare_weights(weights, dev, w13i=args.lever == "w13i")
+        stored = {"halves": (weights, tk.prepare_weights(weights, dev))}
+        if args.lever == "w13i":  # the same values interleaved, once per shape, before any capture
+            inter = GroupedWeights.of_w13(interleave_gate_up(weights.gate[0], weights.up[0]), weights.down[0],
+                                          interleaved=True)
+            stored["interleaved"] = (inter, tk.prepare_weights(inter, dev))
         for tokens in args.tokens:
             for routing, sigma in (("balanced", 0.0), ("skewed", SKEW_SIGMA)):
-                row = point(tk, weights, prep, sname, shp, tokens, routing, sigma, dev, args.rep, args.rounds,
-                            args.lever)
+                row = point(tk, stored, sname, shp, tokens, routing, sigma, dev, args.rep, args.rounds, args.lever)
                 rows.append(row)
                 print(f"# {sname:14s} t={tokens:5d} {routing:8s} committed {_fmt(row['committed_us'])} us "
                       f"({row['kernel']} {_fmt(row['committed_kernel_us'])})"
                       + "".join(f"  {k} {_fmt(row[f'{k}_us'])} us ({row['kernel']} {_fmt(row[f'{k}_kernel_us'])}) "
                                 f"x{_fmt(row.get(f'{k}_ratio'), '.3f')} err {_fmt(row[f'{k}_err'], '.1e')}"
                                 for k in row["configs"] if k != "committed"), flush=True)
-        del weights, prep
+        del weights, stored
         tk._CACHE.clear()
         torch.cuda.empty_cache()
     print()

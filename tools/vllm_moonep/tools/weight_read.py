@@ -1,7 +1,8 @@
 """The bytes-only anchor of ``bench_experts``: a plain streaming read of the expert weights a point touches.
 
     groups [n] (the point's non-empty groups)
-        -> one program per (chunk, matrix, group): CHUNK contiguous elements of gate[g], up[g] or down[g],
+        -> one program per (chunk, matrix, group): CHUNK contiguous elements of gate[g], up[g] or down[g]
+           (each group's block contiguous; gate and up may be the halves of one w13),
            read in BLOCK-wide loads and summed in float32
         -> sums [n * matrices * chunks] (one float per program: the loads cannot be dropped)
 
@@ -44,19 +45,18 @@ MATRICES = ("gate", "up", "down")
 
 
 @triton.jit
-def _read_kernel(gate, up, down, groups, sums, numel, first, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                 EVEN: tl.constexpr):
+def _read_kernel(gate, up, down, groups, sums, numel, first, s_gate, s_up, s_down, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, EVEN: tl.constexpr):
     c = tl.program_id(0)  # chunk of the matrix: consecutive programs stream consecutive bytes
     m = tl.program_id(1) + first  # 0 gate, 1 up, 2 down
     g = tl.load(groups + tl.program_id(2)).to(tl.int64)
     lo = c.to(tl.int64) * CHUNK
-    start = g * numel + lo
     if m == 0:
-        base = gate + start
+        base = gate + g * s_gate + lo
     elif m == 1:
-        base = up + start
+        base = up + g * s_up + lo
     else:
-        base = down + start
+        base = down + g * s_down + lo
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in range(0, CHUNK, BLOCK):
@@ -77,13 +77,15 @@ def launch_read(mats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: t
                 first: int, count: int, cfg: dict) -> None:
     """Read matrices ``first .. first+count-1`` (0 gate, 1 up, 2 down) of every group in ``groups`` (int32) in
     one launch; ``sums[(gi * count + m) * chunks + c]`` gets the float32 sum of chunk ``c`` of matrix
-    ``first + m`` of group ``groups[gi]``. ``mats``: three contiguous ``[G, ...]`` tensors of one element count
-    per group (the layouts' gate ``[G, I, H]``, up ``[G, I, H]`` and down ``[G, H, I]``)."""
+    ``first + m`` of group ``groups[gi]``. ``mats``: three ``[G, ...]`` tensors of one element count per group,
+    each group's block contiguous (the layouts' gate ``[G, I, H]``, up ``[G, I, H]``, down ``[G, H, I]``; gate and
+    up may be the halves of one ``w13``)."""
     numel = mats[0][0].numel()
     for name, t in zip(MATRICES, mats):
-        if not t.is_contiguous() or t.dim() < 1 or t[0].numel() != numel or t.dtype != mats[0].dtype:
-            raise ValueError(f"launch_read: {name} must be contiguous [G, ...] of {mats[0].dtype} with {numel} "
-                             f"elements per group like gate, got {tuple(t.shape)} {t.dtype}")
+        if t.dim() < 1 or not t[0].is_contiguous() or t[0].numel() != numel or t.dtype != mats[0].dtype:
+            raise ValueError(f"launch_read: {name} must be contiguous within each group: [G, ...] of {mats[0].dtype} "
+                             f"with {numel} elements per group like gate, got {tuple(t.shape)} {t.dtype} strides "
+                             f"{t.stride()}")
     if not (0 <= first and count >= 1 and first + count <= len(MATRICES)):
         raise ValueError(f"launch_read: matrices {first}..{first + count - 1} are not within 0..2 (gate, up, down)")
     if cfg["CHUNK"] % cfg["BLOCK"]:
@@ -95,8 +97,9 @@ def launch_read(mats: tuple[torch.Tensor, torch.Tensor, torch.Tensor], groups: t
         raise ValueError(f"launch_read: sums holds {sums.numel()} floats, the read writes {n * count * chunks}")
     if n == 0:
         return
-    _read_kernel[(chunks, count, n)](*mats, groups, sums, numel, first, CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"],
-                                     EVEN=numel % cfg["CHUNK"] == 0, num_warps=cfg["num_warps"])
+    _read_kernel[(chunks, count, n)](*mats, groups, sums, numel, first, *(t.stride(0) for t in mats),
+                                     CHUNK=cfg["CHUNK"], BLOCK=cfg["BLOCK"], EVEN=numel % cfg["CHUNK"] == 0,
+                                     num_warps=cfg["num_warps"])
 
 
 class WeightRead:
