@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm_moonep.tools.timing import on_side_stream
+from vllm_moonep.testing.weights import interleaved
 
 pytestmark = pytest.mark.gpu
 
@@ -152,15 +153,14 @@ def test_multi_pool_pointer_table():
 
 def test_one_table_for_cuda_and_its_index():
     """A table prepared for ``"cuda"`` (a caller before capture) and found again for the layer's ``x.device``
-    (``cuda:0``) built twice: a second interleaved copy (Kimi-K2's 4096-token rows then ran out of an H100's
-    memory in bench_levers) and new counters under a graph captured with the first table."""
+    (``cuda:0``) built twice: new counters under a graph captured with the first table."""
     tk = _triton()
     gen = torch.Generator(device="cuda").manual_seed(6)
     w = _two_pools(gen, 256, 128, [0, 1, 0], [1, 0, 2])
-    first = tk.prepare_weights(w, "cuda", w13i=True)
+    first = tk.prepare_weights(w, "cuda")
     here = torch.device("cuda", torch.cuda.current_device())
-    assert tk.prepare_weights(w, here, w13i=True) is first, "the table was built again for the indexed name"
-    assert tk.prepare_weights(w, None).w13i is first.w13i
+    assert tk.prepare_weights(w, here) is first, "the table was built again for the indexed name"
+    assert tk.prepare_weights(w, None) is first
 
 
 def test_cuda_graph_capture_replay():
@@ -594,20 +594,22 @@ def test_segment_ends_and_tails_left(H, I, schedule):
 _BIG_GU = {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True}
 _BIG_DOWN = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True,
             "flat": True}
-#: w13i against the same tiles without it: the same sums over one MMA twice as wide (an H200 gave the same bits)
+#: the weights stored interleaved against the same tiles over two tensors: the same sums over one MMA twice as wide
+#: (an H200 gave the same bits)
 _W13I_SAME_TOL = 2e-3
 
 
 @pytest.mark.parametrize("schedule", ["pointer", "tma", "big", "big bn128", "big ws", "streamk", "one launch"])
 @pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
 def test_w13i_tiles(H, I, schedule):
-    """The ``"w13i"`` gate/up tiles (gate and up interleaved row by row in one weight, one MMA of 2·BN columns) on a
-    GPU under every schedule that takes them, Kimi-K2's large-row tiles among them ("big": 8 warps, a TMA box of
-    2·BN = 512 weight rows; "big bn128": the same MMA width as the committed tiles). What each check catches: gate and up
-    read from the wrong rows of the interleaved copy, or the sums split into the wrong columns (against float64
-    and against the same tiles without w13i); the interleaved copy's table pointing at another group's rows (the
-    pools and -1 groups of the symmetric layout); a descriptor box of 2·BN rows reaching past the copy's last row
-    (the last group's weights end it) with TMA; then a captured graph replayed on new rows (rows unwritten: NaN)."""
+    """Weights stored interleaved (gate and up row by row in one ``w13``: the gate/up tiles read one weight, one MMA
+    of 2·BN columns, ``W13I``) on a GPU under every schedule, Kimi-K2's large-row tiles among them ("big": 8 warps,
+    a TMA box of 2·BN = 512 weight rows; "big bn128": the same MMA width as two tensors' tiles). What each check
+    catches: gate and up read from the wrong rows of the interleaved w13, or the sums split into the wrong columns
+    (against float64 and against the same tiles over the weights as two tensors); the table pointing at another
+    group's rows (the pools and -1 groups of the symmetric layout); a descriptor box of 2·BN rows reaching past a
+    pool's last row (the last group's weights end it) with TMA; the storage not found interleaved (W13I not taken:
+    the check vacuous); then a captured graph replayed on new rows (rows unwritten: NaN)."""
     from vllm_moonep.testing.reference import expert_ffn_float64
 
     tk = _triton()
@@ -630,37 +632,37 @@ def test_w13i_tiles(H, I, schedule):
         plain = {k: {**v, "streamk": True} for k, v in plain.items()}
     elif schedule == "one launch":
         plain["fused"] = {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
-    w13i = {**plain, "gate_up": {**plain["gate_up"], "w13i": True}}
+    wi = interleaved(w)
     out_plain = torch.full_like(x, float("nan"))
     tk.expert_ffn_triton(x, rw, cu, w, out=out_plain, config=plain)
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=w13i))
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, wi, out=out, act=act, config=plain))
     torch.cuda.synchronize()
-    assert tk.prepare_weights(w).w13i is not None, "the w13i tiles ran without the interleaved copy"
-    assert not bool(torch.isnan(out[:total]).any()), "w13i tiles left output rows unwritten"
+    assert tk.prepare_weights(wi).w13i and not tk.prepare_weights(w).w13i, "W13I not taken by the storage's order"
+    assert not bool(torch.isnan(out[:total]).any()), "interleaved weights left output rows unwritten"
     ref = expert_ffn_float64(x, rw, cu, w)[:total]
     assert _rel(out[:total], ref) < TOL, _rel(out[:total], ref)
     same = _rel(out[:total], out_plain[:total])
-    assert same < _W13I_SAME_TOL, f"w13i against the same tiles without it: {same:.2e}"
+    assert same < _W13I_SAME_TOL, f"interleaved against two tensors, the same tiles: {same:.2e}"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=w13i)
+        tk.expert_ffn_triton(x, rw, cu, wi, out=out, act=act, config=plain)
     total2 = _refill(x, rw, cu, [2, 0, 0, 64, 1, 0, 31, 300], H, gen)
     out.fill_(float("nan"))
     graph.replay()
     tk.expert_ffn_triton(x, rw, cu, w, out=out_plain, config=plain)
     torch.cuda.synchronize()
-    assert _rel(out[:total2], out_plain[:total2]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"
+    assert _rel(out[:total2], out_plain[:total2]) < _W13I_SAME_TOL, "a replayed interleaved launch drifted"
 
 
 @pytest.mark.parametrize("ws", [False, True])
 def test_w13i_at_kimi_k2_scale(ws):
-    """w13i at Kimi-K2's size, as ``bench_levers`` times it: Kimi-K2's dimensions, 48 groups (a rank's 24 experts
-    and 24 slots) and ~8000 rows in segments padded to 128, the 4096-token tiles (BN 256; with and without the
-    warp-specialized loop, "ws", as the table runs them), three launches in a row, without the tile skip
-    (``padded=False``, where the down loop is flattened) and a graph replay: rows left unwritten, or a drift from the same tiles without w13i (each checked against
-    float64 in ``test_w13i_tiles``)."""
+    """Interleaved weights at Kimi-K2's size, as ``bench_experts`` times them: Kimi-K2's dimensions, 48 groups (a
+    rank's 24 experts and 24 slots) and ~8000 rows in segments padded to 128, the 4096-token tiles (BN 256; with and
+    without the warp-specialized loop, "ws", as the table runs them), three launches in a row, without the tile skip
+    (``padded=False``, where the down loop is flattened) and a graph replay: rows left unwritten, or a drift from the
+    same tiles over two tensors (each checked against float64 in ``test_w13i_tiles``)."""
     tk = _triton()
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
@@ -671,24 +673,26 @@ def test_w13i_at_kimi_k2_scale(ws):
     lens[5], lens[17], lens[G - 1] = 0, 1100, 257  # an empty group, a hot one, the last group's rows end the copy
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=64)
     plain = {"gate_up": {**_BIG_GU, "ws": ws}, "down": dict(_BIG_DOWN)}
-    w13i = {**plain, "gate_up": {**plain["gate_up"], "w13i": True}}
     out_plain = torch.full_like(x, float("nan"))
     tk.expert_ffn_triton(x, rw, cu, w, out=out_plain, config=plain, padded=False)
+    wi = interleaved(w)
+    del w  # Kimi-K2's 48 experts: one copy of gate and up at a time besides the interleaved one
     out = torch.full_like(x, float("nan"))
     act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
     for _ in range(3):
         out.fill_(float("nan"))
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=w13i, padded=False)
+        tk.expert_ffn_triton(x, rw, cu, wi, out=out, act=act, config=plain, padded=False)
     torch.cuda.synchronize()
-    assert not bool(torch.isnan(out[:total]).any()), "w13i left output rows unwritten"
+    assert tk.prepare_weights(wi).w13i, "W13I not taken over interleaved weights"
+    assert not bool(torch.isnan(out[:total]).any()), "interleaved weights left output rows unwritten"
     assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=w13i, padded=False)
+        tk.expert_ffn_triton(x, rw, cu, wi, out=out, act=act, config=plain, padded=False)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL, "a replayed w13i launch drifted"
+    assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL, "a replayed interleaved launch drifted"
 
 
 @pytest.mark.parametrize("schedule", ["pointer", "tma", "big ws", "big flat", "streamk"])

@@ -36,16 +36,6 @@ RUNS = [
 ]
 
 
-def interleaved_copy(w):
-    """The same experts as ``w`` (a ``GroupedWeights``), every pool's gate and up stored interleaved in one
-    ``w13`` (the symmetric layout's order), the group map unchanged."""
-    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
-
-    w13s = [interleave_gate_up(g, u) for g, u in zip(w.gate, w.up)]
-    return GroupedWeights([t[:, 0::2] for t in w13s], [t[:, 1::2] for t in w13s], list(w.down), w.group_pool,
-                          w.group_row, w.dense_groups)
-
-
 def _child_main() -> None:
     import json
 
@@ -53,6 +43,7 @@ def _child_main() -> None:
     from vllm_moonep.common.grouped_gemm.triton_kernels import (_INTERP_CONFIG, _descriptors, _w13i, expert_ffn_triton,
                                                                 interpreting, prepare_weights)
     from vllm_moonep.testing.reference import expert_ffn_float64
+    from vllm_moonep.testing.weights import interleaved
 
     assert interpreting()
     one = {"num_warps": 4, "num_stages": 1, "progs_per_sm": 1}
@@ -65,7 +56,7 @@ def _child_main() -> None:
     for name in CASES:
         try:
             x, rw, cu, w, n = _case_data(name)
-            wi = interleaved_copy(w)
+            wi = interleaved(w)
             ref = expert_ffn_float64(x, rw, cu, w)
             denom = float(ref[:n].norm())
             zero_rows = ref[:n].abs().sum(dim=1) == 0

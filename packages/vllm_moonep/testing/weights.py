@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["local_experts", "local_rows", "stored_w13"]
+__all__ = ["interleaved", "local_experts", "local_rows", "stored_w13"]
 
 
 def stored_w13(w13: torch.Tensor) -> torch.Tensor:
@@ -34,3 +34,13 @@ def local_rows(w: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 def local_experts(w13: torch.Tensor, w2: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s ``(w13 [E/R, 2I, H], w2 [E/R, H, I])``, copies of its home experts' rows."""
     return local_rows(w13, rank, world_size), local_rows(w2, rank, world_size)
+
+
+def interleaved(w):
+    """The same experts as the ``GroupedWeights`` ``w``, each pool's gate and up stored interleaved in one ``w13``
+    (the symmetric layout's order: the Triton gate/up tiles then read one weight), the group map unchanged."""
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
+
+    w13s = [interleave_gate_up(g, u) for g, u in zip(w.gate, w.up)]
+    return GroupedWeights([t[:, 0::2] for t in w13s], [t[:, 1::2] for t in w13s], list(w.down), w.group_pool,
+                          w.group_row, w.dense_groups)

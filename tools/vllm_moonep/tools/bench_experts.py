@@ -616,7 +616,7 @@ def merged_tuning(shipped: list, tuned: list) -> list:
 
 def tile_text(c: dict) -> str:
     """One kernel's tiles in a few characters: ``BMxBNxBK`` and the options it sets."""
-    return f"{c['BM']}x{c['BN']}x{c['BK']}" + "".join(f" {k}" for k in ("tma", "ws", "flat", "streamk", "swap", "w13i")
+    return f"{c['BM']}x{c['BN']}x{c['BK']}" + "".join(f" {k}" for k in ("tma", "ws", "flat", "streamk", "swap")
                                                      if c.get(k))
 
 
