@@ -55,7 +55,7 @@ def test_path_matches_float64(impl, lens, I, H, order):
     output), with gate and up as separate tensors or stored interleaved in one w13 (the symmetric layout's order:
     the Triton tiles then read one weight, W13I; the library GEMMs one operand whose columns alternate). For quack
     the separate tensors take the split form (three GEMMs)."""
-    x, rw, cu, w = _case(lens, I, H, seed=len(lens) + I, w13=order == "interleaved")
+    x, rw, cu, w = _case(lens, I, H, seed=len(lens) + I, w13="interleaved" if order == "interleaved" else False)
     assert w.interleaved == (order == "interleaved")
     if impl not in available_impls(x, w):
         pytest.skip(f"{impl} is not available here: {impl_unusable(impl, x, w)}")

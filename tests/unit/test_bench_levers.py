@@ -22,6 +22,7 @@ def test_defaults_are_the_issue_points():
     a = bench_levers.parse_args(["--shapes", "qwen3-30b-a3b", "--tokens", "1024", "--rep", "20"])
     assert a.shapes == ["qwen3-30b-a3b"] and a.tokens == [1024] and a.rep == 20
     assert a.lever == "w13i" and bench_levers.parse_args(["--lever", "flat"]).lever == "flat"
+    assert a.impl == "triton" and bench_levers.parse_args(["--impl", "deepgemm"]).impl == "deepgemm"
 
 
 def test_flush_is_clean_unless_asked_dirty():
@@ -45,6 +46,7 @@ def test_flush_is_clean_unless_asked_dirty():
     (["--rep", "0"], "--rep must be a positive number"),
     (["--rounds", "0"], "--rounds must be a positive number"),
     (["--lever", "tma"], "argument --lever: invalid choice: 'tma'"),
+    (["--lever", "flat", "--impl", "deepgemm"], "--impl deepgemm times the w13i lever only"),
 ])
 def test_bad_flags_refused_with_a_sentence(capsys, argv, needle):
     """A typo in a shape or tokens reaching the GPU as a KeyError or ValueError traceback minutes into a device call."""

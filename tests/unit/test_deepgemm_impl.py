@@ -235,3 +235,32 @@ def test_swiglu_route_kernel_matches_its_torch_twin_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", _INTERP_CHILD], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("paired", [False, True], ids=["halves", "pairs"])
+def test_swiglu_route_kernel_compiles_for_sm90_with_wide_pair_loads(paired):
+    """The activation kernel refused by the compiler (what the interpreter accepts: the reshape and split of the
+    pairs), or the pairs of an interleaved w13's output read with narrower than 16-byte loads (strided loads of g
+    and u do not vectorize: the reason the pairs path exists), with the specialization a launch gets."""
+    triton = pytest.importorskip("triton")
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_moonep.common.grouped_gemm.deepgemm_act import swiglu_route_kernel
+
+    i32 = "i32"
+    sig = dict(g_ptr="*bf16", u_ptr="*bf16", rw_ptr="*fp32", act_ptr="*bf16", I=i32, stride_g=i32, stride_u=i32,
+               stride_a=i32, col_g=i32, col_u=i32, BLOCK="constexpr", PAIRED="constexpr")
+    div16 = ("g_ptr", "u_ptr", "act_ptr", "I", "stride_g", "stride_u", "stride_a")
+    attrs = {(swiglu_route_kernel.arg_names.index(k),): [["tt.divisibility", 16]] for k in div16}
+    cx = dict(BLOCK=1024, PAIRED=paired)
+    if not paired:  # the halves of h: unit column strides, as the launch specializes them
+        cx.update(col_g=1, col_u=1)
+        sig.update(col_g="constexpr", col_u="constexpr")
+    ptx = triton.compile(ASTSource(fn=swiglu_route_kernel, signature=sig, constexprs=cx, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+    loads = [ld for ld in re.findall(r"ld\.global[\w.]*", ptx) if ".b16" in ld or ".v4" in ld or ".v2" in ld]
+    wide = [ld for ld in loads if ".v4." in ld]
+    assert wide, f"no 16-byte loads of g/u: {sorted(set(loads))}"

@@ -1,7 +1,7 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|generic] [--shapes kimi-k2,qwen3-30b-a3b]
-[--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|generic] [--impl triton|deepgemm]
+[--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
 changes, or for ``mix`` and ``streamk``, which change both, gate/up):
@@ -9,7 +9,10 @@ changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 - ``w13i`` (gate/up): the weights stored as the symmetric layout stores them (gate and up interleaved row by row
   in one ``w13``: the gate/up tiles read one ``[2BN, BK]`` block and run one MMA of ``2BN`` columns per step,
   ``triton_tiles.gate_up_acc``) against the same values stored as the replicated layout stores them (gate and
-  up as two tensors: two blocks and two MMAs of ``BN``), the same tiles;
+  up as two tensors: two blocks and two MMAs of ``BN``), the same tiles. With ``--impl deepgemm``: DeepGEMM's
+  compute (``expert_ffn_deepgemm``) over the interleaved ``w13`` against the same values as the halves of one
+  ``w13`` (vLLM's order: one GEMM operand either way), the activation between its GEMMs (``deepgemm_act``: pairs
+  of columns, or the two halves) timed alone;
 - ``flat`` (down): the committed down tiles with their flattened tile loop (``"flat"``: the next tile's loads
   during this tile's epilogue) toggled: off where the table sets it, on where it does not. A one-launch
   entry does not take ``flat``: such a point has no flat variant, and its row says so.
@@ -100,6 +103,8 @@ BOTH_KERNELS = ("mix", "streamk")
 DEFAULT_LEVER = "w13i"
 #: the variants that run over the weights stored interleaved (``--lever w13i``); every other over two tensors
 INTERLEAVED_VARIANTS = ("w13i", "w13i_bn_half")
+#: the implementations ``--impl`` takes (``deepgemm`` with ``--lever w13i`` only)
+IMPLS = ("triton", "deepgemm")
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -122,8 +127,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="ms of timed calls per timing (timing.flushed_median_ms; default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="alternated rounds of timings per variant, each round's order rotated (default: %(default)s)")
+    ap.add_argument("--impl", choices=IMPLS, default="triton",
+                    help="the expert compute the variants run (deepgemm: --lever w13i only; default: %(default)s)")
     add_flush_option(ap)
     args = ap.parse_args(argv)
+    if args.impl == "deepgemm" and args.lever != "w13i":
+        ap.error(f"--impl deepgemm times the w13i lever only (the storage order), got --lever {args.lever}")
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes if s not in LEVER_SHAPES]
     if bad or not shapes:
@@ -191,12 +200,13 @@ def _fmt(v, spec=".1f") -> str:
 
 
 def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, sigma: float, dev, rep: int,
-          rounds: int = ROUNDS, lever: str = DEFAULT_LEVER) -> dict:
+          rounds: int = ROUNDS, lever: str = DEFAULT_LEVER, impl: str = "triton") -> dict:
     """One point's row: the lever's variants (``variants``) checked (untimed call, every row written) and timed
     (whole compute and the kernel the lever changes, ``rounds`` alternated rounds of ``_graphed`` replays,
     ``timing.rotated_times``). ``stored``: ``{"halves": (weights, prepared table), "interleaved": ...}``, the
-    same values in either order (``interleaved`` only for ``--lever w13i``)."""
-    kernel = LEVER_KERNEL[lever]
+    same values in either order (``interleaved`` only for ``--lever w13i``). ``impl="deepgemm"``: the variants run
+    DeepGEMM's compute (no tiles: the BN/2 variant is left out) and the kernel timed alone is the activation."""
+    kernel = LEVER_KERNEL[lever] if impl == "triton" else "activation"
     H, I = shp["H"], shp["I"]
     G = stored["halves"][0].num_groups
     cu_h, real, nvs, mv = rank0_case(shp, tokens, sigma)
@@ -206,6 +216,8 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
     n = int(cu_h[-1])
     committed = tk.select_config(H, I, nvs, G, tokens=tokens)
     confs = variants(committed, lever)
+    if impl == "deepgemm":
+        confs.pop("w13i_bn_half", None)
     eff = torch.empty(G, dtype=torch.int32, device=dev)
     tk._launch_trim(cu, rw, eff)
     outs, fns, why = {}, {}, {}
@@ -217,6 +229,12 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
         try:
             o = torch.full_like(x, float("nan"))
             act = torch.empty(nvs, I, device=dev, dtype=x.dtype)
+            if impl == "deepgemm":
+                whole, alone = _deepgemm_fns(x, rw, cu, weights, o, act)
+                whole()
+                outs[name] = o[:n].clone()
+                fns[name] = (_graphed(whole), _graphed(alone))
+                continue
             tk.expert_ffn_triton(x, rw, cu, weights, out=o, config=conf, act=act, padded=False, row_ends=ends)
             outs[name] = o[:n].clone()  # the timed calls write o again (tails left)
             whole = (lambda conf=conf, o=o, act=act, weights=weights:
@@ -245,7 +263,7 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
     base = outs.get("committed")
     row = {"shape": sname, "tokens": tokens, "routing": routing, "maxvio": mv, "NvS": nvs, "rows": n,
            "real_rows": int(real.sum()), "busy_groups": int((real > 0).sum()), "lever": lever, "kernel": kernel,
-           "configs": confs, "absent": why, "times_us": times}
+           "impl": impl, "configs": confs, "absent": why, "times_us": times}
     for name in confs:
         m = med.get(name)
         row[f"{name}_us"] = None if m is None else m["whole"]
@@ -257,6 +275,21 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
             row[f"{name}_ratio"] = m["whole"] / med["committed"]["whole"]
             row[f"{name}_kernel_ratio"] = m["kernel"] / med["committed"]["kernel"]
     return row
+
+
+def _deepgemm_fns(x, rw, cu, weights, out, act):
+    """``(whole, activation)`` of DeepGEMM's compute over ``weights`` (``expert_ffn_deepgemm``) and of its
+    activation alone, on an ``h`` of the gate/up GEMM's shape read as the weights' order has it (pairs of columns
+    or halves)."""
+    from vllm_moonep.common.grouped_gemm.deepgemm_act import swiglu_route
+    from vllm_moonep.common.grouped_gemm.deepgemm_impl import expert_ffn_deepgemm
+
+    I = weights.intermediate
+    h = torch.zeros(x.shape[0], 2 * I, device=x.device, dtype=x.dtype)
+    g, u = (h[:, 0::2], h[:, 1::2]) if weights.interleaved else (h[:, :I], h[:, I:])
+    act_alone = torch.empty_like(act)
+    return (lambda: expert_ffn_deepgemm(x, rw, cu, weights, out=out),
+            lambda: swiglu_route(g, u, rw, act_alone))
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -273,7 +306,8 @@ def table(rows: list[dict]) -> list[str]:
              + "".join(f" {k} us | ratio | {label} ratio | err |" for k in names),
              "|---|---:|---|---|---:|" + "---:|---:|---:|---:|" * len(names)]
     for r in rows:
-        cells = [r["shape"], str(r["tokens"]), r["routing"], tile_text(r["configs"]["committed"][kernel]),
+        tile = "deepgemm" if r.get("impl") == "deepgemm" else tile_text(r["configs"]["committed"][kernel])
+        cells = [r["shape"], str(r["tokens"]), r["routing"], tile,
                  _fmt(r["committed_us"])]
         for k in names:
             cells += ([_fmt(r.get(f"{k}_us")), _fmt(r.get(f"{k}_ratio"), ".3f"), _fmt(r.get(f"{k}_kernel_ratio"), ".3f"),
@@ -317,15 +351,23 @@ def main(argv=None) -> int:
         shp = LEVER_SHAPES[sname]
         H, I, E = shp["H"], shp["I"], shp["E"]
         G = E + default_num_slots(E, R)
-        weights = GroupedWeights.contiguous(*make_weights(H, I, G, dev))
+        gate, up, down = make_weights(H, I, G, dev)
+        if args.impl == "deepgemm":  # one GEMM operand either way: the halves of one w13 (vLLM's order)
+            w13 = torch.cat([gate, up], dim=1)
+            del gate, up
+            weights = GroupedWeights.of_w13(w13, down, interleaved=False)
+            gate, up = weights.gate[0], weights.up[0]
+        else:
+            weights = GroupedWeights.contiguous(gate, up, down)
         stored = {"halves": (weights, tk.prepare_weights(weights, dev))}
         if args.lever == "w13i":  # the same values interleaved, once per shape, before any capture
-            inter = GroupedWeights.of_w13(interleave_gate_up(weights.gate[0], weights.up[0]), weights.down[0],
-                                          interleaved=True)
+            inter = GroupedWeights.of_w13(interleave_gate_up(gate, up), down, interleaved=True)
             stored["interleaved"] = (inter, tk.prepare_weights(inter, dev))
+        del gate, up, down
         for tokens in args.tokens:
             for routing, sigma in (("balanced", 0.0), ("skewed", SKEW_SIGMA)):
-                row = point(tk, stored, sname, shp, tokens, routing, sigma, dev, args.rep, args.rounds, args.lever)
+                row = point(tk, stored, sname, shp, tokens, routing, sigma, dev, args.rep, args.rounds, args.lever,
+                            args.impl)
                 rows.append(row)
                 print(f"# {sname:14s} t={tokens:5d} {routing:8s} committed {_fmt(row['committed_us'])} us "
                       f"({row['kernel']} {_fmt(row['committed_kernel_us'])})"
@@ -339,7 +381,8 @@ def main(argv=None) -> int:
     print("# " + _ceiling_line(ceil, props.name))
     print()
     print("Times: CUDA-graph replay, median of the alternated rounds; whole = the expert compute as the layer runs it, "
-          f"{args.lever} changes the {LEVER_KERNEL[args.lever]} kernel, timed alone too; ratio = variant / committed "
+          f"{args.lever} changes the {'activation' if args.impl == 'deepgemm' else LEVER_KERNEL[args.lever]} kernel, "
+          "timed alone too; ratio = variant / committed "
           "(below 1: the lever is faster); err = the "
           "variant's output against the committed one (relative); control = the committed tiles timed again as a "
           "variant: a lever ratio no farther from 1 than the control's is noise.")
@@ -350,7 +393,7 @@ def main(argv=None) -> int:
     if out_dir:
         result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": props.name,
                   "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
-                  "python": platform.python_version(), "ceilings": ceil, "lever": args.lever, "rounds": args.rounds,
+                  "python": platform.python_version(), "ceilings": ceil, "lever": args.lever, "impl": args.impl, "rounds": args.rounds,
                   "flush": args.flush, "rep_ms": args.rep,
                   "rows": rows, "argv": sys.argv}
         with open(os.path.join(out_dir, "bench_levers.json"), "w") as f:

@@ -4,7 +4,8 @@ exactly 0 where the row's route weight is 0 (the padding tail, whose ``g``/``u``
     g [M, I], u [M, I] (bf16, any strides)  --one Triton launch-->  act [M, I] (dense)
 
 ``g`` and ``u`` are the two halves of DeepGEMM's ``[M, 2I]`` output (weights stored in halves) or its even and
-odd columns (stored interleaved: ``h[:, 0::2]``, ``h[:, 1::2]``).
+odd columns (stored interleaved: ``h[:, 0::2]``, ``h[:, 1::2]``), which the kernel reads as contiguous pairs
+(``PAIRED``: one 16-byte-wide load of both, split in registers, where strided loads of each would not vectorize).
 
 On CPU tensors (outside Triton's interpreter) the same arithmetic runs in torch: what the plumbing
 tests on CPU exercise; the kernel itself is checked against it under the interpreter.
@@ -24,13 +25,18 @@ BLOCK = 1024
 
 @triton.jit
 def swiglu_route_kernel(g_ptr, u_ptr, rw_ptr, act_ptr, I, stride_g, stride_u, stride_a, col_g, col_u,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, PAIRED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < I
     w = tl.load(rw_ptr + row).to(tl.float32)
-    g = tl.load(g_ptr + row * stride_g + cols * col_g, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols * col_u, mask=m, other=0.0).to(tl.float32)
+    if PAIRED:  # g and u alternate in one row (u at g + 1): one contiguous load of 2 * BLOCK, split in pairs
+        pair = 2 * tl.program_id(1) * BLOCK + tl.arange(0, 2 * BLOCK)
+        h = tl.load(g_ptr + row * stride_g + pair, mask=pair < 2 * I, other=0.0).to(tl.float32)
+        g, u = tl.split(tl.reshape(h, (BLOCK, 2)))
+    else:
+        g = tl.load(g_ptr + row * stride_g + cols * col_g, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + cols * col_u, mask=m, other=0.0).to(tl.float32)
     a = g / (1.0 + tl.exp(-g)) * u * w
     a = tl.where(w != 0.0, a, 0.0)
     tl.store(act_ptr + row * stride_a + cols, a.to(act_ptr.dtype.element_ty), mask=m)
@@ -54,6 +60,9 @@ def swiglu_route(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, act: t
     if act.stride(1) != 1:
         raise ValueError("swiglu_route: act needs a unit column stride")
     blk = min(BLOCK, triton.next_power_of_2(I))
+    # the even and odd columns of one tensor (an interleaved w13's output): read as pairs, 16-byte loads
+    paired = (g.stride(1) == u.stride(1) == 2 and g.stride(0) == u.stride(0)
+              and u.data_ptr() == g.data_ptr() + g.element_size())
     swiglu_route_kernel[(M, triton.cdiv(I, blk))](g, u, route_w, act, I, g.stride(0), u.stride(0), act.stride(0),
-                                                 g.stride(1), u.stride(1), BLOCK=blk)
+                                                 g.stride(1), u.stride(1), BLOCK=blk, PAIRED=paired)
     return act
