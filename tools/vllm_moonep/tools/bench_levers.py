@@ -353,9 +353,7 @@ def main(argv=None) -> int:
         G = E + default_num_slots(E, R)
         gate, up, down = make_weights(H, I, G, dev)
         if args.impl == "deepgemm":  # one GEMM operand either way: the halves of one w13 (vLLM's order)
-            w13 = torch.cat([gate, up], dim=1)
-            del gate, up
-            weights = GroupedWeights.of_w13(w13, down, interleaved=False)
+            weights = GroupedWeights.of_w13(torch.cat([gate, up], dim=1), down, interleaved=False)
             gate, up = weights.gate[0], weights.up[0]
         else:
             weights = GroupedWeights.contiguous(gate, up, down)
@@ -393,7 +391,8 @@ def main(argv=None) -> int:
     if out_dir:
         result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "device": props.name,
                   "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__,
-                  "python": platform.python_version(), "ceilings": ceil, "lever": args.lever, "impl": args.impl, "rounds": args.rounds,
+                  "python": platform.python_version(), "ceilings": ceil, "lever": args.lever, "impl": args.impl,
+                  "rounds": args.rounds,
                   "flush": args.flush, "rep_ms": args.rep,
                   "rows": rows, "argv": sys.argv}
         with open(os.path.join(out_dir, "bench_levers.json"), "w") as f:
