@@ -361,6 +361,7 @@ def main(argv=None) -> int:
         if args.lever == "w13i":  # the same values interleaved, once per shape, before any capture
             inter = GroupedWeights.of_w13(interleave_gate_up(gate, up), down, interleaved=True)
             stored["interleaved"] = (inter, tk.prepare_weights(inter, dev))
+            del inter
         del gate, up, down
         for tokens in args.tokens:
             for routing, sigma in (("balanced", 0.0), ("skewed", SKEW_SIGMA)):
