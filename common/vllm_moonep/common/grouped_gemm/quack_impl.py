@@ -15,8 +15,9 @@ other group is empty). Data flow (``G0`` = rows of pool 0)::
 
 The first GEMM runs gate and up as one ``[G0, 2I, H]`` operand, a view, no copy: stored interleaved (the
 symmetric layout's ``w13``, ``weights.py``) its adjacent output columns are a gate and an up column, the pair
-quack's epilogue takes as it comes (quack's own SwiGLU GEMM pairs columns ``2c``, ``2c + 1``); stored in halves
-(vLLM's ``w13``: up's rows follow gate's in one tensor) quack pairs the halves (``concat_layout=("B",)``). Gate
+quack's ``acc_pair`` epilogue takes as it comes; stored in halves (vLLM's ``w13``: up's rows follow gate's in one
+tensor) ``concat_layout=("B",)`` has quack view them in that same adjacent order first (its
+``_concat_interleave``). Gate
 and up as separate tensors (``GroupedWeights.contiguous``, the replicated layout) take the split form instead,
 still without copying weights::
 
