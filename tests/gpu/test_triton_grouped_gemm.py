@@ -60,8 +60,9 @@ def _inputs(lens, H, gen, pad_to=None, extra=7, dev="cuda"):
 
 
 def _two_pools(gen, H, I, pools, rows, dev="cuda"):
-    """Weights as the symmetric layout has them: pool 0 a fused ``w13`` viewed as gate and up (stride
-    ``2*I*H`` along dim 0), pool 1 separate tensors, group ``g`` row ``rows[g]`` of pool ``pools[g]``
+    """Weights in several pools, as the symmetric layout's pools are (home rows, peers, slots): pool 0 a fused
+    ``w13`` viewed as its halves (stride ``2*I*H`` along dim 0), pool 1 separate tensors (``interleaved`` gives the
+    layout's own order of both), group ``g`` row ``rows[g]`` of pool ``pools[g]``
     (-1: no weights). Each pool has as many rows as its largest row id + 1."""
     from vllm_moonep.common.grouped_gemm import GroupedWeights
 
@@ -626,7 +627,7 @@ def test_w13i_tiles(H, I, schedule):
         plain = {"gate_up": dict(_BIG_GU), "down": dict(_BIG_DOWN)}
         if schedule == "big bn128":
             plain["gate_up"]["BN"] = 128
-        if schedule == "big ws":  # the warp-specialized loop over the interleaved copy
+        if schedule == "big ws":  # the warp-specialized loop over the interleaved weights
             plain["gate_up"]["ws"] = True
     elif schedule == "streamk":
         plain = {k: {**v, "streamk": True} for k, v in plain.items()}
@@ -670,7 +671,7 @@ def test_w13i_at_kimi_k2_scale(ws):
     gen = torch.Generator(device="cuda").manual_seed(14)
     w = _weights(G, H, I, gen)
     lens = torch.randint(0, 330, (G,), generator=torch.Generator().manual_seed(14)).tolist()
-    lens[5], lens[17], lens[G - 1] = 0, 1100, 257  # an empty group, a hot one, the last group's rows end the copy
+    lens[5], lens[17], lens[G - 1] = 0, 1100, 257  # an empty group, a hot one, the last group's rows end the pool
     x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=64)
     plain = {"gate_up": {**_BIG_GU, "ws": ws}, "down": dict(_BIG_DOWN)}
     out_plain = torch.full_like(x, float("nan"))

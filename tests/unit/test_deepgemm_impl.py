@@ -208,21 +208,22 @@ _INTERP_CHILD = r'''
 import torch
 from vllm_moonep.common.grouped_gemm.deepgemm_act import swiglu_route, swiglu_route_torch
 g = torch.Generator().manual_seed(3)
-M, I = 37, 160
-h = torch.randn(M, 2 * I, generator=g).bfloat16()
-h[5:9] = float("nan")
-rw = torch.rand(M, generator=g)
-rw[5:9] = 0.0
-rw[20] = 0.0
-for g_, u_ in ((h[:, :I], h[:, I:]), (h[:, 0::2], h[:, 1::2])):  # halves; even and odd columns (interleaved)
-    got = torch.full((M, I), 9.0).bfloat16()
-    want = torch.empty(M, I).bfloat16()
-    swiglu_route(g_, u_, rw, got)
-    swiglu_route_torch(g_, u_, rw, want)
-    assert torch.isfinite(got).all(), "NaN of a weight-0 row reached act"
-    assert (got[rw == 0] == 0).all()
-    d = (got.float() - want.float()).abs().max().item()
-    assert d <= 2 ** -6 * want.float().abs().max().item(), d
+M = 37
+for I in (160, 1152):  # one partial column block; two, the second partial (BLOCK 1024)
+    h = torch.randn(M, 2 * I, generator=g).bfloat16()
+    h[5:9] = float("nan")
+    rw = torch.rand(M, generator=g)
+    rw[5:9] = 0.0
+    rw[20] = 0.0
+    for g_, u_ in ((h[:, :I], h[:, I:]), (h[:, 0::2], h[:, 1::2])):  # halves; even and odd columns (interleaved)
+        got = torch.full((M, I), 9.0).bfloat16()
+        want = torch.empty(M, I).bfloat16()
+        swiglu_route(g_, u_, rw, got)
+        swiglu_route_torch(g_, u_, rw, want)
+        assert torch.isfinite(got).all(), "NaN of a weight-0 row reached act"
+        assert (got[rw == 0] == 0).all()
+        d = (got.float() - want.float()).abs().max().item()
+        assert d <= 2 ** -6 * want.float().abs().max().item(), (I, d)
 print("ok", d)
 '''
 

@@ -201,6 +201,25 @@ def test_table_reads_w13_rows_in_place():
     assert tk._w13i(tk.prepare_weights(GroupedWeights.contiguous(gate, up, down), "cpu"))[0] is False
 
 
+
+def test_mixed_orders_refused_by_the_triton_kernels():
+    """A source that mixes an interleaved pool with two-tensor ones run anyway (the gate/up launch reads every group
+    one way: one kind of pool's gate and up misread) or refused without naming the pool, or a refusal that leaves
+    the weights unusable in one order."""
+    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
+    from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
+    from vllm_moonep.engine.errors import MoonEPInputError
+
+    gate, up, down = _weights()
+    w13 = interleave_gate_up(gate, up)
+    mixed = GroupedWeights([gate, w13[:, 0::2]], [up, w13[:, 1::2]], [down, down], torch.tensor([0, 1, 0, 1]),
+                           torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(MoonEPInputError, match=r"different orders \(interleaved in pools \[1\]"):
+        tk.prepare_weights(mixed, "cpu")
+    one = GroupedWeights([w13[:, 0::2], w13[:, 0::2]], [w13[:, 1::2], w13[:, 1::2]], [down, down],
+                         torch.tensor([0, 1, 0, 1]), torch.tensor([0, 1, 2, 3]))
+    assert tk.prepare_weights(one, "cpu").w13i
+
 # ---- compiled for Hopper (sm_90, no GPU needed) ----------------------------------------------------------------
 
 #: ``(name, kernel, constexprs, warps, wgmma shape the PTX must hold)``: the one MMA twice as wide is the point of

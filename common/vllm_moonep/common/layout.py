@@ -42,8 +42,9 @@ class WeightLayout(Protocol):
         GEMM serves any layout.
 
         Group ``g < E`` reads expert ``g``'s rows, group ``E + b`` slot ``b``'s (what the last
-        ``prefetch`` put there). Every pool is ``gate [N, I, H]``, ``up [N, I, H]`` (the two
-        halves of ``w13``, gate first) and ``down [N, H, I]``, bf16. ``group_pool[g] == -1`` only
+        ``prefetch`` put there). Every pool is ``gate [N, I, H]``, ``up [N, I, H]`` (two tensors, or
+        views of one ``w13`` in either order: ``grouped_gemm/weights.py``; one order for every pool) and
+        ``down [N, H, I]``, bf16. ``group_pool[g] == -1`` only
         for a group the plan keeps empty on this rank; ``dense_groups`` is set when pool 0 alone
         serves every used group (``torch._grouped_mm`` needs that). The same object on every
         call: slot contents change per step, the tensors do not (a captured graph may hold them).

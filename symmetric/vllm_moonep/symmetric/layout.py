@@ -30,9 +30,11 @@ and ``dense_groups`` (home ids, then ``E..E+B-1``) lets ``torch._grouped_mm`` ta
 
 Barriers (``heap.barrier()``, collective): the home rows are written only while loading. The
 constructor publishes what it copied; ``adopt_parameters`` publishes again; anything written
-through the parameters later (weight loading after adoption) must be followed by
-``publish()`` on every rank before the first step. Slots are written and read by their own rank
-only, so steps need no barrier.
+through the parameters later (weight loading after adoption) must be written in the interleaved order
+(``interleave_gate_up``: a write in gate-rows-first order would be read as pairs) and followed by
+``publish()`` on every rank before the first step. The conversion is done once: a layout built from
+parameters already adopted (already interleaved) would interleave them again. Slots are written and read by
+their own rank only, so steps need no barrier.
 """
 
 from __future__ import annotations

@@ -1035,6 +1035,7 @@ def main(argv=None) -> int:
                 for col, make in (("read", reader.one), ("read_phased", reader.phased)):
                     read_cfg[col], replays[col], _ = fastest(lambda c: _graphed(make(c)),  # noqa: B023
                                                              lambda g: _bench(g[0], rep=args.rep))
+                del reader, make  # views of the weights: not held past the point (the graphs keep theirs)
                 drow: dict = {"deepgemm_us": None, "deepgemm_masked_us": None}
                 if why_d is None and deepgemm_error is None:
                     dfields, deepgemm_error = _deepgemm_point(x, rw, cu, weights, out_p, n, args, replays)

@@ -31,8 +31,9 @@ For each shape, tokens per rank and routing (balanced, skewed) it builds the sam
 the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, as CUDA-graph replays
 (``bench_experts._graphed``, ``_bench``: median, L2 flushed and left clean)::
 
-    committed     select_config's tiles for the point (tuning.json, the step's tokens per rank); for
-                  --lever w13i over gate and up as two tensors
+    committed     select_config's tiles for the point (tuning.json, the step's tokens per rank), over the
+                  weights as the symmetric layout stores them (w13 interleaved), except for --lever w13i:
+                  over gate and up as two tensors (--impl deepgemm: the halves of one w13)
     w13i          the same tiles over the same weights stored interleaved (INTERLEAVED_VARIANTS)
     w13i BN/2     where the committed gate/up BN makes 2*BN exceed 256 (the widest warpgroup MMA):
                   the same tiles with BN halved, over the interleaved weights (the same MMA width as
@@ -101,7 +102,8 @@ LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": 
 BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
 DEFAULT_LEVER = "w13i"
-#: the variants that run over the weights stored interleaved (``--lever w13i``); every other over two tensors
+#: the variants of ``--lever w13i`` that run over the weights stored interleaved; its others run over two tensors
+#: (the halves of one ``w13`` with ``--impl deepgemm``), every other lever's over the interleaved ``w13``
 INTERLEAVED_VARIANTS = ("w13i", "w13i_bn_half")
 #: the implementations ``--impl`` takes (``deepgemm`` with ``--lever w13i`` only)
 IMPLS = ("triton", "deepgemm")
@@ -203,12 +205,13 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
           rounds: int = ROUNDS, lever: str = DEFAULT_LEVER, impl: str = "triton") -> dict:
     """One point's row: the lever's variants (``variants``) checked (untimed call, every row written) and timed
     (whole compute and the kernel the lever changes, ``rounds`` alternated rounds of ``_graphed`` replays,
-    ``timing.rotated_times``). ``stored``: ``{"halves": (weights, prepared table), "interleaved": ...}``, the
-    same values in either order (``interleaved`` only for ``--lever w13i``). ``impl="deepgemm"``: the variants run
+    ``timing.rotated_times``). ``stored``: ``{"base": (weights, prepared table), "interleaved": ...}``, the same
+    values: ``base`` what every variant runs over but ``INTERLEAVED_VARIANTS`` (``main`` says which order),
+    ``interleaved`` only for ``--lever w13i``. ``impl="deepgemm"``: the variants run
     DeepGEMM's compute (no tiles: the BN/2 variant is left out) and the kernel timed alone is the activation."""
     kernel = LEVER_KERNEL[lever] if impl == "triton" else "activation"
     H, I = shp["H"], shp["I"]
-    G = stored["halves"][0].num_groups
+    G = stored["base"][0].num_groups
     cu_h, real, nvs, mv = rank0_case(shp, tokens, sigma)
     cu = cu_h.to(dev)
     x, rw = make_inputs(H, cu_h, real, nvs, dev, seed=tokens * 7 + int(sigma * 10))
@@ -225,7 +228,7 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
     if absent is not None:
         why[lever] = absent
     for name, conf in confs.items():
-        weights, prep = stored["interleaved" if name in INTERLEAVED_VARIANTS else "halves"]
+        weights, prep = stored["interleaved" if name in INTERLEAVED_VARIANTS else "base"]
         try:
             o = torch.full_like(x, float("nan"))
             act = torch.empty(nvs, I, device=dev, dtype=x.dtype)
@@ -352,17 +355,19 @@ def main(argv=None) -> int:
         H, I, E = shp["H"], shp["I"], shp["E"]
         G = E + default_num_slots(E, R)
         gate, up, down = make_weights(H, I, G, dev)
-        if args.impl == "deepgemm":  # one GEMM operand either way: the halves of one w13 (vLLM's order)
+        if args.lever != "w13i":  # the tiles over what the symmetric layout stores: w13 interleaved
+            weights = GroupedWeights.of_w13(interleave_gate_up(gate, up), down, interleaved=True)
+        elif args.impl == "deepgemm":  # one GEMM operand either way: the halves of one w13 (vLLM's order)
             weights = GroupedWeights.of_w13(torch.cat([gate, up], dim=1), down, interleaved=False)
-            gate, up = weights.gate[0], weights.up[0]
         else:
             weights = GroupedWeights.contiguous(gate, up, down)
-        stored = {"halves": (weights, tk.prepare_weights(weights, dev))}
+        del gate, up
+        stored = {"base": (weights, tk.prepare_weights(weights, dev))}
         if args.lever == "w13i":  # the same values interleaved, once per shape, before any capture
-            inter = GroupedWeights.of_w13(interleave_gate_up(gate, up), down, interleaved=True)
+            inter = GroupedWeights.of_w13(interleave_gate_up(weights.gate[0], weights.up[0]), down, interleaved=True)
             stored["interleaved"] = (inter, tk.prepare_weights(inter, dev))
             del inter
-        del gate, up, down
+        del down
         for tokens in args.tokens:
             for routing, sigma in (("balanced", 0.0), ("skewed", SKEW_SIGMA)):
                 row = point(tk, stored, sname, shp, tokens, routing, sigma, dev, args.rep, args.rounds, args.lever,

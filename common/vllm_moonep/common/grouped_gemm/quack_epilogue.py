@@ -2,9 +2,10 @@
 dependency), so only ``quack_impl`` imports it, lazily, and importing it is the probe of whether
 quack is usable (``quack_impl.quack_unusable``).
 
-``swiglu_route`` is a fused GEMM epilogue in quack's ``@gemm_epilogue`` contract: with gate and up
-concatenated along N (``concat_layout=("B",)``) the accumulator arrives paired per output column
-(``mode="acc_pair"``, gate and up of the same column), ``route_w`` is a per-row vector (varlen:
+``swiglu_route`` is a fused GEMM epilogue in quack's ``@gemm_epilogue`` contract: the accumulator arrives
+paired per output column (``mode="acc_pair"``, gate and up of the same column: adjacent columns of B, as an
+interleaved ``w13`` has them, or B's two halves with ``concat_layout=("B",)``, which quack views in that
+order), ``route_w`` is a per-row vector (varlen:
 rank-1 ``[total_m]``, offset per group by the kernel), and the one output is
 ``silu(gate) * up * route_w`` from the float32 accumulators, rounded once to the output's dtype
 (bf16): the math of ``expert_ffn_reference`` with no intermediate written. It lives at module level

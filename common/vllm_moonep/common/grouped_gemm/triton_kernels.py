@@ -36,7 +36,9 @@ Weights are reached through a per-group pointer table (``int64 [G, 3]``: base ad
 ``gate_g``, ``up_g``, ``down_g``), built once per ``GroupedWeights`` (cached; rebuilt when a pool's
 storage, the group map, or its version counter changes), so the pools may be any tensors, views
 with arbitrary stride along dim 0 (``w13[:, :I, :]``), or several tensors. The inner strides of a
-projection must agree across pools (non-conforming pools are copied once, with a warning).
+projection must agree across pools (non-conforming pools are copied once, with a warning), and every pool
+must hold gate and up in one order (two tensors or halves, or interleaved: ``weights.py``; a source that mixes
+them is refused, since the gate/up launch reads every group one way).
 
 Operand loads, per tile config: pointer loads (the default), or with ``"tma": true`` tensor
 descriptors (the Hopper bulk-copy engine): the rows ``x`` (``act``) are one descriptor per
@@ -461,6 +463,11 @@ def prepare_weights(weights: GroupedWeights, device: torch.device | str | None =
     hit = _CACHE.get(wid)
     if hit is not None and hit.key == key:
         return hit
+    orders = [interleaved_views(g, u) for g, u in zip(weights.gate, weights.up)]
+    if len(set(orders)) > 1:
+        raise MoonEPInputError("expert_ffn_triton: the pools hold gate and up in different orders (interleaved in pools "
+                               f"{[p for p, o in enumerate(orders) if o]}, not in the others): store every pool one "
+                               "way (interleave_gate_up converts a pool)")
     gate, gs, k1 = _conform(list(weights.gate), "gate")
     up, us, k2 = _conform(list(weights.up), "up")
     down, ds, k3 = _conform(list(weights.down), "down")

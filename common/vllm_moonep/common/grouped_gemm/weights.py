@@ -10,7 +10,8 @@ A ``w13 [N, 2I, H]`` holds each expert's gate and up rows in one of two orders::
 Both reach the implementations as ``gate``/``up`` views of one storage, no copy. Interleaved is the order
 the symmetric layout stores (``interleave_gate_up`` converts once, at load): the Triton gate/up tiles then
 read one ``[2BN, BK]`` block per step and run one MMA twice as wide (``triton_tiles.gate_up_acc``,
-``W13I``), 2-9% faster from 64 tokens per rank on (docs/PERFORMANCE.md); the library GEMMs run it as one
+``W13I``): the whole compute 2-4% faster at Qwen3-30B-A3B 64-4096 tokens per rank and Kimi-K2 1024-4096,
+within noise below (docs/PERFORMANCE.md, "Tile options"); the library GEMMs run it as one
 ``[N, 2I, H]`` operand whose output columns alternate gate and up (``gate_up_interleaved``)."""
 
 from __future__ import annotations
