@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, resolve_impl
+from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, interleave_gate_up, resolve_impl
 from vllm_moonep.common.layout import WEIGHT_TILE
 from vllm_moonep.engine import Buffer, current_cuda_device
 from vllm_moonep.testing.launch import (add_launch_arguments, finish_launched_group, is_driver, launched_world_size,
@@ -87,11 +87,13 @@ def _rank_balance(S, H, I, K, E, B, sigma, seed, device_kind="cpu", repeats=10):
     tpe_all, seg_len = gp.tpe.cpu(), gp.seg_len.cpu()
     home_rows = tpe_all.sum(0).view(R, -1).sum(1)
     # the expert compute of this rank's rows: the product's grouped GEMM (impl=auto) over random
-    # expert weights of every group (timing does not depend on their values)
+    # expert weights of every group (timing does not depend on their values), stored as the symmetric
+    # layout stores them (w13 interleaved)
     gw = torch.Generator().manual_seed(seed + 1)
     gate, up, down = ((torch.randn(E + B, *shape, generator=gw) / shape[-1] ** 0.5).to(torch.bfloat16).to(dev)
                       for shape in ((I, H), (I, H), (H, I)))
-    weights = GroupedWeights.contiguous(gate, up, down)
+    weights = GroupedWeights.of_w13(interleave_gate_up(gate, up), down, interleaved=True)
+    del gate, up
     cu_home = home_rows_cu(tpe_all, r, B, TOKEN_PADDING).to(dev)
     n_home = int(cu_home[-1])
     x_home = torch.randn(n_home, H, generator=g).to(torch.bfloat16).to(dev)
