@@ -157,3 +157,19 @@ def test_flat_tiles_that_cannot_flatten_are_said(triton_kernels, monkeypatch, ca
         assert triton_kernels._flat({}, False, False) is False
     lines = [r.getMessage() for r in caplog.records if '"flat"' in r.getMessage()]
     assert len(lines) == 1 and where in lines[0], lines
+
+
+def test_symmetric_layout_says_its_w13_order_once(monkeypatch, caplog):
+    """The symmetric layout storing w13 interleaved (and so the adopted parameters' rows) without saying so: a
+    reader of vLLM's w13_weight after loading would find gate and up in another order than vLLM wrote them."""
+    from vllm_moonep.symmetric import SymmetricWeightLayout
+    from vllm_moonep.testing.reference import random_expert_weights
+
+    monkeypatch.setattr(defaults_mod, "_SAID", set())
+    w13, w2 = random_expert_weights(2, 128, 128, seed=1)
+    with caplog.at_level(logging.INFO, logger="vllm_moonep.symmetric"):
+        for _ in range(2):
+            SymmetricWeightLayout(w13.clone(), w2.clone(), 2, 1, heap="host").destroy()
+    said = [r for r in caplog.records if "interleaved" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, [r.getMessage() for r in said]
+    assert "adopted parameters hold that order" in said[0].getMessage()

@@ -58,6 +58,7 @@ from vllm_moonep.engine import (
     group_rank_world,
     resolve_device,
 )
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.row_copy import address_table, copy_rows, live_slot_ids
 from vllm_moonep.engine.heaps import HeapHandle, SymmetricHeap, make_heap
 from vllm_moonep.engine.faults.teardown import each
@@ -293,6 +294,9 @@ class SymmetricWeightLayout:
             heap.free(self._w13)
             raise
         w13, w2 = _rows(self._w13), _rows(self._w2)
+        say_once("MoonEP symmetric layout: each expert's w13 is stored with gate and up interleaved (row 2j gate row j, "
+                 "2j + 1 up row j; converted once as the home rows are copied, so adopted parameters hold that order): "
+                 "the expert kernels read the two as one weight", __name__)
         interleave_gate_up(w13_local[:, :I], w13_local[:, I:], out=w13[:epn])
         w2[:epn].copy_(w2_local)
         w13[epn:].zero_()
