@@ -55,9 +55,9 @@ def interleaved_views(gate: torch.Tensor, up: torch.Tensor) -> bool:
         return False
     n, I, H = gate.shape
     return bool(gate.stride() == up.stride() and gate.stride(2) == 1 and gate.stride(1) == 2 * H
-            and (n <= 1 or gate.stride(0) >= 2 * I * H)
-            and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
-            and up.storage_offset() - gate.storage_offset() == H)
+                and (n <= 1 or gate.stride(0) >= 2 * I * H)
+                and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+                and up.storage_offset() - gate.storage_offset() == H)
 
 
 @dataclass(frozen=True)
