@@ -19,7 +19,8 @@ from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import HostHeap, SharedSlotPool, SymmetricWeightLayout, destroy_in_order
-from vllm_moonep.testing.weights import local_experts, stored_w13
+from vllm_moonep.common.grouped_gemm import interleave_w13
+from vllm_moonep.testing.weights import local_experts
 
 H, I, K = 128, 128, 2
 
@@ -118,7 +119,7 @@ def aliasing_and_prefetch(E, B):
     p2 = torch.nn.Parameter(lw2.clone(), requires_grad=False)
     layout.adopt_parameters(p13, p2)
     assert p13.data_ptr() == layout.home_w13.data_ptr() and p2.data_ptr() == layout.home_w2.data_ptr()
-    s13 = stored_w13(w13)  # the heap's rows: gate and up interleaved
+    s13 = interleave_w13(w13)  # the heap's rows: gate and up interleaved
     for q in range(R):  # logical rows [0,E) alias the home ranks' memory
         assert torch.equal(layout.peer_w13(q)[:epn], s13[q * epn:(q + 1) * epn])
         assert torch.equal(layout.peer_w2(q)[:epn], w2[q * epn:(q + 1) * epn])
@@ -195,7 +196,7 @@ def test_aliasing_adoption_and_bitwise_prefetch(R, E, B):
 
 def _slot_experts(layout, w13):
     """The global expert each slot holds (bitwise, in the stored order), ``-1`` for none."""
-    s13 = stored_w13(w13)
+    s13 = interleave_w13(w13)
     return [next((e for e in range(w13.shape[0]) if torch.equal(layout.slots_w13[b], s13[e])), -1)
             for b in range(layout.num_slots)]
 

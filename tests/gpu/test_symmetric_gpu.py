@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from tests.conftest import ranks
 from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
-from vllm_moonep.testing.weights import local_experts, stored_w13
+from vllm_moonep.common.grouped_gemm import interleave_w13
+from vllm_moonep.testing.weights import local_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -88,7 +89,7 @@ def layout_prefetch_and_steps(E, B, sigma, seed):
     p2 = torch.nn.Parameter(lw2.clone(), requires_grad=False)
     sym.adopt_parameters(p13, p2)
     assert p13.data_ptr() == sym.home_w13.data_ptr()
-    s13 = stored_w13(w13)  # the heap's rows: gate and up interleaved
+    s13 = interleave_w13(w13)  # the heap's rows: gate and up interleaved
     for q in range(R):
         assert torch.equal(sym.peer_w13(q)[:epn], s13[q * epn:(q + 1) * epn])
         assert torch.equal(sym.peer_w2(q)[:epn], w2[q * epn:(q + 1) * epn])

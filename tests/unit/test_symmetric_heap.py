@@ -11,7 +11,7 @@ import torch
 
 from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE, WeightLayout
-from vllm_moonep.common.grouped_gemm import interleave_gate_up
+from vllm_moonep.common.grouped_gemm import interleave_w13
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, MoonEPUnavailableError
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import HostHeap, SharedSlotPool, SymmetricWeightLayout, make_heap
@@ -141,7 +141,7 @@ def test_layout_world_of_one_matches_dense_and_replicated():
     gw = lay.grouped_weights()
     assert gw.dense_groups.tolist() == [0, 1, 2, 3, 4, 5]
     # the home rows hold each expert's gate and up interleaved (the order the Triton tiles read as one weight)
-    assert torch.equal(lay.home_w13, interleave_gate_up(w13[:, :I], w13[:, I:])) and torch.equal(lay.home_w2, w2)
+    assert torch.equal(lay.home_w13, interleave_w13(w13)) and torch.equal(lay.home_w2, w2)
     assert gw.interleaved and torch.equal(gw.gate[0][:E], w13[:, :I]) and torch.equal(gw.up[0][:E], w13[:, I:])
     pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=1, B=B, device="cpu"), 128, engine="builtin")
     x, ids, w = rank_inputs(50, E, K, H, sigma=1.0, seed=1, rank=0)
@@ -167,7 +167,7 @@ def test_adopt_parameters_makes_parameters_heap_memory():
     p13, p2 = torch.nn.Parameter(w13.clone(), requires_grad=False), torch.nn.Parameter(w2.clone(), requires_grad=False)
     lay.adopt_parameters(p13, p2)  # copies the loaded values in (w13 interleaved), then rebinds
     assert p13.data_ptr() == lay.home_w13.data_ptr() and p2.data_ptr() == lay.home_w2.data_ptr()
-    assert torch.equal(lay.home_w13, interleave_gate_up(w13[:, :I], w13[:, I:]))
+    assert torch.equal(lay.home_w13, interleave_w13(w13))
     gw = lay.grouped_weights()
     assert torch.equal(gw.gate[0][:E], w13[:, :I]) and torch.equal(gw.up[0][:E], w13[:, I:])
     with torch.no_grad():

@@ -139,6 +139,11 @@ def test_interleave_gate_up_rows():
     assert torch.equal(w[:, 0::2], gate) and torch.equal(w[:, 1::2], up)
     out = torch.empty_like(w)
     assert interleave_gate_up(gate, up, out=out) is out and torch.equal(out, w)
+    # a w13 in halves (vLLM's order) the same way, into the heap's rows when given
+    from vllm_moonep.common.grouped_gemm import interleave_w13
+
+    out2 = torch.empty_like(w)
+    assert interleave_w13(torch.cat([gate, up], dim=1), out=out2) is out2 and torch.equal(out2, w)
 
 
 def test_interleave_gate_up_refuses_bad_shapes():
@@ -151,6 +156,10 @@ def test_interleave_gate_up_refuses_bad_shapes():
         interleave_gate_up(gate, up[:, :4])
     with pytest.raises(MoonEPInputError, match="out must be"):
         interleave_gate_up(gate, up, out=torch.empty(4, 8, 32, dtype=torch.bfloat16))
+    from vllm_moonep.common.grouped_gemm import interleave_w13
+
+    with pytest.raises(MoonEPInputError, match=r"interleave_w13: w13 must be \[N, 2I, H\]"):
+        interleave_w13(torch.empty(4, 7, 32, dtype=torch.bfloat16))
 
 
 def test_order_found_from_strides():

@@ -10,16 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["interleaved", "local_experts", "local_rows", "stored_w13"]
-
-
-def stored_w13(w13: torch.Tensor) -> torch.Tensor:
-    """``w13 [N, 2I, H]`` (gate rows first) in the order the symmetric layout stores it: gate and up interleaved
-    row by row (``interleave_gate_up``); what its home rows, peers' rows and slots hold, bit for bit."""
-    from vllm_moonep.common.grouped_gemm import interleave_gate_up
-
-    I = w13.shape[1] // 2
-    return interleave_gate_up(w13[:, :I], w13[:, I:])
+__all__ = ["interleaved", "local_experts", "local_rows"]
 
 
 def local_rows(w: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

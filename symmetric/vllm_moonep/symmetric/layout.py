@@ -9,7 +9,7 @@ allocates on the heap (collective)::
     w2  [epn + B, H, I]
 
 The home rows are converted from the caller's gate-rows-first ``w13`` once, as they are copied in
-(``interleave_gate_up``): the expert compute reads gate and up as one weight (one MMA twice as wide),
+(``interleave_w13``): the expert compute reads gate and up as one weight (one MMA twice as wide),
 and every copy of a row (prefetch, a peer's read) keeps the order. An adopted parameter (vLLM's
 ``w13_weight``) therefore holds its rows interleaved after loading.
 
@@ -31,7 +31,7 @@ and ``dense_groups`` (home ids, then ``E..E+B-1``) lets ``torch._grouped_mm`` ta
 Barriers (``heap.barrier()``, collective): the home rows are written only while loading. The
 constructor publishes what it copied; ``adopt_parameters`` publishes again; anything written
 through the parameters later (weight loading after adoption) must be written in the interleaved order
-(``interleave_gate_up``: a write in gate-rows-first order would be read as pairs) and followed by
+(``interleave_w13``: a write in gate-rows-first order would be read as pairs) and followed by
 ``publish()`` on every rank before the first step. The conversion is done once: a layout built from
 parameters already adopted (already interleaved) would interleave them again. Slots are written and read by
 their own rank only, so steps need no barrier.
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_gate_up
+from vllm_moonep.common.grouped_gemm import GroupedWeights, interleave_w13
 from vllm_moonep.common.layout import WEIGHT_TILE, check_local_experts
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, measured_bytes, symmetric_accounting
 from vllm_moonep.engine import (
@@ -297,7 +297,7 @@ class SymmetricWeightLayout:
         say_once("MoonEP symmetric layout: each expert's w13 is stored with gate and up interleaved (row 2j gate row j, "
                  "2j + 1 up row j; converted once as the home rows are copied, so adopted parameters hold that order): "
                  "the expert kernels read the two as one weight", __name__)
-        interleave_gate_up(w13_local[:, :I], w13_local[:, I:], out=w13[:epn])
+        interleave_w13(w13_local, out=w13[:epn])
         w2[:epn].copy_(w2_local)
         w13[epn:].zero_()
         w2[epn:].zero_()
@@ -499,8 +499,7 @@ class SymmetricWeightLayout:
             if copy and p.data_ptr() != home.data_ptr():
                 with torch.no_grad():
                     if p is w13_param:
-                        interleave_gate_up(p.data[:, :self.intermediate_size], p.data[:, self.intermediate_size:],
-                                           out=home)
+                        interleave_w13(p.data, out=home)
                     else:
                         home.copy_(p.data)
             p.data = home

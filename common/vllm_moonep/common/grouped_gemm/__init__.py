@@ -45,7 +45,7 @@ from vllm_moonep.common.grouped_gemm.api import (
     resolve_impl,
 )
 from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
-from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, interleave_gate_up
+from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, interleave_gate_up, interleave_w13
 
 __all__ = [
     "IMPLS",
@@ -56,5 +56,6 @@ __all__ = [
     "expert_ffn_reference",
     "impl_unusable",
     "interleave_gate_up",
+    "interleave_w13",
     "resolve_impl",
 ]

@@ -8,7 +8,7 @@ A ``w13 [N, 2I, H]`` holds each expert's gate and up rows in one of two orders::
     interleaved  row 2j: gate row j, row 2j + 1: up row j (gate = w13[:, 0::2], up = w13[:, 1::2])
 
 Both reach the implementations as ``gate``/``up`` views of one storage, no copy. Interleaved is the order
-the symmetric layout stores (``interleave_gate_up`` converts once, at load): the Triton gate/up tiles then
+the symmetric layout stores (``interleave_w13`` converts once, at load): the Triton gate/up tiles then
 read one ``[2BN, BK]`` block per step and run one MMA twice as wide (``triton_tiles.gate_up_acc``,
 ``W13I``): the whole compute 2-4% faster at Qwen3-30B-A3B 64-4096 tokens per rank and Kimi-K2 1024-4096,
 within noise below (docs/PERFORMANCE.md, "Tile options"); the library GEMMs run it as one
@@ -24,9 +24,10 @@ import torch
 from vllm_moonep.engine.errors import MoonEPInputError
 
 
-#: where ``gate_up_as_one`` and ``interleaved`` keep what they found, beside the device copies
+#: where ``gate_up_as_one``, ``gate_up_interleaved`` and ``interleaved`` keep what they found, beside the device copies
 _GATE_UP_KEY = "gate_up_as_one"
-_INTERLEAVED_KEY = "gate_up_interleaved"
+_W13I_VIEW_KEY = "gate_up_interleaved"
+_INTERLEAVED_KEY = "interleaved"
 
 
 def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,6 +47,15 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor |
     out[:, 0::2].copy_(gate)
     out[:, 1::2].copy_(up)
     return out
+
+
+def interleave_w13(w13: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``w13 [N, 2I, H]`` in halves (gate rows first: vLLM's order) interleaved (``interleave_gate_up``), into
+    ``out`` when given (which must not overlap ``w13``)."""
+    if w13.dim() != 3 or w13.shape[1] % 2:
+        raise MoonEPInputError(f"interleave_w13: w13 must be [N, 2I, H], got {list(w13.shape)}")
+    I = w13.shape[1] // 2
+    return interleave_gate_up(w13[:, :I], w13[:, I:], out=out)
 
 
 def interleaved_views(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -165,12 +175,13 @@ class GroupedWeights:
     def gate_up_interleaved(self) -> torch.Tensor | None:
         """Pool 0's gate and up as the one interleaved ``[N, 2I, H]`` view they are rows of (row ``2j`` gate row
         ``j``, ``2j + 1`` up row ``j``) when they are (``interleaved_views``); ``None`` otherwise. A grouped GEMM on
-        it writes gate and up in alternating columns. A view: no memory."""
-        g, u = self.gate[0], self.up[0]
-        if not interleaved_views(g, u):
-            return None
-        n, I, H = g.shape
-        return g.as_strided((n, 2 * I, H), (g.stride(0), H, 1))
+        it writes gate and up in alternating columns. Found once per weights object (a view: no memory)."""
+        if _W13I_VIEW_KEY not in self._device_copies:
+            g, u = self.gate[0], self.up[0]
+            n, I, H = g.shape
+            one = g.as_strided((n, 2 * I, H), (g.stride(0), H, 1)) if interleaved_views(g, u) else None
+            self._device_copies[_W13I_VIEW_KEY] = one
+        return self._device_copies[_W13I_VIEW_KEY]
 
     def validate(self) -> None:
         """``MoonEPInputError`` naming the first inconsistent pool; metadata only (shapes, dtypes, devices: no
