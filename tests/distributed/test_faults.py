@@ -29,6 +29,7 @@ from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.faults.arrival_board import ArrivalBoard
+from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.testing.launch import RankFailure, launched_world_size, run_on_ranks
 from vllm_moonep.testing.weights import local_experts
@@ -378,6 +379,36 @@ def test_store_host_frozen_survivor_raises_within_the_bound():
     assert o["op"].startswith("dispatch") and o["step"] == 1, o
     assert "rendezvous store did not answer within" in o["msg"] and "global rank 0" in o["msg"], o["msg"]
     assert o["elapsed"] < TIMEOUT_S + SLACK_S, o
+
+
+def store_host_frozen_at_release():
+    coll = BoundedCollectives()  # the default group: its arrival board publishes to rank 0's store
+    coll.barrier("warm-up")
+    pids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    if dist.get_rank() == 0:  # frozen by rank 1 (its store thread with it), then killed
+        time.sleep(120)
+        os._exit(0)
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        coll.close()  # a healthy group: the board tidies its key away
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(pids[0], signal.SIGKILL)
+    return {"elapsed": elapsed, "live_boards": ArrivalBoard.live_boards()}
+
+
+def test_release_returns_within_the_bound_when_the_store_host_is_frozen():
+    """A teardown on a healthy group that waited on the rendezvous store for the store's own timeout (20 s here,
+    minutes by default) when the store's host is frozen or stuck tearing down: releasing the arrival board deleted
+    its key with an unbounded store call (a CI run's node-heap teardown took 23 s against a 3 s bound). The release
+    must return within the board's read bound plus the publisher's join, and leave no board running."""
+    res = _fresh(2, store_host_frozen_at_release)
+    assert isinstance(res[0], RankFailure), res[0]
+    o = res[1]
+    assert o["live_boards"] == 0, o
+    assert o["elapsed"] < SLACK_S, o
 
 
 # ------------------------------------------------------------------------------ configuration

@@ -7,10 +7,10 @@ publishes the latest ``(count, heartbeat, step, op)`` to the group's rendezvous 
 stores a tuple in memory: no store round trip per collective. On a failure the survivor reads
 every peer's key twice, ``probe_s`` apart: a peer whose count is behind never entered this
 collective (its last operation is reported), a peer whose heartbeat did not advance is dead or
-frozen. Each read of the board is bounded (``read_bound_s``): the store lives in global rank 0's
-process, and a frozen or half-torn-down host holds a read for the store's own timeout (minutes by
-default), which would carry the failure past the collective's bound; an unanswered read is reported
-as such. ``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (errors then name no peer);
+frozen. Each read of the board, and the tidy delete of this rank's key on release, is bounded
+(``read_bound_s``): the store lives in global rank 0's process, and a frozen or half-torn-down host
+holds a store call for the store's own timeout (minutes by default), which would carry a failure past
+the collective's bound, or a teardown past any bound; an unanswered read is reported as such. ``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (errors then name no peer);
 ``VLLM_MOONEP_HEARTBEAT_S`` overrides the publish interval (default
 ``clamp(timeout_s / 20, 0.02, 1.0)``). The transports (``collective``, ``symmetric``) consult it.
 """
@@ -111,7 +111,10 @@ class ArrivalBoard:
                 return None
             board.store_error = None
             board._stop = threading.Event()
-        board._publish()  # the key exists from the start
+        try:  # the key exists from the start (bounded: this is the caller's thread)
+            board._bounded(board._publish, "publish")
+        except TimeoutError:
+            pass  # the publisher thread keeps trying
         board._thread = threading.Thread(target=board._loop, args=(board._stop,), name=f"moonep-arrival-{board.label}",
                                          daemon=True)
         board._thread.start()
@@ -128,8 +131,9 @@ class ArrivalBoard:
         if t is not None and t is not threading.current_thread():
             t.join(timeout=max(2 * self.interval_s, 0.5))
         if self.broken is None and self.store_error is None and store is not None:
-            try:  # tidy, best effort
-                store.delete_key(self._key(self.rank))
+            key = self._key(self.rank)
+            try:  # tidy, best effort, bounded like a read: a half-torn-down store host holds it for minutes
+                self._bounded(lambda: store.delete_key(key), "delete")
             except Exception:
                 pass
 
@@ -173,18 +177,24 @@ class ArrivalBoard:
         """``{group rank: (seq, beat, step, op) or None}`` for every peer; raises if the store is gone, and
         ``TimeoutError`` if it does not answer within ``read_bound_s`` (the read goes on in a daemon thread
         until the store's own timeout ends it)."""
+        return self._bounded(self._read, "read")
+
+    def _bounded(self, call, what: str):
+        """``call()`` on a daemon thread, waited for at most ``read_bound_s``; ``TimeoutError`` past it (the
+        call goes on until the store's own timeout ends it). Every store round trip outside the publisher thread
+        goes through here, so no set-up, diagnosis or teardown waits on the store's host for longer."""
         got: dict = {}
 
-        def read():
+        def run():
             try:
-                got["value"] = self._read()
+                got["value"] = call()
             except BaseException as exc:  # handed to the caller
                 got["error"] = exc
 
-        reader = threading.Thread(target=read, name=f"moonep-arrival-read-{self.label}", daemon=True)
-        reader.start()
-        reader.join(self.read_bound_s)
-        if reader.is_alive():
+        worker = threading.Thread(target=run, name=f"moonep-arrival-{what}-{self.label}", daemon=True)
+        worker.start()
+        worker.join(self.read_bound_s)
+        if worker.is_alive():
             raise TimeoutError(f"the rendezvous store did not answer within {self.read_bound_s:g}s")
         if "error" in got:
             raise got["error"]
