@@ -128,9 +128,11 @@ class ArrivalBoard:
             self._stop.set()
             t, self._thread = self._thread, None
             store, self.store = self.store, None
+        stuck = False
         if t is not None and t is not threading.current_thread():
             t.join(timeout=max(2 * self.interval_s, 0.5))
-        if self.broken is None and self.store_error is None and store is not None:
+            stuck = t.is_alive()  # held in a publish: the store is not answering, so a delete would wait too
+        if self.broken is None and self.store_error is None and store is not None and not stuck:
             key = self._key(self.rank)
             try:  # tidy, best effort, bounded like a read: a half-torn-down store host holds it for minutes
                 self._bounded(lambda: store.delete_key(key), "delete")
