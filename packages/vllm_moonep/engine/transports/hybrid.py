@@ -418,7 +418,9 @@ class HybridTransport(Transport):
     def close(self, local: bool = False) -> None:
         """Free the node heap's allocations and the heap (collective over the node's ranks, or
         ``local`` after the group failed), then release the node subgroup (every rank of the EP
-        group, the last user destroys it). Idempotent."""
+        group, the last user destroys it; only forgets it when the frees failed, as after a failed
+        group: a node peer is gone, and destroying a group with its failed free pending can wait for
+        the group's own timeout). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -431,9 +433,13 @@ class HybridTransport(Transport):
                     heap.teardown_locally()  # peers may be gone: release local memory only
                 handles, self._handles = self._handles[::-1], []
                 try:
-                    heap.free_all(*handles)
-                finally:
-                    heap.close(force=True)
+                    try:
+                        heap.free_all(*handles)
+                    finally:
+                        heap.close(force=True)
+                except MoonEPCollectiveTimeout:
+                    local = True
+                    raise
         finally:
             if self._uses_subgroup:
                 self._uses_subgroup = False
