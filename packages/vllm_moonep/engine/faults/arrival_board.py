@@ -10,7 +10,8 @@ collective (its last operation is reported), a peer whose heartbeat did not adva
 frozen. Each read of the board, and the tidy delete of this rank's key on release, is bounded
 (``read_bound_s``): the store lives in global rank 0's process, and a frozen or half-torn-down host
 holds a store call for the store's own timeout (minutes by default), which would carry a failure past
-the collective's bound, or a teardown past any bound; an unanswered read is reported as such. ``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (errors then name no peer);
+the collective's bound, or a teardown past any bound; an unanswered read is reported as such.
+``VLLM_MOONEP_ARRIVAL_BOARD=0`` turns the board off (errors then name no peer);
 ``VLLM_MOONEP_HEARTBEAT_S`` overrides the publish interval (default
 ``clamp(timeout_s / 20, 0.02, 1.0)``). The transports (``collective``, ``symmetric``) consult it.
 """
