@@ -88,54 +88,17 @@ for tc in cases:
 PY
 }
 
-manifest_field() { sed -n "s/^$1 //p" "$2" | head -1; }
+source tools/device_parts.sh
 
 stage() {
-  mkdir -p "$ROOT/parts"
-  local m="" d k sha size n have=0 want_sha
-  for d in .device/vllm/part-*; do
-    [ -f "$d/MANIFEST" ] || continue
-    m=$d/MANIFEST
-    cp "$m" "$ROOT/parts/MANIFEST"
-    for f in "$d"/bundle.*; do
-      k=${f##*.}
-      want_sha=$(awk -v k="$k" '$1 == "part" && $2 == k {print $3}' "$m")
-      sha=$(sha256sum "$f" | cut -d' ' -f1)
-      if [ "$sha" != "$want_sha" ]; then echo "stage: part $k's sha256 differs from MANIFEST (a bad transfer?)"; return 2; fi
-      cp "$f" "$ROOT/parts/bundle.$k"
-      echo "stage: part $k kept in $ROOT/parts ($(stat -c %s "$f") bytes)"
-    done
-  done
-  m=$ROOT/parts/MANIFEST
-  if [ ! -f "$m" ]; then echo "stage: no part carried and none kept: carry .device/vllm/part-1 (tools/prepare_vllm_device.sh)"; return 2; fi
-  n=$(manifest_field parts "$m")
-  read -r want_sha size <<<"$(manifest_field bundle "$m")"
-  if [ "$(cat "$ROOT/ready" 2>/dev/null)" = "$want_sha" ]; then echo "stage: vLLM already unpacked in $ROOT"; return 0; fi
-  local missing=""
-  for k in $(seq 1 "$n"); do
-    if [ -f "$ROOT/parts/bundle.$k" ]; then have=$((have + 1)); else missing="$missing $k"; fi
-  done
-  if [ -n "$missing" ]; then
-    echo "stage: $have of $n parts here; still to carry (machine warm):$missing"; return 3
-  fi
-  echo "stage: all $n parts here: joining, checking, unpacking"
-  cat $(for k in $(seq 1 "$n"); do echo "$ROOT/parts/bundle.$k"; done) >"$ROOT/bundle.tar.xz"
-  sha=$(sha256sum "$ROOT/bundle.tar.xz" | cut -d' ' -f1)
-  if [ "$sha" != "$want_sha" ]; then echo "stage: the joined bundle's sha256 differs from MANIFEST"; return 2; fi
-  rm -rf "$ROOT/src" "$ROOT/wheels" "$ROOT/site"
-  xz -dc -T0 "$ROOT/bundle.tar.xz" | tar xf - -C "$ROOT" || { echo "stage: unpacking FAILED"; return 2; }
-  rm -f "$ROOT/bundle.tar.xz" "$ROOT"/parts/bundle.*
-  if ! "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$ROOT/site" \
-      "$ROOT"/wheels/*.whl >"$ROOT/pip.log" 2>&1; then
-    echo "stage: installing the wheels FAILED:"; tail -5 "$ROOT/pip.log"; return 2
-  fi
+  local r
+  stage_parts .device/vllm "$ROOT"; r=$?
+  (( r == 0 )) || return $r
   # the device-side stand-in (see the header): the import check only, the Triton backend runs
   printf '# tools/gpu_vllm.sh: stands in for the FlashAttention extension that is not carried (TRITON_ATTN runs)\n' \
     >"$ROOT/src/vllm/vllm_flash_attn/_vllm_fa3_C.py"
-  echo "$want_sha" >"$ROOT/ready"
-  echo "stage: vLLM $(manifest_field vllm "$m") in $ROOT/src ($(find "$ROOT/src/vllm" -name '*.py' | wc -l) .py files;" \
-       "extensions $(cd "$ROOT/src/vllm" && ls *.so | tr '\n' ' '))," \
-       "$(ls "$ROOT"/wheels/*.whl | wc -l) wheels in $ROOT/site"
+  echo "stage: vLLM $(manifest_field vllm "$ROOT/parts/MANIFEST") in $ROOT/src ($(find "$ROOT/src/vllm" -name '*.py' | wc -l)" \
+       ".py files; extensions $(cd "$ROOT/src/vllm" && ls *.so | tr '\n' ' '))"
 }
 
 vllm_env() {  # the environment every vLLM step runs in

@@ -59,31 +59,7 @@ done
 echo "prepare: $(find "$WORK/src/vllm" -name '*.py' | wc -l) .py files, $(ls "$WORK/wheels" | wc -l) wheels," \
      "extensions $(cd "$WORK/src/vllm" && du -ch $SOS | tail -1 | cut -f1)"
 echo "prepare: compressing (xz -9e)..."
-tar cf - -C "$WORK" src wheels | xz -9e -T2 -c >"$WORK/bundle.tar.xz"
-rm -rf "$DEST"; mkdir -p "$DEST"
-SHA=$(sha256sum "$WORK/bundle.tar.xz" | cut -d' ' -f1)
-split -b "${PART_MIB}M" -d -a 1 "$WORK/bundle.tar.xz" "$WORK/part."
-N=$(ls "$WORK"/part.* | wc -l)
-{
-  echo "vllm $VER"
-  echo "bundle $SHA $(stat -c %s "$WORK/bundle.tar.xz")"
-  echo "parts $N"
-  k=1; for f in "$WORK"/part.*; do echo "part $k $(sha256sum "$f" | cut -d' ' -f1) $(stat -c %s "$f")"; k=$((k + 1)); done
-  echo "wheels $(cd "$WORK/wheels" && ls | tr '\n' ' ')"
-} >"$WORK/MANIFEST"
-k=1
-for f in "$WORK"/part.*; do
-  mkdir -p "$DEST/part-$k"; mv "$f" "$DEST/part-$k/bundle.$k"; cp "$WORK/MANIFEST" "$DEST/part-$k/"; k=$((k + 1))
-done
-cat "$WORK/MANIFEST" | sed 's/^wheels .*/wheels: see MANIFEST/'
-# what else travels with a part: tracked files and untracked ones that git does not ignore
-TREE=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
-LIMIT=$((64 * 1024 * 1024))
-for d in "$DEST"/part-*; do
-  SZ=$(du -cb "$d" | tail -1 | cut -f1)
-  if (( SZ + TREE > LIMIT )); then
-    echo "prepare: WARNING: $d ($SZ B) + working tree ($TREE B) exceed one call's 64 MiB: lower PART_MIB" >&2
-  fi
-done
-echo "prepare: $N parts in $DEST (working tree $((TREE / 1024 / 1024)) MiB beside each); carry one per call:"
+source tools/device_parts.sh
+pack_parts "$WORK" "$DEST" "vllm $VER"
+N=$(manifest_field parts "$DEST/part-1/MANIFEST")
 for k in $(seq 1 "$N"); do echo "  call $k: run(carry=[\"$DEST/part-$k\"], command=\"bash tools/gpu_vllm.sh stage ...\")"; done
