@@ -212,7 +212,7 @@ def _shipped():
 
     table = json.loads(resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json").read_text())
     entries = [(f"{dev} {e['shape']} {e['tokens_per_rank']}", e["H"], e["I"], e)
-               for dev, sec in table["devices"].items() for e in sec["tiles"]]
+               for dev, sec in table["devices"].items() for e in sec.get("tiles", [])]  # a same_as section has none
     H, I = UNTUNED_SHAPE["H"], UNTUNED_SHAPE["I"]
     entries += [(f"generic {name} at H={H} I={I}", H, I, cfg) for name, cfg in tk.DEFAULT_CONFIGS.items()]
     out = []

@@ -117,6 +117,36 @@ def test_a_gpu_without_its_own_policy_says_which_it_borrows(triton_kernels, tmp_
     assert own.regimes_at(256, 256, 257) == [] and own.regimes_at(256, 256, 15) == [] and own.regimes_at(256, 256, None) == []
 
 
+def test_a_gpu_measured_to_keep_another_section_says_so_not_a_guess(triton_kernels, tmp_path, caplog):
+    """An H100 80GB HBM3, whose own tuning sweep and library columns kept the H200's tiles and regimes, was told
+    at INFO that it ran "a guess until --tune measures this GPU": a ``same_as`` section now runs the named
+    section and says the measurement instead, once. A same_as naming no section of tiles (a typo, or another
+    same_as) is refused with a WARNING at load, and that GPU borrows by capability as before."""
+    tiles = [{"H": 256, "I": 256, "max_rows": 1024, "gate_up": {"BM": 16}, "down": {"BM": 32}}]
+    regime = {"H": 256, "I": 256, "impl": "quack", "from_tokens": 64}
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"fallback": {"sm_90": "GPU A"}, "devices": {
+        "GPU A": {"tiles": tiles, "auto": [regime]},
+        "GPU B": {"same_as": "GPU A", "measured": "kept by the sweep of day D"},
+        "GPU C": {"same_as": "GPU X", "measured": "m"},
+        "GPU D": {"same_as": "GPU B", "measured": "m"}}}))
+    with caplog.at_level(logging.INFO):
+        table = policy.load_table(path)
+        for _ in range(2):
+            b = policy.policy_for("GPU B", (9, 0), path)
+        c = policy.policy_for("GPU C", (9, 0), path)
+        d = policy.policy_for("GPU D", (9, 0), path)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert b.section == "GPU A" and list(b.tiles) == tiles and [r.impl for r in b.regimes_at(256, 256, 64)] == ["quack"]
+    assert sorted(table["devices"]) == ["GPU A", "GPU B"]
+    assert len(warned) == 2 and "'GPU X'" in warned[0] and "'GPU B'" in warned[1], warned
+    said_b = [m for m in said if "GPU B" in m]
+    assert len(said_b) == 1 and "kept by the sweep of day D" in said_b[0] and "guess" not in said_b[0], said
+    # the refused aliases borrow by capability, said as the guess it is
+    assert c.section == d.section == "GPU A" and any("GPU C" in m and "guess" in m for m in said), said
+
+
 def test_expert_impl_choice_is_said_once_and_explicit_triton_says_why(monkeypatch, caplog):
     """impl=auto resolved silently (nobody knew which kernel ran), and impl='triton' where it cannot
     run said only 'cannot run here' without the reason (no CUDA device, or the import error). On CPU,

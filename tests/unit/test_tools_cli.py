@@ -289,6 +289,11 @@ def test_tune_on_a_new_gpu_keeps_the_library_regimes_it_borrowed():
     new = with_tiles(table, "GPU C", [{"t": "c"}], (10, 0))
     assert new["devices"]["GPU C"] == {"tiles": [{"t": "c"}], "auto": []} and new["fallback"]["sm_100"] == "GPU C"
     assert with_tiles(table, "GPU D", [], None)["devices"]["GPU D"]["auto"] == []
+    # a GPU that ran another's section by same_as gets a section of its own from that one: a same_as left beside
+    # the tuned tiles would go on running the other section's
+    alias = {**table, "devices": {**table["devices"], "GPU E": {"same_as": "GPU A", "measured": "m"}}}
+    own = with_tiles(alias, "GPU E", [{"t": "e"}], (10, 0))
+    assert own["devices"]["GPU E"] == {"tiles": [{"t": "e"}], "auto": [regime]} and "sm_100" in own["fallback"]
 
 
 def test_a_tuning_pass_replaces_the_shipped_tiles_only_past_the_controls_band():

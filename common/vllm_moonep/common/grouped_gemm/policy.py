@@ -1,10 +1,12 @@
 """Kernel policy as data: which tiles the Triton kernels run and which implementation ``impl="auto"``
 takes, per GPU, from ``tuning.json`` (shipped beside this module; ``bench_experts --tune`` writes it)::
 
-    tuning.json  {"devices": {"NVIDIA H200": {"tiles": [...], "auto": [...]}, ...},
+    tuning.json  {"devices": {"NVIDIA H200": {"tiles": [...], "auto": [...]},
+                              "NVIDIA H100 80GB HBM3": {"same_as": "NVIDIA H200", "measured": "..."}, ...},
                   "fallback": {"sm_90": "NVIDIA H200", ...}}
 
     the rows' GPU name --exact--------------------------> its section
+                                 (or, "same_as", the section its own measurements kept: said once)
                        --else its compute capability----> the fallback device's section (said once)
                        --else--------------------------> none: generic tiles, Triton (said once)
 
@@ -14,7 +16,9 @@ measured faster than ours on that GPU, ``{"H", "I", "impl", "from_tokens", "to_t
 rank, both ends included; ``to_tokens`` null: no upper end), in order of preference where two cover
 the same step (the first that runs here is taken); outside every regime ``auto`` runs the Triton
 kernels. A tile table measured on one GPU is a guess on another, so a device without its own
-section says which section it borrowed, once, at INFO.
+section says which section it borrowed, once, at INFO. ``same_as``: a device measured and found to
+keep another's tiles and regimes (``measured`` says by what) runs that section without a copy of it,
+and says so once, at INFO, with the note instead of "a guess".
 """
 
 from __future__ import annotations
@@ -102,10 +106,11 @@ def _valid(items, keys: tuple, what: str, where: str) -> list[dict]:
 
 def load_table(path=None) -> dict:
     """The policy table at ``path`` (``None``: the packaged one), read once per path, as
-    ``{"devices": {name: {"tiles": [...], "auto": [...]}}, "fallback": {"sm_XY": name}}``. A file that
-    cannot be read or parsed is reported once with a WARNING naming it and the error and gives no
-    sections (every GPU then uses the generic tiles and Triton); entries without the keys their
-    lookup needs are dropped, with a WARNING."""
+    ``{"devices": {name: {"tiles": [...], "auto": [...]} or {"same_as": name, "measured": str}},
+    "fallback": {"sm_XY": name}}``. A file that cannot be read or parsed is reported once with a WARNING
+    naming it and the error and gives no sections (every GPU then uses the generic tiles and Triton);
+    entries without the keys their lookup needs, and a ``same_as`` that names no section of tiles, are
+    dropped, with a WARNING."""
     if path is None:
         path = packaged_path()
     elif isinstance(path, (str, os.PathLike)):
@@ -123,13 +128,24 @@ def load_table(path=None) -> dict:
                     "the Triton kernels", key, type(exc).__name__, exc)
         raw, devices = {}, {}
     table = {"devices": {}, "fallback": dict(raw.get("fallback") or {}), "comment": raw.get("comment", "")}
+    aliases = {}
     for name, sec in devices.items():
         sec = sec if isinstance(sec, dict) else {}
+        if "same_as" in sec:
+            aliases[name] = {"same_as": sec["same_as"], "measured": str(sec.get("measured", ""))}
+            continue
         table["devices"][name] = {
             "tiles": _valid(sec.get("tiles"), TILE_KEYS, "tile entries", f"{key} [{name}]"),
             "auto": _valid(sec.get("auto"), REGIME_KEYS, "auto regimes", f"{key} [{name}]"),
             **{k: v for k, v in sec.items() if k not in ("tiles", "auto")},
         }
+    sections = set(table["devices"])  # of tiles: a same_as names one of these, not another same_as
+    for name, alias in aliases.items():
+        if alias["same_as"] in sections:
+            table["devices"][name] = alias
+        else:
+            log.warning("expert kernel policy %s [%s]: same_as names %r, which has no section of tiles; ignored",
+                        key, name, alias["same_as"])
     _TABLES[key] = table
     return table
 
@@ -156,8 +172,13 @@ def policy_for(name: str | None, capability: tuple[int, int] | None, path=None) 
 
 
 def _resolve(table: dict, name: str, capability: tuple[int, int] | None) -> DevicePolicy:
-    if name in table["devices"]:
-        return _policy(name, table["devices"][name])
+    sec = table["devices"].get(name)
+    if sec is not None and "same_as" in sec:
+        say_once(f"MoonEP expert kernels: {name} runs the tile table and auto regimes of {sec['same_as']}, which "
+                 f"measurements on this GPU kept ({sec['measured']})", "vllm_moonep.common")
+        return _policy(sec["same_as"], table["devices"][sec["same_as"]])
+    if sec is not None:
+        return _policy(name, sec)
     arch = None if capability is None else f"sm_{capability[0]}{capability[1]}"
     borrowed = table["fallback"].get(arch) if arch else None
     if borrowed is not None and borrowed in table["devices"]:
@@ -179,12 +200,15 @@ def with_tiles(table: dict, device: str, tiles: list, capability: tuple[int, int
     """``table`` with ``device``'s tile entries replaced by ``tiles`` (its regimes kept), as ``--tune`` writes
     it. Where ``device`` had no section, the new one keeps the regimes of the section it borrowed until now
     (its capability's fallback; none if there was none), as its tiles start from that section's (``--tune``
-    measures tiles, not the libraries), and becomes its capability's fallback where that has none yet."""
+    measures tiles, not the libraries), and becomes its capability's fallback where that has none yet. A
+    ``same_as`` device gets a section of its own the same way, from the section it named."""
     out = {"comment": table.get("comment", ""), "fallback": dict(table.get("fallback", {})),
            "devices": {k: dict(v) for k, v in table.get("devices", {}).items()}}
     arch = None if capability is None else f"sm_{capability[0]}{capability[1]}"
-    if device not in out["devices"]:
-        borrowed = out["devices"].get(out["fallback"].get(arch)) if arch else None
+    sec = out["devices"].get(device)
+    if sec is None or "same_as" in sec:
+        src = sec["same_as"] if sec is not None else (out["fallback"].get(arch) if arch else None)
+        borrowed = out["devices"].get(src) if src is not None else None
         out["devices"][device] = {"tiles": [], "auto": [dict(r) for r in (borrowed or {}).get("auto", [])]}
     out["devices"][device]["tiles"] = tiles
     if arch is not None:
