@@ -132,7 +132,7 @@ def load_table(path=None) -> dict:
     for name, sec in devices.items():
         sec = sec if isinstance(sec, dict) else {}
         if "same_as" in sec:
-            aliases[name] = {"same_as": sec["same_as"], "measured": str(sec.get("measured", ""))}
+            aliases[name] = {"same_as": str(sec["same_as"]), "measured": str(sec.get("measured", ""))}
             continue
         table["devices"][name] = {
             "tiles": _valid(sec.get("tiles"), TILE_KEYS, "tile entries", f"{key} [{name}]"),
