@@ -57,8 +57,10 @@ def test_auto_falls_back_as_the_product_does():
     """Auto taken as a library the runs did not time, a GPU without a section credited with another's
     regimes without its capability, or a shape the models do not know given a column."""
     assert bm.auto_column("NVIDIA H200", None, "kimi-k2", 4096, {"triton"}) == "triton"  # DeepGEMM not timed
-    assert bm.auto_column("NVIDIA H100 80GB HBM3", (9, 0), "kimi-k2", 4096, {"triton", "deepgemm"}) == "deepgemm"
-    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, {"triton", "deepgemm"}) == "triton"
+    assert bm.auto_column("NVIDIA H100 PCIe", (9, 0), "kimi-k2", 4096, {"triton", "deepgemm"}) == "deepgemm"
+    assert bm.auto_column("NVIDIA H100 PCIe", None, "kimi-k2", 4096, {"triton", "deepgemm"}) == "triton"
+    # the H100 80GB HBM3 runs the H200's section by name (tuning.json's same_as), capability or not
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, {"triton", "deepgemm"}) == "deepgemm"
     # Qwen3 at 4096: quack first where it ran, DeepGEMM after it
     assert bm.auto_column("NVIDIA H200", None, "qwen3-30b-a3b", 4096, {"triton", "quack", "deepgemm"}) == "quack"
     assert bm.auto_column("NVIDIA H200", None, "qwen3-30b-a3b", 4096, {"triton", "deepgemm"}) == "deepgemm"
