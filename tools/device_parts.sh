@@ -53,10 +53,13 @@ pack_parts() {
 }
 
 stage_parts() {
-  local dest=$1 root=$2 m="" d f k sha size n have=0 want_sha missing=""
+  local dest=$1 root=$2 m="" d f k sha size n have=0 want_sha missing="" ready
   mkdir -p "$root/parts"
+  ready=$(cat "$root/ready" 2>/dev/null)
   for d in "$dest"/part-*; do
     [ -f "$d/MANIFEST" ] || continue
+    # a part of the bundle already unpacked (the warm machine keeps ignored folders too): nothing to check or keep
+    [ "$(manifest_field bundle "$d/MANIFEST" | cut -d' ' -f1)" = "$ready" ] && continue
     m=$d/MANIFEST
     cp "$m" "$root/parts/MANIFEST"
     for f in "$d"/bundle.*; do
@@ -72,7 +75,7 @@ stage_parts() {
   if [ ! -f "$m" ]; then echo "stage: no part carried and none kept: carry $dest/part-1"; return 2; fi
   n=$(manifest_field parts "$m")
   read -r want_sha size <<<"$(manifest_field bundle "$m")"
-  if [ "$(cat "$root/ready" 2>/dev/null)" = "$want_sha" ]; then echo "stage: $(head -1 "$m") already unpacked in $root"; return 0; fi
+  if [ "$ready" = "$want_sha" ]; then echo "stage: $(head -1 "$m") already unpacked in $root"; return 0; fi
   for k in $(seq 1 "$n"); do
     if [ -f "$root/parts/bundle.$k" ]; then have=$((have + 1)); else missing="$missing $k"; fi
   done
