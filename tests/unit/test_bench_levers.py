@@ -180,3 +180,28 @@ def test_generic_lever_times_the_other_generic_regimes_on_an_untuned_shape():
     # a tuned entry's tiles: every generic regime against them
     assert list(bench_levers.variants({"gate_up": {"BM": 32}, "down": {"BM": 16}}, "generic")) == [
         "committed", "stream", "mid", "compute", "control"]
+
+
+def test_split_lever_times_the_one_launch_with_down_split_on_decode_tiles():
+    """The split one launch (triton_split) timed on other tiles than the committed gate/up ones, without "split" in
+    its fused entry (then it times the plain one launch), with an option it does not take left in, with the
+    committed tiles edited in place, or at a point whose tiles are too wide for a split item (timed anyway)."""
+    gu = {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
+    dn = {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
+    one = {"gate_up": gu, "down": dn, "fused": {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2}}
+    v = bench_levers.variants(one, "split")
+    assert list(v) == ["committed", "split", "split_bn16", "split_bn64", "split_p1", "split_p3", "split_n256",
+                       "split_n512", "control"]
+    assert v["split"] == {**one, "fused": {**one["fused"], "split": True}}
+    assert v["split_bn16"]["gate_up"]["BN"] == 16 and v["split_p3"]["fused"]["progs_per_sm"] == 3
+    assert v["split_n256"]["down"]["BN"] == 256 and v["split_n256"]["gate_up"] == gu
+    assert all(c["fused"]["split"] for k, c in v.items() if k.startswith("split"))
+    assert "split" not in one["fused"], "the committed tiles were edited in place"
+    three = {"gate_up": {**gu, "BN": 64, "tma": True, "ws": True}, "down": {**dn, "flat": True}}
+    v3 = bench_levers.variants(three, "split")
+    assert v3["split"]["fused"] == {**bench_levers.SPLIT_FUSED, "split": True}
+    assert "ws" not in v3["split"]["gate_up"] and "flat" not in v3["split"]["down"], "options it does not take"
+    wide = {"gate_up": {**gu, "BM": 64, "BN": 256}, "down": dn}
+    assert list(bench_levers.variants(wide, "split")) == ["committed", "control"]
+    assert "not a split item" in bench_levers.lever_absent(wide, "split")
+    assert bench_levers.lever_absent(one, "split") is None

@@ -22,6 +22,12 @@ changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 - ``streamk`` (both kernels; gate/up timed alone): the committed tiles with their last tiles cut between
   programs (``"streamk"``, ``triton_kernels._sk_range``), on both kernels and on each alone; as ``mix``, none
   at a one-launch entry.
+- ``split`` (gate/up timed alone: the variant's gate/up tiles as a launch of their own, the first half of each
+  split item): the whole compute as one launch with down split by activation columns (``triton_split``: each
+  item runs its act columns' share of down at once, summed in float32; no item waits) on the committed gate/up
+  tiles (``BN`` at most ``SPLIT_MAX_BN``; the committed one-launch warps, stages and programs per SM, else
+  ``SPLIT_FUSED``), and the same with gate/up ``BN`` 16 and 64, with one program per SM fewer or more, and with
+  the down share's ``H`` blocks (down ``BN``) 256 and 512 wide;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
   tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
   ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
@@ -97,7 +103,14 @@ DEFAULT_REP = 50
 MAX_MMA_N = 256
 #: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk: both; gate/up), timed alone beside
 #: the whole compute
-LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "generic": "gate_up"}
+LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "generic": "gate_up",
+                "split": "gate_up"}
+#: ``--lever split``: the one launch's warps, stages and programs per SM where the committed entry has none (three
+#: launches), and the widest gate/up tile a split item runs (its act block and down share stay in registers)
+SPLIT_FUSED = {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
+SPLIT_MAX_BN = 64
+#: tile options the split one launch does not take (``triton_kernels._launch_split``): dropped from its variants
+SPLIT_DROPS = ("ws", "flat", "streamk", "mix")
 #: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
 BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
@@ -174,6 +187,8 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
         for name, tiles in DEFAULT_CONFIGS.items():
             if tiles != committed:
                 out[name] = {k: dict(v) for k, v in tiles.items()}
+    elif lever == "split":
+        out.update(split_variants(committed))
     elif lever in BOTH_KERNELS:
         if not committed.get("fused"):
             gu, dn = committed["gate_up"], committed["down"]
@@ -190,8 +205,34 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     return out
 
 
+def split_variants(committed: dict) -> dict[str, dict]:
+    """``--lever split``'s variants of a point (see the module doc); none where the committed gate/up tiles are wider
+    than ``SPLIT_MAX_BN`` or taller than 32 rows (``lever_absent``)."""
+    gu, dn = committed["gate_up"], committed["down"]
+    if gu["BN"] > SPLIT_MAX_BN or gu["BM"] > 32:
+        return {}
+    f = dict(committed.get("fused") or SPLIT_FUSED, split=True)
+    base = {"gate_up": {k: v for k, v in gu.items() if k not in SPLIT_DROPS},
+            "down": {k: v for k, v in dn.items() if k not in SPLIT_DROPS}, "fused": f}
+    out = {"split": base}
+    for bn in (16, 64):
+        if bn != gu["BN"]:
+            out[f"split_bn{bn}"] = {**base, "gate_up": {**base["gate_up"], "BN": bn}}
+    for d in (-1, 1):
+        p = f["progs_per_sm"] + d
+        if p >= 1:
+            out[f"split_p{p}"] = {**base, "fused": {**f, "progs_per_sm": p}}
+    for bn2 in (256, 512):  # wider blocks of H: more of the down share's bytes in flight per load
+        if dn["BN"] != bn2:
+            out[f"split_n{bn2}"] = {**base, "down": {**base["down"], "BN": bn2}}
+    return out
+
+
 def lever_absent(committed: dict, lever: str) -> str | None:
     """Why a point has no variant of ``lever`` (``None`` where it has one)."""
+    if lever == "split" and not split_variants(committed):
+        return (f"the committed gate/up tiles ({committed['gate_up']['BM']} x {committed['gate_up']['BN']}) are wider "
+                f"than {SPLIT_MAX_BN} columns or taller than 32 rows: not a split item")
     if (lever == "flat" or lever in BOTH_KERNELS) and committed.get("fused"):
         return f"the committed entry runs as one launch, which does not take \"{lever}\""
     return None
