@@ -205,3 +205,20 @@ def test_split_lever_times_the_one_launch_with_down_split_on_decode_tiles():
     assert list(bench_levers.variants(wide, "split")) == ["committed", "control"]
     assert "not a split item" in bench_levers.lever_absent(wide, "split")
     assert bench_levers.lever_absent(one, "split") is None
+
+
+def test_tuning_tries_the_split_launch_only_on_tiles_that_fit_it():
+    """``--tune`` and ``--tune-fused`` try each one-launch candidate whose gate/up tiles fit a split item as the split
+    one launch too: none dropped (a sweep that never times it cannot pick it), none too wide for a split item (a
+    candidate that cannot compile), no split try of a config that is already split or is three launches."""
+    from vllm_moonep.tools import bench_experts as be
+
+    tries = be.FUSED_TILES + be.one_launch_tries(
+        {"gate_up": {"BM": 16, "BN": 32, "BK": 128, "num_warps": 4}, "down": {"BM": 16, "BN": 64, "BK": 128}})
+    split = be.split_tries(tries)
+    fits = [c for c in tries if be.split_fits(c["gate_up"])]
+    assert len(split) == len(fits) and 0 < len(fits) < len(tries), "the 64-row FUSED_TILES do not fit a split item"
+    assert all(c["fused"]["split"] and be.split_fits(c["gate_up"]) for c in split)
+    assert [{**c, "fused": {k: v for k, v in c["fused"].items() if k != "split"}} for c in split] == fits
+    assert be.split_tries(split) == [] and be.split_tries([{"gate_up": tries[0]["gate_up"], "down": {}}]) == []
+    assert not any("split" in c["fused"] for c in tries), "the candidates were edited in place"

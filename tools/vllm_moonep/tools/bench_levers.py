@@ -25,7 +25,7 @@ changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 - ``split`` (gate/up timed alone: the variant's gate/up tiles as a launch of their own, the first half of each
   split item): the whole compute as one launch with down split by activation columns (``triton_split``: each
   item runs its act columns' share of down at once, summed in float32; no item waits) on the committed gate/up
-  tiles (``BN`` at most ``SPLIT_MAX_BN``; the committed one-launch warps, stages and programs per SM, else
+  tiles (where they fit a split item, ``bench_experts.split_fits``; the committed one-launch warps, stages and programs per SM, else
   ``SPLIT_FUSED``), and the same with gate/up ``BN`` 16 and 64, with one program per SM fewer or more, and with
   the down share's ``H`` blocks (down ``BN``) 256 and 512 wide;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
@@ -82,9 +82,9 @@ import torch
 
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.reference import relative_error
-from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed, add_flush_option,
-                                             entry_ends, make_inputs, make_weights, measure_ceilings, rank0_case,
-                                             tile_text, use_flush)
+from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, SPLIT_MAX_BM, SPLIT_MAX_BN, _bench, _ceiling_line,
+                                             _graphed, add_flush_option, entry_ends, make_inputs, make_weights,
+                                             measure_ceilings, rank0_case, split_fits, tile_text, use_flush)
 from vllm_moonep.tools.timing import ROUNDS, rotated_times
 
 #: the points of the A/B by default: where the GEMMs are compute-bound enough for the levers to matter
@@ -106,9 +106,8 @@ MAX_MMA_N = 256
 LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "generic": "gate_up",
                 "split": "gate_up"}
 #: ``--lever split``: the one launch's warps, stages and programs per SM where the committed entry has none (three
-#: launches), and the widest gate/up tile a split item runs (its act block and down share stay in registers)
+#: launches)
 SPLIT_FUSED = {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
-SPLIT_MAX_BN = 64
 #: tile options the split one launch does not take (``triton_kernels._launch_split``): dropped from its variants
 SPLIT_DROPS = ("ws", "flat", "streamk", "mix")
 #: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
@@ -206,10 +205,10 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
 
 
 def split_variants(committed: dict) -> dict[str, dict]:
-    """``--lever split``'s variants of a point (see the module doc); none where the committed gate/up tiles are wider
-    than ``SPLIT_MAX_BN`` or taller than 32 rows (``lever_absent``)."""
+    """``--lever split``'s variants of a point (see the module doc); none where the committed gate/up tiles do not fit
+    a split item (``bench_experts.split_fits``; ``lever_absent``)."""
     gu, dn = committed["gate_up"], committed["down"]
-    if gu["BN"] > SPLIT_MAX_BN or gu["BM"] > 32:
+    if not split_fits(gu):
         return {}
     f = dict(committed.get("fused") or SPLIT_FUSED, split=True)
     base = {"gate_up": {k: v for k, v in gu.items() if k not in SPLIT_DROPS},
@@ -231,8 +230,8 @@ def split_variants(committed: dict) -> dict[str, dict]:
 def lever_absent(committed: dict, lever: str) -> str | None:
     """Why a point has no variant of ``lever`` (``None`` where it has one)."""
     if lever == "split" and not split_variants(committed):
-        return (f"the committed gate/up tiles ({committed['gate_up']['BM']} x {committed['gate_up']['BN']}) are wider "
-                f"than {SPLIT_MAX_BN} columns or taller than 32 rows: not a split item")
+        return (f"the committed gate/up tiles ({committed['gate_up']['BM']} x {committed['gate_up']['BN']}) are taller "
+                f"than {SPLIT_MAX_BM} rows or wider than {SPLIT_MAX_BN} columns: not a split item")
     if (lever == "flat" or lever in BOTH_KERNELS) and committed.get("fused"):
         return f"the committed entry runs as one launch, which does not take \"{lever}\""
     return None
