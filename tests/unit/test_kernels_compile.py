@@ -216,7 +216,8 @@ def _shipped():
     import json
     from importlib import resources
 
-    from vllm_moonep.common.grouped_gemm import triton_fused, triton_kernels as tk
+    from vllm_moonep.common.grouped_gemm import triton_fused, triton_split, triton_kernels as tk
+    from vllm_moonep.tools.bench_experts import split_fits
     from vllm_moonep.tools.bench_levers import UNTUNED_SHAPE
 
     table = json.loads(resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json").read_text())
@@ -233,6 +234,12 @@ def _shipped():
                                      tma2=bool(dn.get("tma")), w13i=w13i, zero_tail=False, has_ends=True)
                 out.append((f"{label} one launch{' interleaved' if w13i else ''}", triton_fused.fused_kernel,
                             FUSED_SIG, meta))
+            # the same tiles as the split one launch (shipped where the entry says "split"; else what --tune-fused
+            # and bench_levers --lever split time there)
+            if e["fused"].get("split") or split_fits(gu):
+                meta = tk.split_meta(e, H, I, GROUPS, dot_f32=False, skip=True, tma1=bool(gu.get("tma")), w13i=True,
+                                     zero_tail=False, has_ends=True)
+                out.append((f"{label} split one launch interleaved", triton_split.split_kernel, SPLIT_SIG, meta))
             continue
         for kind, fn, sig, c, build in (("gate_up", tk._gate_up_kernel, GATE_UP_SIG, gu, tk.gate_up_meta),
                                          ("down", tk._down_kernel, DOWN_SIG, dn, tk.down_meta)):
@@ -282,6 +289,10 @@ def test_shipped_tiles_pipeline_and_fit_hopper(name):
     assert shared >= (stages - 1) * step, (f"{name}: {shared} B of shared memory for {stages} stages of "
                                            f"{step} B operand blocks: some operand is not multi-buffered")
     assert shared <= SMEM_PER_BLOCK, f"{name}: {shared} B of shared memory, above Hopper's {SMEM_PER_BLOCK} per block"
+    if fn.__name__ == "split_kernel":  # the down share's weight loop: clamped column indices made it 2-byte loads,
+        # synchronous (its own loop, which the gate/up loop's cp.async above does not vouch for)
+        assert "ld.global.b16" not in ptx and ptx.count("cp.async.commit_group") >= 2 * (stages - 1), \
+            f"{name}: the down share's weight loads are not vectorized and asynchronous"
 
 
 def _step_bytes(kernel: str, cx: dict) -> int:
@@ -289,5 +300,7 @@ def _step_bytes(kernel: str, cx: dict) -> int:
     gate and up, ``[BN, BK]`` each; down: one); the one launch, the larger of its two loops' (they share memory)."""
     if kernel == "fused_kernel":
         return 2 * max((cx["BM1"] + 2 * cx["BN1"]) * cx["BK1"], (cx["BM2"] + cx["BN2"]) * cx["BK2"])
+    if kernel == "split_kernel":  # the gate/up loop's blocks, or the down share's [BN2, BN1] weight block
+        return 2 * max((cx["BM"] + 2 * cx["BN1"]) * cx["BK1"], cx["BN2"] * cx["BN1"])
     weights = 2 if kernel == "_gate_up_kernel" else 1
     return 2 * (cx["BM"] + weights * cx["BN"]) * cx["BK"]

@@ -113,7 +113,10 @@ def split_kernel(
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
         wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
         kk = col0 + tl.arange(0, BN1)  # the act columns: down's reduction columns of this item
-        kk_ld = tl.minimum(kk, I - 1)
+        if EVEN_N1:  # unclamped: the loads stay contiguous (vectorized, asynchronous)
+            kk_ld = kk
+        else:
+            kk_ld = tl.minimum(kk, I - 1)
         for row0 in range(lo, hi, BM):
             rows, rows_ld, cols, cols_ld = tile_index(row0, col0, ee, I, BM, BN1, EVEN_N1)
             acc_g, acc_u = gate_up_acc(x_ptr, rw_ptr, wg, wu, xd, rows, rows_ld, ee, cols_ld, row0, col0, 0, H,
@@ -128,7 +131,11 @@ def split_kernel(
             if tl.max(add.to(tl.int32), 0) > 0:
                 for n0 in tl.range(0, H, BN2):
                     nn = n0 + tl.arange(0, BN2)
-                    d_ptrs = wd + tl.minimum(nn, H - 1)[:, None] * s_dn + kk_ld[None, :] * s_dk
+                    if EVEN_N2:
+                        nn_ld = nn
+                    else:
+                        nn_ld = tl.minimum(nn, H - 1)
+                    d_ptrs = wd + nn_ld[:, None] * s_dn + kk_ld[None, :] * s_dk
                     if EVEN_N1:
                         wdb = tl.load(d_ptrs)
                     else:
