@@ -321,66 +321,6 @@ def test_one_launch_kernel(H, I, tma, progs_per_sm):
         assert int(sync.abs().sum()) == 0
 
 
-
-@pytest.mark.parametrize("w13i", [False, True], ids=["halves", "interleaved"])
-@pytest.mark.parametrize("ends", [False, True], ids=["trim", "engine_ends"])
-@pytest.mark.parametrize("H,I", [(2048, 768), (7168, 2048)])
-def test_split_one_launch(H, I, ends, w13i):
-    """The one launch with down split by activation columns (triton_split) against float64 and the three launches:
-    a share of down added twice or never (the work counter, the row tile counters), a row tile finished before
-    its last share arrived (a missing acq_rel: NaN-free but wrong sums), the float32 sums not cleared after a
-    launch (the next launch or a graph replay adds onto the last one's), rows of weight 0 or past the group's end
-    given a share, the padding tails' zeros, and a replay on new rows. Its sums are taken in arrival order, so
-    against the three launches the bound is a few bf16 roundings, not bit equality."""
-    from vllm_moonep.testing.reference import expert_ffn_float64
-
-    tk = _triton()
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    w = _two_pools(gen, H, I, [0, 0, -1, 1, 0, 0, 1, 0, 0, -1, 1, 0, 0, 0], [0, 1, -1, 0, 2, 3, 1, 4, 5, -1, 2, 6, 7, 8])
-    if w13i:
-        w = interleaved(w)
-    lens = [1, 2, 0, 1, 40, 0, 8, 1, 17, 0, 1, 3, 0, 5]
-    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
-    start = int(cu[10 - 1])  # group 10's only row: weight 0, a padding-only segment
-    rw[start] = 0.0
-    x[start] = 0
-    split = {**_DECODE_TILES, "fused": {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "split": True}}
-    row_ends = None
-    if ends:  # the engine's ends of each segment's entries: 3 rows past the last real row (weight-0 entries)
-        starts = torch.cat([torch.zeros(1, dtype=torch.int32), cu[:-1].cpu()])
-        real_end = torch.minimum(starts + torch.tensor(lens, dtype=torch.int32) + 3, cu.cpu()).to(torch.int32)
-        row_ends = real_end.cuda()
-    out3 = torch.full_like(x, float("nan"))
-    tk.expert_ffn_triton(x, rw, cu, w, out=out3, config=_DECODE_TILES, row_ends=row_ends)
-    out = torch.full_like(x, float("nan"))
-
-    def three_calls():  # sums or counters left set by one launch show in the next
-        for _ in range(3):
-            out.fill_(float("nan"))
-            tk.expert_ffn_triton(x, rw, cu, w, out=out, config=split, row_ends=row_ends)
-
-    on_side_stream(three_calls)
-    torch.cuda.synchronize()
-    assert all(int(a.abs().sum()) == 0 and int(c.abs().sum()) == 0 for a, c in tk._SPLIT_WS.values()), \
-        "the split launch left float32 sums or counters set"
-    ref = expert_ffn_float64(x, rw, cu, w)[:total]
-    assert int(torch.isnan(out[:total]).sum()) == 0, "rows left unwritten"
-    assert _rel(out[:total], ref) < TOL
-    assert _rel(out[:total], out3[:total]) < 3e-3, "the split launch strays from the three launches' sums"
-    assert bool((out[start:start + 128] == 0).all()), "a padding-only segment's rows must be 0"
-    assert bool((out[:total][ref.abs().sum(1) == 0] == 0).all()), "rows of weight 0 must come out exactly 0"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, config=split, row_ends=None)
-    for lens2 in ([0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0], [3, 129, 0, 7, 0, 0, 1, 0, 0, 0, 2, 0, 16, 0]):
-        total2 = _refill(x, rw, cu, lens2, H, gen)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref2 = expert_ffn_float64(x, rw, cu, w)[:total2]
-        assert _rel(out[:total2], ref2) < TOL, "a replayed split launch is off the float64 reference"
-        assert all(int(a.abs().sum()) == 0 and int(c.abs().sum()) == 0 for a, c in tk._SPLIT_WS.values())
-
 # Qwen3-30B-A3B's 1024- and 4096-token tiles (tuning.json; test_graph_replays_in_turn.py uses them too): 128 rows,
 # 8 warps, both kernels' row operands through tensor descriptors, the down loop flattened; as one launch, the same
 # tiles without "flat" (which it does not take)

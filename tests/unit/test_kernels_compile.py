@@ -26,9 +26,6 @@ GATE_UP_SIG = dict(_GEMM_PTRS, eff_ptr="*i32", tab_ptr="*i64", act_ptr="*bf16", 
                    stride_xm="i32", stride_am="i32", s_gn="i32", s_gk="i32", s_un="i32", s_uk="i32")
 DOWN_SIG = dict(act_ptr="*bf16", rw_ptr="*fp32", cu_ptr="*i32", eff_ptr="*i32", tab_ptr="*i64", out_ptr="*bf16",
                 **_SK_PTRS, **_GEMM_DIMS, stride_am="i32", stride_om="i32", s_dn="i32", s_dk="i32")
-SPLIT_SIG = dict(_GEMM_PTRS, ends_ptr="*i32", tab_ptr="*i64", out_ptr="*bf16", acc_ptr="*fp32", sync_ptr="*i32",
-                 M="i32", G="i32", I="i32", H="i32", stride_xm="i32", stride_om="i32", s_gn="i32", s_gk="i32",
-                 s_un="i32", s_uk="i32", s_dn="i32", s_dk="i32")
 FUSED_SIG = dict(_GEMM_PTRS, ends_ptr="*i32", tab_ptr="*i64", act_ptr="*bf16", out_ptr="*bf16", sync_ptr="*i32",
                  M="i32", G="i32", I="i32", H="i32", stride_xm="i32", stride_am="i32", stride_om="i32", s_gn="i32",
                  s_gk="i32", s_un="i32", s_uk="i32", s_dn="i32", s_dk="i32")
@@ -74,15 +71,13 @@ def _kernels():
          dict(PLANES=3, TABLE=False, LIVE=False, B_PAD=256, CHUNK=65536, BLOCK=4096)),
     ]
     # the expert kernels at Kimi-K2 shape, decode and prefill tiles (tuning.json's), and the one-launch kernel
-    from vllm_moonep.common.grouped_gemm import triton_fused, triton_split, triton_kernels as gk
+    from vllm_moonep.common.grouped_gemm import triton_fused, triton_kernels as gk
 
     gu_sig, dn_sig, fused_sig = GATE_UP_SIG, DOWN_SIG, FUSED_SIG
     flags = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True)
     fused_cx = dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128,
                     BK2=128, EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, SWAP1=False, SWAP2=False, ZT=True,
                     HAS_ENDS=False, W13I1=False, TMA2=False, FENCE2=False)
-    split_cx = dict(GP2=512, TB=128, ZM=64, BM=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BN2=128, EVEN_N2=True,
-                    DOT_F32=False, SKIP=True, TMA1=False, SWAP1=False, SWAP2=False, ZT=True, HAS_ENDS=False, W13I1=True)
     cases += [
         ("gate_up(decode tiles)", gk._gate_up_kernel, gu_sig,
          dict(flags, GP2=512, BM=16, BN=32, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=False, SWAP=False, W13I=False, MIX=False)),
@@ -124,10 +119,6 @@ def _kernels():
          dict(fused_cx, BN1=64, TMA1=True, SWAP1=True, SWAP2=True)),
         ("fused(one launch, TMA down operands)", triton_fused.fused_kernel, fused_sig,
          dict(fused_cx, BN2=64, TMA1=True, TMA2=True, FENCE2=True, HAS_ENDS=True, ZT=False)),
-        # the one launch with down split by activation columns (triton_split: float32 atomics, no waits)
-        ("split(one launch, trim scan, interleaved w13)", triton_split.split_kernel, SPLIT_SIG, split_cx),
-        ("split(one launch, the engine's ends, tails left, swapped, TMA gate/up)", triton_split.split_kernel, SPLIT_SIG,
-         dict(split_cx, HAS_ENDS=True, ZT=False, SWAP1=True, SWAP2=True, TMA1=True, EVEN_N1=False, EVEN_N2=False)),
     ]
     # the device planner at Kimi-K2 shape (R=8, E=384, S*K = 65536 entries), with the constexprs
     # the planner itself chooses
@@ -216,8 +207,7 @@ def _shipped():
     import json
     from importlib import resources
 
-    from vllm_moonep.common.grouped_gemm import triton_fused, triton_split, triton_kernels as tk
-    from vllm_moonep.tools.bench_experts import split_fits
+    from vllm_moonep.common.grouped_gemm import triton_fused, triton_kernels as tk
     from vllm_moonep.tools.bench_levers import UNTUNED_SHAPE
 
     table = json.loads(resources.files("vllm_moonep.common.grouped_gemm").joinpath("tuning.json").read_text())
@@ -234,12 +224,6 @@ def _shipped():
                                      tma2=bool(dn.get("tma")), w13i=w13i, zero_tail=False, has_ends=True)
                 out.append((f"{label} one launch{' interleaved' if w13i else ''}", triton_fused.fused_kernel,
                             FUSED_SIG, meta))
-            # the same tiles as the split one launch (shipped where the entry says "split"; else what --tune-fused
-            # and bench_levers --lever split time there)
-            if e["fused"].get("split") or split_fits(gu):
-                meta = tk.split_meta(e, H, I, GROUPS, dot_f32=False, skip=True, tma1=bool(gu.get("tma")), w13i=True,
-                                     zero_tail=False, has_ends=True)
-                out.append((f"{label} split one launch interleaved", triton_split.split_kernel, SPLIT_SIG, meta))
             continue
         for kind, fn, sig, c, build in (("gate_up", tk._gate_up_kernel, GATE_UP_SIG, gu, tk.gate_up_meta),
                                          ("down", tk._down_kernel, DOWN_SIG, dn, tk.down_meta)):
@@ -289,10 +273,6 @@ def test_shipped_tiles_pipeline_and_fit_hopper(name):
     assert shared >= (stages - 1) * step, (f"{name}: {shared} B of shared memory for {stages} stages of "
                                            f"{step} B operand blocks: some operand is not multi-buffered")
     assert shared <= SMEM_PER_BLOCK, f"{name}: {shared} B of shared memory, above Hopper's {SMEM_PER_BLOCK} per block"
-    if fn.__name__ == "split_kernel":  # the down share's weight loop: clamped column indices made it 2-byte loads,
-        # synchronous (its own loop, which the gate/up loop's cp.async above does not vouch for)
-        assert "ld.global.b16" not in ptx and ptx.count("cp.async.commit_group") >= 2 * (stages - 1), \
-            f"{name}: the down share's weight loads are not vectorized and asynchronous"
 
 
 def _step_bytes(kernel: str, cx: dict) -> int:
@@ -300,7 +280,5 @@ def _step_bytes(kernel: str, cx: dict) -> int:
     gate and up, ``[BN, BK]`` each; down: one); the one launch, the larger of its two loops' (they share memory)."""
     if kernel == "fused_kernel":
         return 2 * max((cx["BM1"] + 2 * cx["BN1"]) * cx["BK1"], (cx["BM2"] + cx["BN2"]) * cx["BK2"])
-    if kernel == "split_kernel":  # the gate/up loop's blocks, or the down share's [BN2, BN1] weight block
-        return 2 * max((cx["BM"] + 2 * cx["BN1"]) * cx["BK1"], cx["BN2"] * cx["BN1"])
     weights = 2 if kernel == "_gate_up_kernel" else 1
     return 2 * (cx["BM"] + weights * cx["BN"]) * cx["BK"]

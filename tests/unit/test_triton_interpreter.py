@@ -155,8 +155,7 @@ CASES = ["random_ragged", "odd_dims", "huge_group", "all_empty", "multi_pool", "
 def _child_main() -> None:
     import torch
 
-    from vllm_moonep.common.grouped_gemm.triton_kernels import (_INTERP_CONFIG, _SPLIT_WS, _STREAMK_WS, _descriptors,
-                                                                _streamk,
+    from vllm_moonep.common.grouped_gemm.triton_kernels import (_INTERP_CONFIG, _STREAMK_WS, _descriptors, _streamk,
                                                                 expert_ffn_triton, interpreting, prepare_weights)
     from vllm_moonep.engine.launch import sm_count
 
@@ -304,29 +303,7 @@ def _child_main() -> None:
                     sk["skip_same"] &= bool(torch.equal(outs[0], outs[2]))
             sk["tickets_reset"] = all(int(t.abs().sum()) == 0 for _, t in _STREAMK_WS.values())
             sk["workspaces"] = len(_STREAMK_WS)
-            # down split by activation columns in one launch (triton_split): the interpreter runs the programs one
-            # by one and the split's column blocks are down's BK here, so its float32 sums are added in the three
-            # launches' order: the same bits (a share added twice or never, a row tile finished early, sums not
-            # cleared by the last launch, weight-0 rows given a share: other bits). With the trim scan, the
-            # engine's ends with swapped tiles, and the tails left (their rows NaN or 0); sums and counters at zero
-            split_run = {"same": True, "tails_clean": True}
-            s_one = {**one, "split": True}
-            for cfg, ends_s, zt in (({**_INTERP_CONFIG, "fused": s_one}, None, True),
-                                    ({**{k: {**v, "swap": True} for k, v in _INTERP_CONFIG.items()}, "fused": s_one},
-                                     _trimmed_ends(rw, cu).to(torch.int32), True),
-                                    ({**_INTERP_CONFIG, "fused": s_one}, ends_e, False)):
-                o = torch.full_like(x, float("nan"))
-                expert_ffn_triton(x if zt else xe, rw, cu, w, out=o, config=cfg, row_ends=ends_s, zero_tail=zt)
-                if zt:
-                    split_run["same"] &= bool(torch.equal(o[:n], out[:n]))
-                else:
-                    split_run["same"] &= bool(torch.equal(o[head], want[head]))
-                    t_rows = o[tail]
-                    split_run["tails_clean"] &= bool((torch.isnan(t_rows) | (t_rows == 0)).all())
-            split_run["reset"] = all(int(a.abs().sum()) == 0 and int(c.abs().sum()) == 0
-                                     for a, c in _SPLIT_WS.values())
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
-                            "split": split_run,
                             "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same, "ends_same": ends_same,
                             "tails": tails,
                             "fused_reset": fused_reset, "streamk": sk, "swap": swap, "mix_same": mix_same}
@@ -527,9 +504,6 @@ def test_interpreter_case(report, case):
                                                f"one launch: {t['left']} untouched rows; the checks above are vacuous)")
     assert r["fused_same"], f"{case}: the one-launch kernel gave other outputs than the three launches' same tiles"
     assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
-    assert r["split"]["same"], f"{case}: the split one launch gave other outputs than the three launches' same tiles"
-    assert r["split"]["tails_clean"], f"{case}: the split one launch wrote other than 0 into a padding tail it leaves"
-    assert r["split"]["reset"], f"{case}: the split one launch left its float32 sums or counters set"
     assert r["mix_same"], (f"{case}: the tiles in the mixed order (\"mix\") gave other outputs than in group order "
                            "(a tile taken twice or never, or with another group's rows)")
     _assert_outputs(r["swap"], f"{case}: swapped tiles", " (a transpose lost or doubled)")

@@ -67,9 +67,7 @@ keeps one launch where it is faster at both routings; each kernel's ``STREAMK_TR
 also timed cut by stream-K (``"streamk"``) and kept cut where faster at both routings.
 ``--tune-streamk`` is the quick pass of that last step alone, on the shipped tiles; ``--tune-fused`` the
 quick pass of the one-launch step alone: the shipped entry as it runs against one launch of its tiles and of
-``FUSED_TILES``, one launch kept where faster at both routings. Both also try each of those one launches whose
-gate/up tiles fit a split item (``split_fits``) as the split one launch (``triton_split``: down split by
-activation columns, no waits). The candidates of these sweeps are timed one
+``FUSED_TILES``, one launch kept where faster at both routings. The candidates of these sweeps are timed one
 after another; what a sweep would put in the table in place of the shipped entry is then timed against it
 in a rotated A/B (``--rounds`` rounds, the shipped tiles twice: the second is the control), and replaces it
 only where faster at both routings by more than the control's band. Each writes
@@ -219,24 +217,6 @@ def one_launch_tries(tiles: dict) -> list[dict]:
     (its warps are the gate_up tiles': both compile into one kernel)."""
     tiles = {k: v for k, v in tiles.items() if k != "fused"}
     return [{**tiles, "fused": {"num_warps": tiles["gate_up"]["num_warps"], **fc}} for fc in FUSED_CANDIDATES]
-
-
-#: the largest gate/up tile a split item runs (``triton_split``: its act block and each share of down stay in
-#: registers): rows, columns
-SPLIT_MAX_BM = 32
-SPLIT_MAX_BN = 64
-
-
-def split_fits(gate_up: dict) -> bool:
-    """Whether gate/up tiles ``gate_up`` can run as split items (``SPLIT_MAX_BM``, ``SPLIT_MAX_BN``)."""
-    return gate_up["BM"] <= SPLIT_MAX_BM and gate_up["BN"] <= SPLIT_MAX_BN
-
-
-def split_tries(tries: list[dict]) -> list[dict]:
-    """The one-launch configs ``tries`` whose gate/up tiles fit a split item, as the split one launch
-    (``"fused": {..., "split": true}``)."""
-    return [{**c, "fused": {**c["fused"], "split": True}} for c in tries
-            if c.get("fused") and not c["fused"].get("split") and split_fits(c["gate_up"])]
 
 
 #: the largest gate/up row tile for which ``--tune`` also tries ``FUSED_TILES`` (from 1024 tokens per rank the
@@ -645,8 +625,7 @@ def _tiles_note(conf: dict) -> str:
     def one(c):
         return f"{tile_text(c)} w{c['num_warps']} s{c['num_stages']} p{c['progs_per_sm']}"
     f = conf.get("fused")
-    launch = (f" | one launch{' split' if f.get('split') else ''} w{f['num_warps']} s{f['num_stages']} "
-              f"p{f['progs_per_sm']}" if f else "")
+    launch = f" | one launch w{f['num_warps']} s{f['num_stages']} p{f['progs_per_sm']}" if f else ""
     return f"gate_up {one(conf['gate_up'])} | down {one(conf['down'])}{launch}"
 
 
@@ -984,7 +963,6 @@ def main(argv=None) -> int:
                 three = _whole(best)
                 tries = one_launch_tries(best)
                 tries += FUSED_TILES if best["gate_up"]["BM"] <= FUSED_TILES_MAX_BM else []
-                tries += split_tries(tries)
                 fused_best, fused_t = best_one_launch(tries, three)
                 won = "slower at some routing" if fused_best is None else f"{fused_best} ({fused_t*1e3:.1f} us)"
                 print(f"#   tune {sname} t={tokens} one launch: {won}; three launches {sum(three)*1e3:.1f} us "
@@ -997,7 +975,6 @@ def main(argv=None) -> int:
                 shipped = tk.select_config(H, I, nvs, G, tokens=tokens)
                 now = _whole(shipped)
                 tries = [c for c in one_launch_tries(shipped) if c != shipped] + FUSED_TILES
-                tries += [c for c in split_tries(tries + ([shipped] if shipped.get("fused") else [])) if c != shipped]
                 won, won_t = best_one_launch(tries, now)
                 cfg = shipped if won is None else confirmed("tune-fused", won, shipped)
                 print(f"#   tune-fused {sname} t={tokens}: shipped ({'one launch' if shipped.get('fused') else 'three launches'}) "

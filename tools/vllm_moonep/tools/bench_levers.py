@@ -22,12 +22,6 @@ changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 - ``streamk`` (both kernels; gate/up timed alone): the committed tiles with their last tiles cut between
   programs (``"streamk"``, ``triton_kernels._sk_range``), on both kernels and on each alone; as ``mix``, none
   at a one-launch entry.
-- ``split`` (gate/up timed alone: the variant's gate/up tiles as a launch of their own, the first half of each
-  split item): the whole compute as one launch with down split by activation columns (``triton_split``: each
-  item runs its act columns' share of down at once, summed in float32; no item waits) on the committed gate/up
-  tiles (where they fit a split item, ``bench_experts.split_fits``; the committed one-launch warps, stages and programs per SM, else
-  ``SPLIT_FUSED``), and the same with gate/up ``BN`` 16 and 64, with one program per SM fewer or more, and with
-  the down share's ``H`` blocks (down ``BN``) 256 and 512 wide;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
   tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
   ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
@@ -82,9 +76,9 @@ import torch
 
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.reference import relative_error
-from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, SPLIT_MAX_BM, SPLIT_MAX_BN, _bench, _ceiling_line,
-                                             _graphed, add_flush_option, entry_ends, make_inputs, make_weights,
-                                             measure_ceilings, rank0_case, split_fits, tile_text, use_flush)
+from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed, add_flush_option,
+                                             entry_ends, make_inputs, make_weights, measure_ceilings, rank0_case,
+                                             tile_text, use_flush)
 from vllm_moonep.tools.timing import ROUNDS, rotated_times
 
 #: the points of the A/B by default: where the GEMMs are compute-bound enough for the levers to matter
@@ -103,13 +97,7 @@ DEFAULT_REP = 50
 MAX_MMA_N = 256
 #: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk: both; gate/up), timed alone beside
 #: the whole compute
-LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "generic": "gate_up",
-                "split": "gate_up"}
-#: ``--lever split``: the one launch's warps, stages and programs per SM where the committed entry has none (three
-#: launches)
-SPLIT_FUSED = {"num_warps": 4, "num_stages": 4, "progs_per_sm": 2}
-#: tile options the split one launch does not take (``triton_kernels._launch_split``): dropped from its variants
-SPLIT_DROPS = ("ws", "flat", "streamk", "mix")
+LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "generic": "gate_up"}
 #: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
 BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
@@ -186,8 +174,6 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
         for name, tiles in DEFAULT_CONFIGS.items():
             if tiles != committed:
                 out[name] = {k: dict(v) for k, v in tiles.items()}
-    elif lever == "split":
-        out.update(split_variants(committed))
     elif lever in BOTH_KERNELS:
         if not committed.get("fused"):
             gu, dn = committed["gate_up"], committed["down"]
@@ -204,34 +190,8 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     return out
 
 
-def split_variants(committed: dict) -> dict[str, dict]:
-    """``--lever split``'s variants of a point (see the module doc); none where the committed gate/up tiles do not fit
-    a split item (``bench_experts.split_fits``; ``lever_absent``)."""
-    gu, dn = committed["gate_up"], committed["down"]
-    if not split_fits(gu):
-        return {}
-    f = dict(committed.get("fused") or SPLIT_FUSED, split=True)
-    base = {"gate_up": {k: v for k, v in gu.items() if k not in SPLIT_DROPS},
-            "down": {k: v for k, v in dn.items() if k not in SPLIT_DROPS}, "fused": f}
-    out = {"split": base}
-    for bn in (16, 64):
-        if bn != gu["BN"]:
-            out[f"split_bn{bn}"] = {**base, "gate_up": {**base["gate_up"], "BN": bn}}
-    for d in (-1, 1):
-        p = f["progs_per_sm"] + d
-        if p >= 1:
-            out[f"split_p{p}"] = {**base, "fused": {**f, "progs_per_sm": p}}
-    for bn2 in (256, 512):  # wider blocks of H: more of the down share's bytes in flight per load
-        if dn["BN"] != bn2:
-            out[f"split_n{bn2}"] = {**base, "down": {**base["down"], "BN": bn2}}
-    return out
-
-
 def lever_absent(committed: dict, lever: str) -> str | None:
     """Why a point has no variant of ``lever`` (``None`` where it has one)."""
-    if lever == "split" and not split_variants(committed):
-        return (f"the committed gate/up tiles ({committed['gate_up']['BM']} x {committed['gate_up']['BN']}) are taller "
-                f"than {SPLIT_MAX_BM} rows or wider than {SPLIT_MAX_BN} columns: not a split item")
     if (lever == "flat" or lever in BOTH_KERNELS) and committed.get("fused"):
         return f"the committed entry runs as one launch, which does not take \"{lever}\""
     return None

@@ -82,10 +82,7 @@ cannot be read or parsed (reported once, WARNING, by ``policy.load_table``).
 An entry with ``"fused": {"num_warps", "num_stages", "progs_per_sm"}`` runs its gate_up and down
 tiles in one launch (where ``bench_experts --tune`` measured that faster than three); the options of the
 three-launch loops (``ws``, ``flat``) stay in such an entry, so that its tiles time as three launches
-as they were before, and the one launch does not take them. ``"fused": {..., "split": true}`` runs the one
-launch with down split by activation columns instead (``triton_split``: each gate/up item adds its columns'
-share of down to float32 sums at once, so no item waits; the down tiles give only the width of its blocks of
-``H``, ``BN``, and ``swap``).
+as they were before, and the one launch does not take them.
 
 Interpreter (CPU): the same kernels run under ``TRITON_INTERPRET=1`` on CPU tensors. Triton's
 interpreter computes a bf16 ``tl.dot`` wrongly (seen with triton 3.8), so when interpreting the
@@ -108,7 +105,6 @@ from vllm_moonep.common.grouped_gemm import policy
 from vllm_moonep.common.grouped_gemm.probes import interpreting
 from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_args, interleaved_views
 from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
-from vllm_moonep.common.grouped_gemm.triton_split import SPLIT_SYNC_WORDS, split_kernel, split_tiles
 from vllm_moonep.common.grouped_gemm.triton_tiles import (down_acc, down_store, down_tile, gate_up_acc, gate_up_store,
                                                           gate_up_tile, pick, tile_index, trim_end, zero_rows)
 from vllm_moonep.engine.defaults import resolve_device, say_once
@@ -818,66 +814,6 @@ def fused_meta(cfg: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, 
                 num_warps=f["num_warps"], num_stages=f["num_stages"])
 
 
-#: the split one launch's float32 sums and counters (``triton_split``: at rest at zero), by device and size: shared
-#: by every layer's launches on that device, which therefore run in stream order
-_SPLIT_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_scratch(device, rows: int, H: int, G: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(acc, sync)`` of a split one launch over ``rows`` rows of ``H`` columns in ``G`` groups of ``bm``-row tiles:
-    ``float32 [rows, H]`` and ``int32 [2 + tiles]``, zero, made once per device and size (before a CUDA graph is
-    captured, by the warm-up call), so graphs keep pointing at live memory."""
-    key = (str(device), rows, H, SPLIT_SYNC_WORDS + split_tiles(rows, G, bm))
-    hit = _SPLIT_WS.get(key)
-    if hit is None:
-        say_once(f"MoonEP expert kernels: steps whose tile entry says \"split\" (decode, tuning.json) sum down in "
-                 f"float32 scratch per device and row count ({rows} x {H} here, {rows * H * 4 / 2**20:.1f} MiB), shared "
-                 "by every layer: one device's expert compute runs in stream order (not on two CUDA streams at "
-                 "once), and its sums are taken in the order the work items finish (not bitwise the same from run "
-                 "to run)", __name__)
-        hit = (torch.zeros(rows, H, dtype=torch.float32, device=device),
-               torch.zeros(key[3], dtype=torch.int32, device=device))
-        _SPLIT_WS[key] = hit
-    return hit
-
-
-def _launch_split(x, route_w, cu, prep, dst, I, cfg, dot_f32, skip=False, zero_tail=True, row_ends=None):
-    """The whole compute in one launch with down split by activation columns (``triton_split``): ``cfg``'s gate_up
-    tiles, its down tiles' ``BN`` (the width of each block of ``H`` a share of down adds) and ``swap``, its
-    ``fused`` entry's warps, stages and programs per SM."""
-    H = x.shape[1]
-    G = int(cu.numel())
-    gu, dn, f = cfg["gate_up"], cfg["down"], cfg["fused"]
-    unused = [f"gate_up:{opt}" for opt in ("ws", "flat", "streamk", "mix") if gu.get(opt)]
-    if unused:
-        say_once(f"MoonEP expert kernels: the split one launch does not take the tile options {unused}; it runs "
-                 "without them", __name__)
-    w13i, ((s_gn, s_gk), (s_un, s_uk)) = _w13i(prep)
-    s_dn, s_dk = prep.strides[2]
-    tma1, _ = _descriptors({**gu, "ws": False}, x, (s_gn, s_un))
-    acc, sync = _split_scratch(x.device, x.shape[0], H, G, gu["BM"])
-    grid = (max(1, sm_count(x.device) * int(f.get("progs_per_sm", 1))),)
-    return split_kernel[grid](
-        x, route_w, cu, cu if row_ends is None else row_ends, prep.table, dst, acc, sync,
-        x.shape[0], G, I, H, x.stride(0), dst.stride(0),
-        s_gn, s_gk, s_un, s_uk, s_dn, s_dk,
-        **split_meta(cfg, H, I, G, dot_f32=dot_f32, skip=skip, tma1=tma1, w13i=w13i, zero_tail=zero_tail,
-                     has_ends=row_ends is not None),
-    )
-
-
-def split_meta(cfg: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma1: bool, w13i: bool,
-               zero_tail: bool, has_ends: bool) -> dict:
-    """The split one launch's compile-time arguments for tile entry ``cfg`` with its options resolved (as
-    ``gate_up_meta``)."""
-    gu, dn, f = cfg["gate_up"], cfg["down"], cfg["fused"]
-    return dict(GP2=max(16, triton.next_power_of_2(G)), TB=128, ZM=dn.get("ZM", 64),
-                BM=gu["BM"], BN1=gu["BN"], BK1=gu["BK"], EVEN_K1=(H % gu["BK"] == 0), EVEN_N1=(I % gu["BN"] == 0),
-                BN2=dn["BN"], EVEN_N2=(H % dn["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA1=tma1, SWAP1=_swap(gu),
-                SWAP2=_swap(dn), ZT=zero_tail, HAS_ENDS=has_ends, W13I1=w13i,
-                num_warps=f["num_warps"], num_stages=f["num_stages"])
-
-
 def expert_ffn_triton(
     x: torch.Tensor,
     route_w: torch.Tensor,
@@ -923,11 +859,6 @@ def expert_ffn_triton(
     check_tail_args(row_ends, zero_tail, "expert_ffn_triton")
     ends = None if row_ends is None else row_ends.contiguous()  # no copy when it is already
     dot_f32 = interpreting() or x.dtype == torch.float32
-    if cfg.get("fused", {}).get("split"):
-        _launch_split(x, route_w, cu, prep, dst, I, cfg, dot_f32, padded, zero_tail, ends)
-        if dst is not out:
-            out.copy_(dst)
-        return out
     if cfg.get("fused"):
         _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, padded, zero_tail, ends)
         if dst is not out:
