@@ -741,3 +741,54 @@ def test_mixed_tile_order_same_bits(schedule):
     tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
     torch.cuda.synchronize()
     assert same(out[:total2], want[:total2]), "a replayed mixed-order launch drifted"
+
+
+#: the tiles at Kimi-K2's 1024-token entry, as the pair lever runs them (``bench_levers.pair_tiles``)
+_PAIR_TILES = {"gate_up": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True},
+               "down": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4, "progs_per_sm": 1, "tma": True,
+                        "flat": True}}
+
+
+@pytest.mark.parametrize("schedule", ["pointer", "tma", "tma padded", "swap"])
+def test_paired_row_tiles(schedule):
+    """Two row tiles of a group run as one tile of twice the rows where both hold rows (``"pair"``) on a GPU, over
+    weights stored interleaved, on groups whose rows end inside a first row tile, exactly at a pair's end, one row
+    into an odd last tile and past many pairs, with empty and weightless groups: against the same tiles one by one.
+    A group's odd last tile run as a pair (the next group's rows through this group's weights: other values), a
+    pair's second half dropped or the zero tiles starting past it (rows NaN with the tails written), the two
+    descriptors' blocks swapped; then a captured graph replayed on other rows (the pairs are decided on the device)."""
+    tk = _triton()
+    if schedule != "pointer" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
+    H, I = 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(16)
+    wg = _weights(8, H, I, gen)
+    w = interleaved(wg)
+    lens = [1, 128, 0, 129, 900, 0, 64, 65]
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
+    plain = {k: dict(v) for k, v in _PAIR_TILES.items()}
+    padded = schedule == "tma padded"
+    if schedule == "pointer":
+        plain = {k: {kk: vv for kk, vv in v.items() if kk != "tma"} for k, v in plain.items()}
+    elif schedule == "swap":
+        plain = {"gate_up": {**plain["gate_up"], "BM": 16, "BN": 64, "swap": True},
+                 "down": {**plain["down"], "BM": 16, "swap": True}}
+    pair = {k: {**v, "pair": True} for k, v in plain.items()}
+    want = torch.full_like(x, float("nan"))
+    tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
+    out = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=pair, padded=padded))
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(out[:total]).any()), "paired row tiles left output rows unwritten"
+    assert _rel(out[:total], want[:total]) < _W13I_SAME_TOL, \
+        f"paired row tiles changed the outputs: {_rel(out[:total], want[:total]):.2e}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=pair, padded=padded)
+    total2 = _refill(x, rw, cu, [300, 0, 0, 64, 1, 0, 31, 2], H, gen)
+    out.fill_(float("nan"))
+    graph.replay()
+    tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
+    torch.cuda.synchronize()
+    assert _rel(out[:total2], want[:total2]) < _W13I_SAME_TOL, "a replayed launch of paired row tiles drifted"

@@ -163,6 +163,42 @@ def test_both_kernel_levers_time_both_kernels_and_each_alone(lever):
     assert bench_levers.LEVER_KERNEL[lever] == "gate_up", "the kernel timed alone beside the whole compute"
 
 
+def test_pair_lever_doubles_rows_within_the_widest_sums():
+    """The pair lever's tiles holding more float32 sums than the committed widest tile (128 x 256: registers spilled,
+    timing a tile no entry would ship), more shared memory than a block may hold, keeping 2 programs per SM (two
+    tiles of double rows cannot both reside), pairing 128-row tiles (256 rows), or editing the committed tiles."""
+    gu = {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True}
+    dn = {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True, "flat": True}
+    v = bench_levers.variants({"gate_up": gu, "down": dn}, "pair")
+    assert list(v) == ["committed", "pair", "pair_gate_up", "pair_bn", "pair_down", "control"]
+    pg, pd = v["pair"]["gate_up"], v["pair"]["down"]
+    assert pg == {**gu, "pair": True, "BN": 128} and pd == {**dn, "pair": True, "num_warps": 8, "progs_per_sm": 1}
+    assert 2 * pg["BM"] * 2 * pg["BN"] <= bench_levers.PAIR_MAX_ACC and 2 * pd["BM"] * pd["BN"] <= bench_levers.PAIR_MAX_ACC
+    assert v["pair_bn"]["gate_up"] == {**gu, "BN": 128}, "the BN change alone, no pair"
+    assert v["pair_gate_up"]["down"] == dn and v["pair_down"]["gate_up"] == gu
+    assert "pair" not in gu and "pair" not in dn, "the committed tiles were edited in place"
+    deep = bench_levers.pair_tiles({**dn, "BK": 256, "num_stages": 8}, 1)
+    assert 2 * (128 + deep["BN"]) * deep["BK"] * deep["num_stages"] <= bench_levers.PAIR_MAX_SMEM
+    assert deep["num_stages"] >= 2, "a pipeline of one stage"
+    big = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
+    assert bench_levers.pair_tiles(big, 1) is None and bench_levers.pair_tiles({**dn, "streamk": True}, 1) is None
+    assert list(bench_levers.variants({"gate_up": big, "down": big}, "pair")) == ["committed", "control"]
+    assert "128 rows" in bench_levers.lever_absent({"gate_up": big, "down": big}, "pair")
+    one = {"gate_up": gu, "down": dn, "fused": {"num_warps": 8, "num_stages": 4, "progs_per_sm": 1}}
+    assert "one launch" in bench_levers.lever_absent(one, "pair")
+
+
+def test_pair_with_streamk_is_refused_by_name():
+    """A tile config asking for pairs of row tiles and stream-K (whose cut tiles are of one size) compiled one of
+    them silently off, or failed inside Triton; refused with both options named."""
+    from vllm_moonep.common.grouped_gemm.triton_kernels import _pair
+    from vllm_moonep.engine.errors import MoonEPInputError
+
+    assert _pair({"pair": True}) and not _pair({}) and not _pair({"streamk": True})
+    with pytest.raises(MoonEPInputError, match='"pair" and "streamk"'):
+        _pair({"pair": True, "streamk": True})
+
+
 def test_generic_lever_times_the_other_generic_regimes_on_an_untuned_shape():
     """The generic tiles (shapes without a tuning.json entry) had no A/B in the repo: the regime select_config picks
     must run against each other one, on a shape the packaged table has no entry for, and none twice."""

@@ -110,6 +110,13 @@ def _kernels():
         ("down(swapped, TMA, stream-K)", gk._down_kernel, dn_sig,
          dict(flags, GP2=512, BM=16, BN=128, BK=64, ZM=64, TMA=True, WS=False, FLAT=False, STREAMK=True, SWAP=True,
               ZT=True, MIX=False)),
+        # two row tiles as one of twice the rows where both hold rows ("pair"): a loop per tile size in one kernel
+        ("gate_up(pair, TMA, 8 warps)", gk._gate_up_kernel, gu_sig,
+         dict(flags, GP2=512, BM=64, BN=128, BK=64, TMA=True, WS=False, FLAT=False, STREAMK=False, SWAP=False, W13I=True,
+              MIX=False, PAIR=True, BMT=128), 8),
+        ("down(pair, TMA, tile loop flattened)", gk._down_kernel, dn_sig,
+         dict(flags, SKIP=False, GP2=512, BM=64, BN=128, BK=64, ZM=64, TMA=True, WS=False, FLAT=True, STREAMK=False,
+              SWAP=False, ZT=True, MIX=False, PAIR=True, BMT=128), 8),
         ("trim", gk._trim_kernel, dict(cu_ptr="*i32", rw_ptr="*fp32", eff_ptr="*i32"), dict(BLK=256)),
         ("fused(one launch)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=False)),
         ("fused(one launch, TMA gate/up)", triton_fused.fused_kernel, fused_sig, dict(fused_cx, TMA1=True)),
@@ -120,6 +127,9 @@ def _kernels():
         ("fused(one launch, TMA down operands)", triton_fused.fused_kernel, fused_sig,
          dict(fused_cx, BN2=64, TMA1=True, TMA2=True, FENCE2=True, HAS_ENDS=True, ZT=False)),
     ]
+    for case in cases:  # the GEMM kernels' row tiles one by one where a case does not say ("pair" off)
+        if case[1] in (gk._gate_up_kernel, gk._down_kernel) and "PAIR" not in case[3]:
+            case[3].update(PAIR=False, BMT=case[3]["BM"])
     # the device planner at Kimi-K2 shape (R=8, E=384, S*K = 65536 entries), with the constexprs
     # the planner itself chooses
     import torch

@@ -271,6 +271,21 @@ def _child_main() -> None:
                 o = torch.full_like(x, float("nan"))
                 expert_ffn_triton(x, rw, cu, w, out=o, config=cfg)
                 mix_same &= bool(torch.equal(o[:n], out[:n]))
+            # two row tiles of a group as one tile of twice the rows where both hold rows ("pair"), pointer and TMA
+            # loads, with the tile skip and without, and with the engine's ends and the tails left: each row's sums
+            # the same, so the same bits (a group's odd last tile run as a pair into the next group's rows, a pair's
+            # second half dropped, or the zero tiles starting past a pair: other bits, NaN, or a stray tail write)
+            pair_same = True
+            pair_cfgs = [{k: {**v, "pair": True} for k, v in base.items()} for base in (_INTERP_CONFIG, TMA_CONFIG)]
+            for cfg in pair_cfgs:
+                for padded in (True, False):
+                    o = torch.full_like(x, float("nan"))
+                    expert_ffn_triton(x, rw, cu, w, out=o, config=cfg, padded=padded)
+                    pair_same &= bool(torch.equal(o[:n], out[:n]))
+            o = torch.full_like(x, float("nan"))
+            expert_ffn_triton(xe, rw, cu, w, out=o, config=pair_cfgs[0], row_ends=ends_e, zero_tail=False)
+            t_rows = o[tail]
+            pair_same &= bool(torch.equal(o[head], want[head])) and bool((torch.isnan(t_rows) | (t_rows == 0)).all())
             # stream-K: the last tiles cut between programs. 2 programs (pieces of one tile on two),
             # launched three times: against the float64 reference, the same bits on the second launch
             # (pieces summed in a fixed order), the tile skip off on the third. 6 programs with TMA
@@ -306,7 +321,8 @@ def _child_main() -> None:
             report[name] = {"err": err, "unwritten": unwritten, "zero_ok": zero_ok, "rows": n, "skip_same": same,
                             "tma_same": tma_same, "tma_used": tma_used, "fused_same": fused_same, "ends_same": ends_same,
                             "tails": tails,
-                            "fused_reset": fused_reset, "streamk": sk, "swap": swap, "mix_same": mix_same}
+                            "fused_reset": fused_reset, "streamk": sk, "swap": swap, "mix_same": mix_same,
+                            "pair_same": pair_same}
         except Exception as e:  # report, don't hide
             report[name] = {"error": f"{type(e).__name__}: {e}"}
     try:
@@ -506,6 +522,8 @@ def test_interpreter_case(report, case):
     assert r["fused_reset"], f"{case}: the one-launch kernel left its counters set (the next launch would skip work)"
     assert r["mix_same"], (f"{case}: the tiles in the mixed order (\"mix\") gave other outputs than in group order "
                            "(a tile taken twice or never, or with another group's rows)")
+    assert r["pair_same"], (f"{case}: two row tiles run as one (\"pair\") gave other outputs than the tiles one by one "
+                            "(an odd last tile run as a pair, a pair's second half dropped, or the zero tiles misplaced)")
     _assert_outputs(r["swap"], f"{case}: swapped tiles", " (a transpose lost or doubled)")
     k = r["streamk"]
     _assert_outputs(k, f"{case}: stream-K", " (a piece never summed, summed twice or lost)")

@@ -236,12 +236,15 @@ def test_mixed_orders_refused_by_the_triton_kernels():
 _FLAGS = dict(EVEN_K=True, EVEN_N=True, DOT_F32=False, SKIP=True, GP2=512)
 COMPILE_CASES = [
     ("gate_up(TMA, 128x128, w13i)", "gate_up",
-     dict(_FLAGS, BM=128, BN=128, BK=64, TMA=True, WS=False, FLAT=False, STREAMK=False, SWAP=False, W13I=True, MIX=False), 8,
+     dict(_FLAGS, BM=128, BN=128, BK=64, TMA=True, WS=False, FLAT=False, STREAMK=False, SWAP=False, W13I=True, MIX=False,
+          PAIR=False, BMT=128), 8,
      "m64n256k16"),
     ("gate_up(TMA, warp-specialized, w13i)", "gate_up",
-     dict(_FLAGS, BM=64, BN=128, BK=64, TMA=True, WS=True, FLAT=False, STREAMK=False, SWAP=False, W13I=True, MIX=False), 8, None),
+     dict(_FLAGS, BM=64, BN=128, BK=64, TMA=True, WS=True, FLAT=False, STREAMK=False, SWAP=False, W13I=True, MIX=False,
+          PAIR=False, BMT=64), 8, None),
     ("gate_up(pointer, swapped, stream-K, w13i)", "gate_up",
-     dict(_FLAGS, BM=32, BN=64, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=True, SWAP=True, W13I=True, MIX=False), 4, None),
+     dict(_FLAGS, BM=32, BN=64, BK=128, TMA=False, WS=False, FLAT=False, STREAMK=True, SWAP=True, W13I=True, MIX=False,
+          PAIR=False, BMT=32), 4, None),
     ("fused(TMA gate/up, w13i)", "fused",
      dict(GP2=512, TB=128, ZM=64, BM1=16, BN1=32, BK1=128, EVEN_K1=True, EVEN_N1=True, BM2=16, BN2=128, BK2=128,
           EVEN_K2=True, EVEN_N2=True, DOT_F32=False, SKIP=True, TMA1=True, SWAP1=False, SWAP2=False, ZT=True,

@@ -1,6 +1,6 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|generic] [--impl triton|deepgemm]
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|pair|generic] [--impl triton|deepgemm]
 [--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
@@ -22,6 +22,11 @@ changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 - ``streamk`` (both kernels; gate/up timed alone): the committed tiles with their last tiles cut between
   programs (``"streamk"``, ``triton_kernels._sk_range``), on both kernels and on each alone; as ``mix``, none
   at a one-launch entry.
+- ``pair`` (both kernels; gate/up timed alone): two row tiles of a group run as one tile of twice the rows where
+  both hold rows (``"pair"``, ``triton_kernels._gate_up_kernel``: each weight block loaded once for both), on both
+  kernels and on each alone (``pair_tiles``: BN halved until the doubled tile's sums fit what the committed
+  widest tile holds, 8 warps, one program per SM), and the gate/up BN change alone (``pair_bn``); none at a
+  one-launch entry or where the committed rows are already 128 or more;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
   tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
   ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
@@ -43,6 +48,9 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
                   (--lever mix) the same tiles with "mix" on both kernels, on gate/up only, on down only
     streamk, streamk_gate_up, streamk_down
                   (--lever streamk) the same, with "streamk"
+    pair, pair_gate_up, pair_down, pair_bn
+                  (--lever pair) the pair tiles on both kernels, on gate/up only, on down only, and the
+                  committed gate/up tiles with the pair tiles' BN (no pair)
     stream, mid, compute
                   (--lever generic) the generic regimes' tiles, each but the committed one
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
@@ -97,7 +105,12 @@ DEFAULT_REP = 50
 MAX_MMA_N = 256
 #: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk: both; gate/up), timed alone beside
 #: the whole compute
-LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "generic": "gate_up"}
+LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "pair": "gate_up",
+                "generic": "gate_up"}
+#: the float32 sums one tile of the pair lever may hold (``pair_tiles``): the committed tiles' largest, 128 x 256
+PAIR_MAX_ACC = 128 * 256
+#: the shared memory the pair lever's stages may take (``pair_tiles``), below Hopper's 227 KB per block
+PAIR_MAX_SMEM = 200 * 1024
 #: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
 BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
@@ -174,6 +187,9 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
         for name, tiles in DEFAULT_CONFIGS.items():
             if tiles != committed:
                 out[name] = {k: dict(v) for k, v in tiles.items()}
+    elif lever == "pair":
+        if not committed.get("fused"):
+            out.update(_pair_variants(committed))
     elif lever in BOTH_KERNELS:
         if not committed.get("fused"):
             gu, dn = committed["gate_up"], committed["down"]
@@ -190,10 +206,45 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     return out
 
 
+def pair_tiles(c: dict, width: int) -> dict | None:
+    """Tile config ``c`` with ``"pair"`` (two ``BM``-row tiles as one of ``2 BM`` rows where both hold rows), its
+    BN halved until the doubled tile's sums (``2 BM x width BN``; gate/up over interleaved weights: width 2) fit
+    ``PAIR_MAX_ACC``, 8 warps, one program per SM, its stages (and BK, to keep two) cut to ``PAIR_MAX_SMEM``; ``None`` where ``BM`` is
+    128 or more (the pair would be a tile of 256 rows or more) or where it runs stream-K (which does not take it)."""
+    if c["BM"] >= 128 or c.get("streamk"):
+        return None
+    bmt, bn, bk = 2 * c["BM"], c["BN"], c["BK"]
+    while bmt * width * bn > PAIR_MAX_ACC and bn > 16:
+        bn //= 2
+    while 2 * 2 * (bmt + width * bn) * bk > PAIR_MAX_SMEM and bk > 32:  # two stages at least
+        bk //= 2
+    stages = max(2, min(c["num_stages"], PAIR_MAX_SMEM // (2 * (bmt + width * bn) * bk)))
+    return {**c, "pair": True, "BN": bn, "BK": bk, "num_warps": max(8, c["num_warps"]), "num_stages": stages,
+            "progs_per_sm": 1}
+
+
+def _pair_variants(committed: dict) -> dict[str, dict]:
+    """``--lever pair``'s variants of the committed tiles (see ``variants``)."""
+    gu, dn = committed["gate_up"], committed["down"]
+    pg, pd = pair_tiles(gu, 2), pair_tiles(dn, 1)
+    out = {}
+    if pg is not None and pd is not None:
+        out["pair"] = {**committed, "gate_up": pg, "down": pd}
+    if pg is not None:
+        out["pair_gate_up"] = {**committed, "gate_up": pg}
+        if pg["BN"] != gu["BN"]:
+            out["pair_bn"] = {**committed, "gate_up": {k: v for k, v in pg.items() if k != "pair"}}
+    if pd is not None:
+        out["pair_down"] = {**committed, "down": pd}
+    return out
+
+
 def lever_absent(committed: dict, lever: str) -> str | None:
     """Why a point has no variant of ``lever`` (``None`` where it has one)."""
-    if (lever == "flat" or lever in BOTH_KERNELS) and committed.get("fused"):
+    if (lever in ("flat", "pair") or lever in BOTH_KERNELS) and committed.get("fused"):
         return f"the committed entry runs as one launch, which does not take \"{lever}\""
+    if lever == "pair" and not _pair_variants(committed):
+        return "the committed tiles have 128 rows or more on both kernels (or run stream-K)"
     return None
 
 

@@ -73,6 +73,12 @@ the device (one ``tl.sort`` per program), then tiles from both ends of that list
 skewed routing the programs running at once mix memory-bound tiles (groups of few rows, each tile a weight
 slice of its own) with compute-bound ones (a hot group's row tiles, sharing a slice through L2) instead of
 running them in separate rounds. Same bits either way.
+``"pair": true`` runs two ``BM``-row tiles of a group as one tile of ``2 BM`` rows wherever the second holds rows
+(a group's odd last tile stays ``BM`` rows): each weight block is then loaded into shared memory once for both,
+which halves what the weights cost the L2 at the ridge point (Kimi-K2 1024 tokens: 170 rows per group read each
+weight slice three times in 64-row tiles), while the rows computed stay those of ``BM``-row tiles (128-row tiles
+compute 256 rows there). The tile list counts pairs (``BMT``); each tile takes one of two main loops, by its rows.
+Stream-K does not take it (refused).
 
 Tile configurations come from the GPU's section of ``tuning.json`` (``policy.py``: its own, or the one
 its compute capability borrows, said once), looked up by ``H``, ``I`` and the step's tokens per rank
@@ -276,30 +282,44 @@ def _gate_up_kernel(
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
-    W13I: tl.constexpr, MIX: tl.constexpr,
+    W13I: tl.constexpr, MIX: tl.constexpr, PAIR: tl.constexpr, BMT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BM)
+    gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BMT)
     nt = tl.cdiv(N, BN)
     tiles = mb * nt
     total = tl.sum(tiles, 0)
     order, omb, otiles, ocum = _tile_order(gidx, mb, nt, GP2, MIX)
     wty = tl.pointer_type(x_ptr.dtype.element_ty)
     xd = x_ptr
+    xd2 = x_ptr
     if TMA:  # rows past the group's end load the next group's (never stored), past M zeros
         xd = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BM, BK])
+        if PAIR:  # the rows of a pair of row tiles as one block
+            xd2 = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BMT, BK])
     rr_total = total
     if STREAMK:
         rr_total, ipt, L, it, it_end = _sk_range(total, nprog, pid, K, BK)
     for t in tl.range(pid, rr_total, nprog, flatten=FLAT):
         g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, ocum, otiles, order, omb, gidx, start,
-                                                                     eend, N, BM, BN, EVEN_N, MIX)
+                                                                     eend, N, BMT, BN, EVEN_N, MIX)
         wg = tl.multiple_of(tl.load(tab_ptr + g * 3).to(wty), 16)
         wu = tl.multiple_of(tl.load(tab_ptr + g * 3 + 1).to(wty), 16)
-        gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
-                     N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
-                     BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP, W13I)
+        if PAIR:
+            if row0 + BM < ee:  # both row tiles hold rows: one tile of BMT rows, each weight block loaded once
+                gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd2, rows, rows_ld, ee, cols, cols_ld, row0, col0,
+                             N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
+                             BMT, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP, W13I)
+            else:  # a group's odd last row tile
+                rows1, rows1_ld, _c, _cl = tile_index(row0, col0, ee, N, BM, BN, EVEN_N)
+                gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows1, rows1_ld, ee, cols, cols_ld, row0, col0,
+                             N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
+                             BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP, W13I)
+        else:
+            gate_up_tile(x_ptr, rw_ptr, act_ptr, wg, wu, xd, rows, rows_ld, ee, cols, cols_ld, row0, col0,
+                         N, K, stride_xm, stride_am, s_gn, s_gk, s_un, s_uk,
+                         BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP, W13I)
     if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
         while it < it_end:
             ts, kk0, kk1, p0, p1 = _sk_piece(it, it_end, ipt, L)
@@ -334,35 +354,51 @@ def _down_kernel(
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
-    ZT: tl.constexpr, MIX: tl.constexpr,
+    ZT: tl.constexpr, MIX: tl.constexpr, PAIR: tl.constexpr, BMT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BM)
+    gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BMT)
     nt = tl.cdiv(N, BN)
     tiles = mb * nt
     total = tl.sum(tiles, 0)
     order, omb, otiles, ocum = _tile_order(gidx, mb, nt, GP2, MIX)
-    # zero tiles: rows [start + mb*BM, end) of each segment (trimmed tail, all-zero output)
-    zstart = tl.minimum(start + mb * BM, end)
+    # zero tiles: rows [start + mb1*BM, end) of each segment (trimmed tail, all-zero output), mb1 the BM-row tiles
+    # that cover its rows (with PAIR a group's odd last tile covers BM rows, not BMT)
+    mb1 = (eend - start + BM - 1) // BM
+    zstart = tl.minimum(start + mb1 * BM, end)
     zrows = tl.maximum(end - zstart, 0)
     ztiles = ((zrows + ZM - 1) // ZM) * nt
     zcum = tl.cumsum(ztiles, 0)
     ztotal = tl.sum(ztiles, 0)
     wty = tl.pointer_type(act_ptr.dtype.element_ty)
     ad = act_ptr
+    ad2 = act_ptr
     if TMA:
         ad = tl.make_tensor_descriptor(act_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BM, BK])
+        if PAIR:
+            ad2 = tl.make_tensor_descriptor(act_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BMT, BK])
     rr_total = total
     if STREAMK:
         rr_total, ipt, L, it, it_end = _sk_range(total, nprog, pid, K, BK)
     for t in tl.range(pid, rr_total, nprog, flatten=FLAT):
         g, sel, ee, rows, rows_ld, cols, cols_ld, row0, col0 = _tile(t, total, ocum, otiles, order, omb, gidx, start,
-                                                                     eend, N, BM, BN, EVEN_N, MIX)
+                                                                     eend, N, BMT, BN, EVEN_N, MIX)
         wd = tl.multiple_of(tl.load(tab_ptr + g * 3 + 2).to(wty), 16)
-        down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
-                  N, K, stride_am, stride_om, s_dn, s_dk,
-                  BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
+        if PAIR:
+            if row0 + BM < ee:  # both row tiles hold rows (see _gate_up_kernel)
+                down_tile(act_ptr, rw_ptr, out_ptr, wd, ad2, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0,
+                          col0, N, K, stride_am, stride_om, s_dn, s_dk,
+                          BMT, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
+            else:  # a group's odd last row tile: its BM rows; the rest of the segment is the zero tiles'
+                rows1, rows1_ld, _c, _cl = tile_index(row0, col0, ee, N, BM, BN, EVEN_N)
+                down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows1, rows1_ld, ee, pick(sel, end), cols, cols_ld, row0,
+                          col0, N, K, stride_am, stride_om, s_dn, s_dk,
+                          BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
+        else:
+            down_tile(act_ptr, rw_ptr, out_ptr, wd, ad, rows, rows_ld, ee, pick(sel, end), cols, cols_ld, row0, col0,
+                      N, K, stride_am, stride_om, s_dn, s_dk,
+                      BM, BN, BK, EVEN_K, DOT_F32, SKIP, TMA, WS, SWAP)
     first_z = total + (pid - total % nprog + nprog) % nprog  # continuing the same round robin
     if STREAMK:  # the rest in equal ranges of main-loop iterations (see _sk_range)
         first_z = total + pid
@@ -671,6 +707,17 @@ def _mix(c: dict) -> bool:
     return bool(c.get("mix", False))
 
 
+def _pair(c: dict) -> bool:
+    """A tile config's ``pair`` (two ``BM``-row tiles of a group run as one tile of ``2 BM`` rows where both hold
+    rows: each weight block loaded once for both): off unless the config asks. Stream-K cuts whole tiles of one
+    size, so it does not take ``pair``: a config asking for both is refused."""
+    pair = bool(c.get("pair", False))
+    if pair and c.get("streamk", False):
+        raise MoonEPInputError("expert_ffn_triton: a tile config asks for both \"pair\" and \"streamk\"; stream-K "
+                               "cuts tiles of one size: drop one of them")
+    return pair
+
+
 def _flat(c: dict, ws: bool, skip: bool) -> bool:
     """A tile config's ``flat`` where Triton can flatten the tile loop: not with ``ws``, and not when
     tiles of weight-0 rows are skipped (``skip``: the main loop's bound then varies by tile, and
@@ -734,8 +781,8 @@ def _tile_meta(c: dict, K: int, N: int, G: int, *, dot_f32: bool, skip: bool, tm
     reduction into ``N`` columns (gate/up: ``K = H``, ``N = I``; down: the other way round)."""
     return dict(GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
                 EVEN_K=(K % c["BK"] == 0), EVEN_N=(N % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
-                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), MIX=_mix(c), num_warps=c["num_warps"],
-                num_stages=c["num_stages"])
+                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), MIX=_mix(c), PAIR=_pair(c),
+                BMT=c["BM"] * (2 if _pair(c) else 1), num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def gate_up_meta(c: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
@@ -782,8 +829,8 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
     say_once(f"MoonEP expert kernels: steps whose tile entry says so (H={H}, I={I}: decode, tuning.json) run as "
              "one launch instead of three; its work counters belong to the layer's weights, so one layer's "
              "expert compute must run in stream order (not on two CUDA streams at once)", __name__)
-    unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn)) for opt in ("ws", "flat", "streamk", "mix")
-              if c.get(opt)]
+    unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn))
+              for opt in ("ws", "flat", "streamk", "mix", "pair") if c.get(opt)]
     if unused:
         say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its loops are neither "
                  "warp-specialized nor flattened, its tiles whole); it runs without them", __name__)
