@@ -128,6 +128,10 @@ GU_CANDIDATES = [
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4, "progs_per_sm": 1, "tma": True},
     {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
+    # two 64-row tiles of a group as one of 128 rows where both hold rows ("pair": each weight block loaded
+    # once for both): 1-2.4% less at Kimi-K2 1024 tokens on an H100, slower at Qwen3-30B-A3B 256 and Kimi-K2
+    # 4096 (docs/PERFORMANCE.md#tile-options)
+    {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "pair": True},
     # one wave: tiles whose shared memory lets 3-4 programs share an SM, so that a launch of a few
     # hundred tiles runs them all at once (no second round for a few programs): 2-4% less for gate/up
     # at 16-64 tokens of Qwen3 on an H200 (docs/PERFORMANCE.md#tile-options)
@@ -616,8 +620,8 @@ def merged_tuning(shipped: list, tuned: list) -> list:
 
 def tile_text(c: dict) -> str:
     """One kernel's tiles in a few characters: ``BMxBNxBK`` and the options it sets."""
-    return f"{c['BM']}x{c['BN']}x{c['BK']}" + "".join(f" {k}" for k in ("tma", "ws", "flat", "streamk", "swap")
-                                                     if c.get(k))
+    return f"{c['BM']}x{c['BN']}x{c['BK']}" + "".join(f" {k}" for k in ("tma", "ws", "flat", "streamk", "swap",
+                                                                                "pair") if c.get(k))
 
 
 def _tiles_note(conf: dict) -> str:
@@ -863,7 +867,7 @@ def main(argv=None) -> int:
                 best_c, best_t = tiles[j], times[j]
                 won = None
                 for c, t in zip(tiles, times):
-                    if c.get("streamk") or not math.isfinite(sum(t)):
+                    if c.get("streamk") or c.get("pair") or not math.isfinite(sum(t)):  # stream-K refuses pairs
                         continue
                     ck = {**c, "streamk": True}
                     tk_ = kernel_times(kind, ck)

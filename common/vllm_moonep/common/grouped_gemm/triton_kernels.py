@@ -74,11 +74,12 @@ skewed routing the programs running at once mix memory-bound tiles (groups of fe
 slice of its own) with compute-bound ones (a hot group's row tiles, sharing a slice through L2) instead of
 running them in separate rounds. Same bits either way.
 ``"pair": true`` runs two ``BM``-row tiles of a group as one tile of ``2 BM`` rows wherever the second holds rows
-(a group's odd last tile stays ``BM`` rows): each weight block is then loaded into shared memory once for both,
-which halves what the weights cost the L2 at the ridge point (Kimi-K2 1024 tokens: 170 rows per group read each
-weight slice three times in 64-row tiles), while the rows computed stay those of ``BM``-row tiles (128-row tiles
-compute 256 rows there). The tile list counts pairs (``BMT``); each tile takes one of two main loops, by its rows.
-Stream-K does not take it (refused).
+(a group's odd last tile stays ``BM`` rows): each weight block is then loaded into shared memory once for both, so
+at the ridge point (Kimi-K2 1024 tokens: ~170 rows per group, three 64-row tiles) the L2 serves each weight slice
+twice instead of three times, while the rows computed stay those of ``BM``-row tiles (128-row tiles compute 256
+there). The tile list counts pairs (``BMT``); each tile takes one of two main loops, by its rows. Measured 1-2.4%
+faster there on an H100 and slower elsewhere (docs/PERFORMANCE.md, tile options): a ``--tune`` candidate. Stream-K
+does not take it (refused).
 
 Tile configurations come from the GPU's section of ``tuning.json`` (``policy.py``: its own, or the one
 its compute capability borrows, said once), looked up by ``H``, ``I`` and the step's tokens per rank
