@@ -25,8 +25,9 @@ changes, or for ``mix`` and ``streamk``, which change both, gate/up):
 - ``pair`` (both kernels; gate/up timed alone): two row tiles of a group run as one tile of twice the rows where
   both hold rows (``"pair"``, ``triton_kernels._gate_up_kernel``: each weight block loaded once for both), on both
   kernels and on each alone (``pair_tiles``: BN halved until the doubled tile's sums fit what the committed
-  widest tile holds, 8 warps, one program per SM), and the gate/up BN change alone (``pair_bn``); none at a
-  one-launch entry or where the committed rows are already 128 or more;
+  widest tile holds, 8 warps, one program per SM), and the pair's gate/up tiles without the pair (``pair_bn``:
+  where its BN differs from the committed); none at a one-launch entry or where the committed rows are already
+  128 or more;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
   tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
   ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
@@ -50,7 +51,7 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
                   (--lever streamk) the same, with "streamk"
     pair, pair_gate_up, pair_down, pair_bn
                   (--lever pair) the pair tiles on both kernels, on gate/up only, on down only, and the
-                  committed gate/up tiles with the pair tiles' BN (no pair)
+                  pair's gate/up tiles without the pair (its BN, warps, stages)
     stream, mid, compute
                   (--lever generic) the generic regimes' tiles, each but the committed one
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
@@ -209,8 +210,9 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
 def pair_tiles(c: dict, width: int) -> dict | None:
     """Tile config ``c`` with ``"pair"`` (two ``BM``-row tiles as one of ``2 BM`` rows where both hold rows), its
     BN halved until the doubled tile's sums (``2 BM x width BN``; gate/up over interleaved weights: width 2) fit
-    ``PAIR_MAX_ACC``, 8 warps, one program per SM, its stages (and BK, to keep two) cut to ``PAIR_MAX_SMEM``; ``None`` where ``BM`` is
-    128 or more (the pair would be a tile of 256 rows or more) or where it runs stream-K (which does not take it)."""
+    ``PAIR_MAX_ACC``, 8 warps, one program per SM, its stages (and BK, to keep two) cut to ``PAIR_MAX_SMEM``;
+    ``None`` where ``BM`` is 128 or more (the pair would be a tile of 256 rows or more) or where it runs stream-K
+    (which does not take it)."""
     if c["BM"] >= 128 or c.get("streamk"):
         return None
     bmt, bn, bk = 2 * c["BM"], c["BN"], c["BK"]
