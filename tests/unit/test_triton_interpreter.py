@@ -271,17 +271,17 @@ def _child_main() -> None:
                 o = torch.full_like(x, float("nan"))
                 expert_ffn_triton(x, rw, cu, w, out=o, config=cfg)
                 mix_same &= bool(torch.equal(o[:n], out[:n]))
-            # two row tiles of a group as one tile of twice the rows where both hold rows ("pair"), pointer and TMA
-            # loads, with the tile skip and without, and with the engine's ends and the tails left: each row's sums
-            # the same, so the same bits (a group's odd last tile run as a pair into the next group's rows, a pair's
-            # second half dropped, or the zero tiles starting past a pair: other bits, NaN, or a stray tail write)
+            # two row tiles of a group as one tile of twice the rows where both hold rows ("pair"), pointer loads
+            # with the tile skip, TMA loads without, and with the engine's ends and the tails left: each row's sums
+            # the same, so the same bits (a pair's second half dropped, or the zero tiles starting past a pair's rows
+            # where the group ends in an odd tile: rows left NaN; a stray write into a tail). An odd last tile run as
+            # a pair is not seen here: its extra rows are clamped loads and masked stores, work but not bits
             pair_same = True
             pair_cfgs = [{k: {**v, "pair": True} for k, v in base.items()} for base in (_INTERP_CONFIG, TMA_CONFIG)]
-            for cfg in pair_cfgs:
-                for padded in (True, False):
-                    o = torch.full_like(x, float("nan"))
-                    expert_ffn_triton(x, rw, cu, w, out=o, config=cfg, padded=padded)
-                    pair_same &= bool(torch.equal(o[:n], out[:n]))
+            for cfg, padded in zip(pair_cfgs, (True, False)):
+                o = torch.full_like(x, float("nan"))
+                expert_ffn_triton(x, rw, cu, w, out=o, config=cfg, padded=padded)
+                pair_same &= bool(torch.equal(o[:n], out[:n]))
             o = torch.full_like(x, float("nan"))
             expert_ffn_triton(xe, rw, cu, w, out=o, config=pair_cfgs[0], row_ends=ends_e, zero_tail=False)
             t_rows = o[tail]
