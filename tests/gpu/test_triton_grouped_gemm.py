@@ -755,8 +755,8 @@ def test_paired_row_tiles(schedule):
     weights stored interleaved, on groups whose rows end inside a first row tile, exactly at a pair's end, one row
     into an odd last tile and past many pairs, with empty and weightless groups: against the same tiles one by one.
     A pair's second half dropped, or the zero tiles starting past a pair's rows where a group ends in an odd tile
-    (rows left NaN), a row block loaded through the other tile size's descriptor (other rows' values); then a
-    captured graph replayed on other rows (the pairs are decided on the device)."""
+    (rows left NaN), or rows summed in another order than the tiles one by one (beyond the interleaved
+    tolerance); then a captured graph replayed on other rows (the pairs are decided on the device)."""
     tk = _triton()
     if schedule != "pointer" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
