@@ -722,25 +722,32 @@ def test_mixed_tile_order_same_bits(schedule):
     elif schedule == "streamk":
         plain = {k: {**v, "streamk": True} for k, v in plain.items()}
     mix = {k: {**v, "mix": True} for k, v in plain.items()}
+    same = torch.equal if schedule != "streamk" else (lambda a, b: _rel(a, b) < _W13I_SAME_TOL)  # stream-K cuts other
+    # tiles in another order: a cut tile's pieces are summed in another grouping (float32), so not the same bits
+    _as_plain_then_replayed(tk, x, rw, cu, w, total, H, gen, plain, mix, padded, same, "the mixed order")
+
+
+def _as_plain_then_replayed(tk, x, rw, cu, w, total, H, gen, plain, option, padded, same, what):
+    """Tiles ``option`` (``plain`` with one option set) against ``plain`` on the same rows: every row written and
+    ``same`` as plain's, run on a side stream; then captured in a graph, replayed on other rows written into the
+    graph's inputs (``_refill``), ``same`` again. ``what`` names the option in the messages."""
     want = torch.full_like(x, float("nan"))
     tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
     out = torch.full_like(x, float("nan"))
-    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=mix, padded=padded))
+    act = torch.empty(x.shape[0], w.intermediate, dtype=x.dtype, device="cuda")
+    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=option, padded=padded))
     torch.cuda.synchronize()
-    assert not bool(torch.isnan(out[:total]).any()), "the mixed order left output rows unwritten"
-    same = torch.equal if schedule != "streamk" else (lambda a, b: _rel(a, b) < _W13I_SAME_TOL)  # stream-K cuts other
-    # tiles in another order: a cut tile's pieces are summed in another grouping (float32), so not the same bits
-    assert same(out[:total], want[:total]), f"the mixed order changed the outputs: {_rel(out[:total], want[:total]):.2e}"
+    assert not bool(torch.isnan(out[:total]).any()), f"{what} left output rows unwritten"
+    assert same(out[:total], want[:total]), f"{what} changed the outputs: {_rel(out[:total], want[:total]):.2e}"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=mix, padded=padded)
+        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=option, padded=padded)
     total2 = _refill(x, rw, cu, [300, 0, 0, 64, 1, 0, 31, 2], H, gen)
     out.fill_(float("nan"))
     graph.replay()
     tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
     torch.cuda.synchronize()
-    assert same(out[:total2], want[:total2]), "a replayed mixed-order launch drifted"
+    assert same(out[:total2], want[:total2]), f"a replayed launch of {what} drifted"
 
 
 #: the tiles at Kimi-K2's 1024-token entry, as the pair lever runs them (``bench_levers.pair_tiles``)
@@ -774,21 +781,5 @@ def test_paired_row_tiles(schedule):
         plain = {"gate_up": {**plain["gate_up"], "BM": 16, "BN": 64, "swap": True},
                  "down": {**plain["down"], "BM": 16, "swap": True}}
     pair = {k: {**v, "pair": True} for k, v in plain.items()}
-    want = torch.full_like(x, float("nan"))
-    tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
-    out = torch.full_like(x, float("nan"))
-    act = torch.empty(x.shape[0], I, dtype=x.dtype, device="cuda")
-    on_side_stream(lambda: tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=pair, padded=padded))
-    torch.cuda.synchronize()
-    assert not bool(torch.isnan(out[:total]).any()), "paired row tiles left output rows unwritten"
-    assert _rel(out[:total], want[:total]) < _W13I_SAME_TOL, \
-        f"paired row tiles changed the outputs: {_rel(out[:total], want[:total]):.2e}"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tk.expert_ffn_triton(x, rw, cu, w, out=out, act=act, config=pair, padded=padded)
-    total2 = _refill(x, rw, cu, [300, 0, 0, 64, 1, 0, 31, 2], H, gen)
-    out.fill_(float("nan"))
-    graph.replay()
-    tk.expert_ffn_triton(x, rw, cu, w, out=want, config=plain, padded=padded)
-    torch.cuda.synchronize()
-    assert _rel(out[:total2], want[:total2]) < _W13I_SAME_TOL, "a replayed launch of paired row tiles drifted"
+    _as_plain_then_replayed(tk, x, rw, cu, w, total, H, gen, plain, pair, padded,
+                            lambda a, b: _rel(a, b) < _W13I_SAME_TOL, "paired row tiles")

@@ -4,7 +4,7 @@
 [--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
-changes, or for ``mix`` and ``streamk``, which change both, gate/up):
+changes, or for ``mix``, ``streamk`` and ``pair``, which change both, gate/up):
 
 - ``w13i`` (gate/up): the weights stored as the symmetric layout stores them (gate and up interleaved row by row
   in one ``w13``: the gate/up tiles read one ``[2BN, BK]`` block and run one MMA of ``2BN`` columns per step,
@@ -104,8 +104,8 @@ LEVER_SHAPES = {**SHAPES, "untuned": UNTUNED_SHAPE}
 DEFAULT_REP = 50
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
 MAX_MMA_N = 256
-#: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk: both; gate/up), timed alone beside
-#: the whole compute
+#: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk, pair: both; gate/up), timed alone
+#: beside the whole compute
 LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "pair": "gate_up",
                 "generic": "gate_up"}
 #: the float32 sums one tile of the pair lever may hold (``pair_tiles``): the committed tiles' largest, 128 x 256

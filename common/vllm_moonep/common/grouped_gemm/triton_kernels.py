@@ -780,10 +780,11 @@ def _tile_meta(c: dict, K: int, N: int, G: int, *, dot_f32: bool, skip: bool, tm
                streamk: bool) -> dict:
     """The compile-time arguments the two persistent GEMM kernels share, for tile config ``c`` over a ``K``-deep
     reduction into ``N`` columns (gate/up: ``K = H``, ``N = I``; down: the other way round)."""
+    pair = _pair(c)
     return dict(GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
                 EVEN_K=(K % c["BK"] == 0), EVEN_N=(N % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
-                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), MIX=_mix(c), PAIR=_pair(c),
-                BMT=c["BM"] * (2 if _pair(c) else 1), num_warps=c["num_warps"], num_stages=c["num_stages"])
+                FLAT=flat, STREAMK=streamk, SWAP=_swap(c), MIX=_mix(c), PAIR=pair, BMT=c["BM"] * (2 if pair else 1),
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def gate_up_meta(c: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
