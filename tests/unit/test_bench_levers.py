@@ -180,10 +180,22 @@ def test_pair_lever_doubles_rows_within_the_widest_sums():
     deep = bench_levers.pair_tiles({**dn, "BK": 256, "num_stages": 8}, 1)
     assert 2 * (128 + deep["BN"]) * deep["BK"] * deep["num_stages"] <= bench_levers.PAIR_MAX_SMEM
     assert deep["num_stages"] >= 2, "a pipeline of one stage"
-    big = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 4}
+    big = {"BM": 256, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4}
     assert bench_levers.pair_tiles(big, 1) is None and bench_levers.pair_tiles({**dn, "streamk": True}, 1) is None
     assert list(bench_levers.variants({"gate_up": big, "down": big}, "pair")) == ["committed", "control"]
     assert "128 rows" in bench_levers.lever_absent({"gate_up": big, "down": big}, "pair")
+
+
+def test_pair_lever_halves_128_row_tiles():
+    """Committed 128-row tiles paired as 256 rows (twice the widest sums), or their BN, warps or stages changed: the
+    lever there is the same 128-row tile, as a pair of 64-row tiles (a group's odd last 64 rows a tile of 64)."""
+    gu = {"BM": 64, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "ws": True}
+    dn = {"BM": 128, "BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "flat": True}
+    v = bench_levers.variants({"gate_up": gu, "down": dn}, "pair")
+    assert v["pair_down"]["down"] == {**dn, "BM": 64, "pair": True}
+    assert v["pair_down"]["gate_up"] == gu and v["pair"]["down"] == v["pair_down"]["down"]
+    assert "pair" not in dn and dn["BM"] == 128, "the committed tiles were edited in place"
+    assert bench_levers.lever_absent({"gate_up": dn, "down": dn}, "pair") is None
     one = {"gate_up": gu, "down": dn, "fused": {"num_warps": 8, "num_stages": 4, "progs_per_sm": 1}}
     assert "one launch" in bench_levers.lever_absent(one, "pair")
 

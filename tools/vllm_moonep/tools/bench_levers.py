@@ -25,9 +25,9 @@ changes, or for ``mix``, ``streamk`` and ``pair``, which change both, gate/up):
 - ``pair`` (both kernels; gate/up timed alone): two row tiles of a group run as one tile of twice the rows where
   both hold rows (``"pair"``, ``triton_kernels._gate_up_kernel``: each weight block loaded once for both), on both
   kernels and on each alone (``pair_tiles``: BN halved until the doubled tile's sums fit what the committed
-  widest tile holds, 8 warps, one program per SM), and the pair's gate/up tiles without the pair (``pair_bn``:
-  where its BN differs from the committed); none at a one-launch entry or where the committed rows are already
-  128 or more;
+  widest tile holds, 8 warps, one program per SM; committed 128-row tiles: the same tiles as pairs of 64 rows, so
+  that a group's odd last 64 rows run as a tile of 64), and the pair's gate/up tiles without the pair
+  (``pair_bn``: where its BN differs from the committed); none at a one-launch entry or above 128 rows;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
   tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
   ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
@@ -112,6 +112,8 @@ LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": 
 PAIR_MAX_ACC = 128 * 256
 #: the shared memory the pair lever's stages may take (``pair_tiles``), below Hopper's 227 KB per block
 PAIR_MAX_SMEM = 200 * 1024
+#: the rows of the pair lever's largest tile (``pair_tiles``): committed tiles of these rows are halved and paired
+PAIR_ROWS = 128
 #: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
 BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
@@ -210,11 +212,15 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
 def pair_tiles(c: dict, width: int) -> dict | None:
     """Tile config ``c`` with ``"pair"`` (two ``BM``-row tiles as one of ``2 BM`` rows where both hold rows), its
     BN halved until the doubled tile's sums (``2 BM x width BN``; gate/up over interleaved weights: width 2) fit
-    ``PAIR_MAX_ACC``, 8 warps, one program per SM, its stages (and BK, to keep two) cut to ``PAIR_MAX_SMEM``;
-    ``None`` where ``BM`` is 128 or more (the pair would be a tile of 256 rows or more) or where it runs stream-K
-    (which does not take it)."""
-    if c["BM"] >= 128 or c.get("streamk"):
+    ``PAIR_MAX_ACC``, 8 warps, one program per SM, its stages (and BK, to keep two) cut to ``PAIR_MAX_SMEM``.
+    Committed tiles of ``PAIR_ROWS`` rows keep their tile and get ``BM`` halved with the pair: the same tiles where
+    a group's rows fill them, a tile of half the rows for a group's odd last half (fewer rows that carry no token
+    at the compute-bound points). ``None`` above ``PAIR_ROWS`` rows, or where it runs stream-K (which does not
+    take it)."""
+    if c["BM"] > PAIR_ROWS or c.get("streamk"):
         return None
+    if c["BM"] == PAIR_ROWS:
+        return {**c, "BM": PAIR_ROWS // 2, "pair": True}
     bmt, bn, bk = 2 * c["BM"], c["BN"], c["BK"]
     while bmt * width * bn > PAIR_MAX_ACC and bn > 16:
         bn //= 2
@@ -246,7 +252,7 @@ def lever_absent(committed: dict, lever: str) -> str | None:
     if (lever in ("flat", "pair") or lever in BOTH_KERNELS) and committed.get("fused"):
         return f"the committed entry runs as one launch, which does not take \"{lever}\""
     if lever == "pair" and not _pair_variants(committed):
-        return "the committed tiles have 128 rows or more on both kernels (or run stream-K)"
+        return f"the committed tiles have more than {PAIR_ROWS} rows on both kernels (or run stream-K)"
     return None
 
 
