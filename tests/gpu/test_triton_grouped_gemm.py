@@ -696,26 +696,6 @@ def test_w13i_at_kimi_k2_scale(ws):
     assert _rel(out[:total], out_plain[:total]) < _W13I_SAME_TOL, "a replayed interleaved launch drifted"
 
 
-def _skewed_case(schedule: str, seed: int):
-    """``(H, I, weights, x, rw, cu, total, gen, tiles, padded)``: skewed groups (a hot group beside one-row ones, empty
-    and weightless groups, two pools) and the three-launch tiles of ``schedule`` (pointer, tma, big ws, big flat,
-    streamk), for the options that must leave the outputs' bits alone."""
-    H, I = 2048, 768
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    w = _two_pools(gen, H, I, [0, 0, -1, 1, 0, 0, 1, 0], [0, 1, -1, 0, 2, 3, 1, 4])
-    x, rw, cu, total = _inputs([1, 37, 0, 3, 900, 0, 16, 130], H, gen, pad_to=128, extra=300)
-    plain = {k: dict(v) for k, v in _SWAP_TILES.items()}
-    padded = True
-    if schedule == "tma":
-        plain = {k: {**v, "tma": True} for k, v in plain.items()}
-    elif schedule.startswith("big"):
-        plain = {"gate_up": {**_BIG_GU, "ws": schedule == "big ws"}, "down": {**_BIG_DOWN, "flat": schedule == "big flat"}}
-        padded = schedule != "big flat"  # the flattened loop only without the tile skip
-    elif schedule == "streamk":
-        plain = {k: {**v, "streamk": True} for k, v in plain.items()}
-    return H, I, w, x, rw, cu, total, gen, plain, padded
-
-
 @pytest.mark.parametrize("schedule", ["pointer", "tma", "big ws", "big flat", "streamk"])
 def test_mixed_tile_order_same_bits(schedule):
     """The ``"mix"`` tile order (groups sorted by rows on the device, tiles taken from both ends in turn) on a GPU,
@@ -727,28 +707,24 @@ def test_mixed_tile_order_same_bits(schedule):
     tk = _triton()
     if schedule != "pointer" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("tensor-descriptor loads need a Hopper-class GPU")
-    H, I, w, x, rw, cu, total, gen, plain, padded = _skewed_case(schedule, 15)
+    H, I = 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    w = _two_pools(gen, H, I, [0, 0, -1, 1, 0, 0, 1, 0], [0, 1, -1, 0, 2, 3, 1, 4])
+    lens = [1, 37, 0, 3, 900, 0, 16, 130]
+    x, rw, cu, total = _inputs(lens, H, gen, pad_to=128, extra=300)
+    plain = {k: dict(v) for k, v in _SWAP_TILES.items()}
+    padded = True
+    if schedule == "tma":
+        plain = {k: {**v, "tma": True} for k, v in plain.items()}
+    elif schedule.startswith("big"):
+        plain = {"gate_up": {**_BIG_GU, "ws": schedule == "big ws"}, "down": {**_BIG_DOWN, "flat": schedule == "big flat"}}
+        padded = schedule != "big flat"  # the flattened loop only without the tile skip
+    elif schedule == "streamk":
+        plain = {k: {**v, "streamk": True} for k, v in plain.items()}
     mix = {k: {**v, "mix": True} for k, v in plain.items()}
     same = torch.equal if schedule != "streamk" else (lambda a, b: _rel(a, b) < _W13I_SAME_TOL)  # stream-K cuts other
     # tiles in another order: a cut tile's pieces are summed in another grouping (float32), so not the same bits
     _as_plain_then_replayed(tk, x, rw, cu, w, total, H, gen, plain, mix, padded, same, "the mixed order")
-
-
-@pytest.mark.parametrize("schedule", ["pointer", "tma", "big ws", "big flat", "streamk"])
-def test_dependent_launch_same_bits(schedule):
-    """Down launched with programmatic dependent launch (``"pdl"``: its programs start on the SMs gate/up's leave and
-    wait there) on a GPU, under every three-launch schedule: only when the launches start moves, so the outputs must
-    be the same bits as the tiles launched in stream order. Down reading act before gate/up has written it (the wait
-    dropped or placed after a load: rows of other bits, or NaN from the act scratch), or building its tensor
-    descriptors in launch-time scratch that gate/up's launch still uses; then a captured graph (which keeps the
-    dependent launch as a programmatic edge) replayed on rows of another skew."""
-    tk = _triton()
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch (griddepcontrol) needs a Hopper-class GPU")
-    H, I, w, x, rw, cu, total, gen, plain, padded = _skewed_case(schedule, 17)
-    pdl = {k: {**v, "pdl": True} for k, v in plain.items()}
-    _as_plain_then_replayed(tk, x, rw, cu, w, total, H, gen, plain, pdl, padded, torch.equal,
-                            "the dependent launch")
 
 
 def _as_plain_then_replayed(tk, x, rw, cu, w, total, H, gen, plain, option, padded, same, what):

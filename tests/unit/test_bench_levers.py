@@ -143,9 +143,9 @@ def test_flat_lever_toggles_the_down_tiles_only():
     assert lines[3].endswith("| - | - | - | - | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 |")
 
 
-@pytest.mark.parametrize("lever", ["mix", "streamk", "pdl"])
+@pytest.mark.parametrize("lever", ["mix", "streamk"])
 def test_both_kernel_levers_time_both_kernels_and_each_alone(lever):
-    """A lever set on both kernels (the mixed order, stream-K, programmatic dependent launch) leaving a kernel out, changing anything but its own
+    """A lever set on both kernels (the mixed order, stream-K) leaving a kernel out, changing anything but its own
     option, editing the committed tiles in place, or timing a one-launch entry (which takes neither) against
     itself."""
     gu = {"BM": 64, "BN": 128, "BK": 64, "tma": True}
@@ -160,7 +160,7 @@ def test_both_kernel_levers_time_both_kernels_and_each_alone(lever):
     assert list(bench_levers.variants(one, lever)) == ["committed", "control"]
     assert "one launch" in bench_levers.lever_absent(one, lever) and lever in bench_levers.lever_absent(one, lever)
     assert bench_levers.parse_args(["--lever", lever]).lever == lever
-    assert bench_levers.LEVER_KERNEL[lever] == ("down" if lever == "pdl" else "gate_up"), "the kernel timed alone"
+    assert bench_levers.LEVER_KERNEL[lever] == "gate_up", "the kernel timed alone beside the whole compute"
 
 
 def test_pair_lever_doubles_rows_within_the_widest_sums():

@@ -189,18 +189,6 @@ def test_flat_tiles_that_cannot_flatten_are_said(triton_kernels, monkeypatch, ca
     assert len(lines) == 1 and where in lines[0], lines
 
 
-def test_dependent_launch_where_it_cannot_run_is_said(triton_kernels, monkeypatch, caplog):
-    """A tile config's "pdl" kept where it cannot run (the interpreter runs no griddepcontrol PTX, a CPU tensor has no
-    launch to depend on; a GPU below Hopper has neither), or dropped without a word."""
-    monkeypatch.setattr(defaults_mod, "_SAID", set())
-    with caplog.at_level(logging.INFO, logger=triton_kernels.__name__):
-        for _ in range(3):
-            assert triton_kernels._pdl({"pdl": True}, torch.device("cpu")) is False
-        assert triton_kernels._pdl({}, torch.device("cpu")) is False
-    lines = [r.getMessage() for r in caplog.records if '"pdl"' in r.getMessage()]
-    assert len(lines) == 1 and "Hopper-class GPU" in lines[0] and "stream order" in lines[0], lines
-
-
 def test_symmetric_layout_says_its_w13_order_once(monkeypatch, caplog):
     """The symmetric layout storing w13 interleaved (and so the adopted parameters' rows) without saying so: a
     reader of vLLM's w13_weight after loading would find gate and up in another order than vLLM wrote them."""

@@ -1,6 +1,6 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|pair|pdl|generic] [--impl triton|deepgemm]
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|pair|generic] [--impl triton|deepgemm]
 [--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
@@ -28,10 +28,6 @@ changes, or for ``mix``, ``streamk`` and ``pair``, which change both, gate/up):
   widest tile holds, 8 warps, one program per SM; committed 128-row tiles: the same tiles as pairs of 64 rows, so
   that a group's odd last 64 rows run as a tile of 64), and the pair's gate/up tiles without the pair
   (``pair_bn``: where its BN differs from the committed); none at a one-launch entry or above 128 rows;
-- ``pdl`` (both kernels; down timed alone): the down launch made with programmatic dependent launch (``"pdl"``,
-  ``triton_kernels``: its programs take the SMs gate/up's leave and wait for it there), with gate/up letting it
-  start at once (``pdl``), on down only (it starts as gate/up's programs end) and on gate/up only (nothing to
-  start early: a second control); as ``mix``, none at a one-launch entry;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
   tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
   ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
@@ -56,8 +52,6 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
     pair, pair_gate_up, pair_down, pair_bn
                   (--lever pair) the pair tiles on both kernels, on gate/up only, on down only, and the
                   pair's gate/up tiles without the pair (its BN, warps, stages)
-    pdl, pdl_gate_up, pdl_down
-                  (--lever pdl) the same, with "pdl"
     stream, mid, compute
                   (--lever generic) the generic regimes' tiles, each but the committed one
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
@@ -110,10 +104,10 @@ LEVER_SHAPES = {**SHAPES, "untuned": UNTUNED_SHAPE}
 DEFAULT_REP = 50
 #: the widest warpgroup MMA's N on Hopper: a w13i tile of 2*BN above it runs two MMAs per step anyway
 MAX_MMA_N = 256
-#: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk, pair: both; gate/up; pdl: both; down),
-#: timed alone beside the whole compute
+#: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk, pair: both; gate/up), timed alone
+#: beside the whole compute
 LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "pair": "gate_up",
-                "pdl": "down", "generic": "gate_up"}
+                "generic": "gate_up"}
 #: the float32 sums one tile of the pair lever may hold (``pair_tiles``): the committed tiles' largest, 128 x 256
 PAIR_MAX_ACC = 128 * 256
 #: the shared memory the pair lever's stages may take (``pair_tiles``), below Hopper's 227 KB per block
@@ -121,7 +115,7 @@ PAIR_MAX_SMEM = 200 * 1024
 #: the rows of the pair lever's largest tile (``pair_tiles``): committed tiles of these rows are halved and paired
 PAIR_ROWS = 128
 #: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
-BOTH_KERNELS = ("mix", "streamk", "pdl")
+BOTH_KERNELS = ("mix", "streamk")
 #: the lever by default
 DEFAULT_LEVER = "w13i"
 #: the variants of ``--lever w13i`` that run over the weights stored interleaved; its others run over two tensors

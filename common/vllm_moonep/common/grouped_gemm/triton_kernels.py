@@ -80,13 +80,6 @@ twice instead of three times, while the rows computed stay those of ``BM``-row t
 there). The tile list counts pairs (``BMT``); each tile takes one of two main loops, by its rows. Measured 1-2.4%
 faster there on an H100 and slower elsewhere (docs/PERFORMANCE.md, tile options): a ``--tune`` candidate. Stream-K
 does not take it (refused).
-``"pdl": true`` (programmatic dependent launch, Hopper): on gate/up, its programs let the next launch start at
-once (``griddepcontrol.launch_dependents``); on down, the launch is made with the attribute that lets it start
-before the previous one ends, and its programs wait (``griddepcontrol.wait``) after building their tile list from
-``cu_seqlens`` and the ends (written before gate/up began) and before anything else (the rows gate/up writes, the
-zero tiles, the device-built descriptors, whose launch-time scratch may be memory gate/up's launch has just
-released). The down programs then take the SMs gate/up's programs leave and start as it ends, instead of
-after the launch gap. Same bits either way; off under the interpreter (no PTX) and below Hopper.
 
 Tile configurations come from the GPU's section of ``tuning.json`` (``policy.py``: its own, or the one
 its compute capability borrows, said once), looked up by ``H``, ``I`` and the step's tokens per rank
@@ -283,21 +276,6 @@ def _sk_last(tk_ptr, p0, p1):
 
 
 @triton.jit
-def _let_next_launch_start():
-    """``griddepcontrol.launch_dependents``: the launch after this one (made with programmatic dependent launch) may
-    start its programs now; they wait for this launch at their ``_wait_previous_launch``."""
-    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _wait_previous_launch():
-    """``griddepcontrol.wait``: blocks until the previous launch has ended and its writes are visible (a launch made
-    with programmatic dependent launch may start before)."""
-    tl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gate_up_kernel(
     x_ptr, rw_ptr, cu_ptr, eff_ptr, tab_ptr, act_ptr, ws_ptr, tk_ptr,
     M, G, N, K, stride_xm, stride_am,
@@ -305,10 +283,8 @@ def _gate_up_kernel(
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
-    W13I: tl.constexpr, MIX: tl.constexpr, PAIR: tl.constexpr, BMT: tl.constexpr, PDL: tl.constexpr,
+    W13I: tl.constexpr, MIX: tl.constexpr, PAIR: tl.constexpr, BMT: tl.constexpr,
 ):
-    if PDL:  # the down launch may place its programs on the SMs this launch's programs leave
-        _let_next_launch_start()
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BMT)
@@ -379,13 +355,11 @@ def _down_kernel(
     GP2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ZM: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr, SKIP: tl.constexpr,
     TMA: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, STREAMK: tl.constexpr, SWAP: tl.constexpr,
-    ZT: tl.constexpr, MIX: tl.constexpr, PAIR: tl.constexpr, BMT: tl.constexpr, PDL: tl.constexpr,
+    ZT: tl.constexpr, MIX: tl.constexpr, PAIR: tl.constexpr, BMT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     gidx, start, eend, end, mb = _group_table(cu_ptr, eff_ptr, G, GP2, BMT)
-    if PDL:  # started early (programmatic dependent launch): gate/up's act, and any memory it held, after this
-        _wait_previous_launch()
     nt = tl.cdiv(N, BN)
     tiles = mb * nt
     total = tl.sum(tiles, 0)
@@ -745,18 +719,6 @@ def _pair(c: dict) -> bool:
     return pair
 
 
-def _pdl(c: dict, device) -> bool:
-    """A tile config's ``pdl`` (programmatic dependent launch, see the module doc) where it can run: a Hopper-class
-    GPU, not the interpreter (said once where a config asks for it elsewhere)."""
-    if not c.get("pdl", False):
-        return False
-    if interpreting() or device.type != "cuda" or capability(device)[0] < 9:
-        say_once("MoonEP expert kernels: a tile config asks for programmatic dependent launch (\"pdl\"), which needs "
-                 f"a Hopper-class GPU (here: {device}); launching in stream order", __name__)
-        return False
-    return True
-
-
 def _flat(c: dict, ws: bool, skip: bool) -> bool:
     """A tile config's ``flat`` where Triton can flatten the tile loop: not with ``ws``, and not when
     tiles of weight-0 rows are skipped (``skip``: the main loop's bound then varies by tile, and
@@ -810,28 +772,27 @@ def _launch_gate_up(x, route_w, cu, eff, prep, act, c, dot_f32, skip=False):
         x, route_w, cu, eff, prep.table, act, wsp, tks,
         x.shape[0], G, I, H, x.stride(0), act.stride(0),
         s_gn, s_gk, s_un, s_uk,
-        **gate_up_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=sk, w13i=w13i,
-                       pdl=_pdl(c, x.device)),
+        **gate_up_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=sk, w13i=w13i),
     )
 
 
 def _tile_meta(c: dict, K: int, N: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
-               streamk: bool, pdl: bool = False) -> dict:
+               streamk: bool) -> dict:
     """The compile-time arguments the two persistent GEMM kernels share, for tile config ``c`` over a ``K``-deep
     reduction into ``N`` columns (gate/up: ``K = H``, ``N = I``; down: the other way round)."""
     pair = _pair(c)
     return dict(GP2=max(16, triton.next_power_of_2(G)), BM=c["BM"], BN=c["BN"], BK=c["BK"],
                 EVEN_K=(K % c["BK"] == 0), EVEN_N=(N % c["BN"] == 0), DOT_F32=dot_f32, SKIP=skip, TMA=tma, WS=ws,
                 FLAT=flat, STREAMK=streamk, SWAP=_swap(c), MIX=_mix(c), PAIR=pair, BMT=c["BM"] * (2 if pair else 1),
-                PDL=pdl, num_warps=c["num_warps"], num_stages=c["num_stages"])
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
 
 
 def gate_up_meta(c: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
-                 streamk: bool, w13i: bool, pdl: bool = False) -> dict:
+                 streamk: bool, w13i: bool) -> dict:
     """The gate/up kernel's compile-time arguments for tile config ``c`` with its options resolved (the launch's;
     ``test_kernels_compile`` compiles every shipped entry from them)."""
-    return dict(_tile_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=streamk,
-                           pdl=pdl), W13I=w13i)
+    return dict(_tile_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=streamk),
+                W13I=w13i)
 
 
 def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False, zero_tail=True):
@@ -842,23 +803,21 @@ def _launch_down(act, route_w, cu, eff, prep, dst, c, dot_f32, skip=False, zero_
     flat = _flat(c, ws, skip)
     grid = (max(1, sm_count(act.device) * int(c.get("progs_per_sm", 1))),)
     sk, wsp, tks = _streamk(c, act.device, grid[0], 1, (dst, eff))
-    pdl = _pdl(c, act.device)
     return _down_kernel[grid](
         act, route_w, cu, eff, prep.table, dst, wsp, tks,
         act.shape[0], G, H, I, act.stride(0), dst.stride(0),
         s_dn, s_dk,
         **down_meta(c, H, I, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=sk,
-                    zero_tail=zero_tail, pdl=pdl),
-        **({"launch_pdl": True} if pdl else {}),  # the launch attribute; PDL=False kernels launch as before
+                    zero_tail=zero_tail),
     )
 
 
 def down_meta(c: dict, H: int, I: int, G: int, *, dot_f32: bool, skip: bool, tma: bool, ws: bool, flat: bool,
-              streamk: bool, zero_tail: bool, pdl: bool = False) -> dict:
+              streamk: bool, zero_tail: bool) -> dict:
     """The down kernel's compile-time arguments for tile config ``c`` with its options resolved (as
     ``gate_up_meta``)."""
-    return dict(_tile_meta(c, I, H, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=streamk,
-                           pdl=pdl), ZM=c.get("ZM", 64), ZT=zero_tail)
+    return dict(_tile_meta(c, I, H, G, dot_f32=dot_f32, skip=skip, tma=tma, ws=ws, flat=flat, streamk=streamk),
+                ZM=c.get("ZM", 64), ZT=zero_tail)
 
 
 def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero_tail=True, row_ends=None):
@@ -873,7 +832,7 @@ def _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, skip=False, zero
              "one launch instead of three; its work counters belong to the layer's weights, so one layer's "
              "expert compute must run in stream order (not on two CUDA streams at once)", __name__)
     unused = [f"{kind}:{opt}" for kind, c in (("gate_up", gu), ("down", dn))
-              for opt in ("ws", "flat", "streamk", "mix", "pair", "pdl") if c.get(opt)]
+              for opt in ("ws", "flat", "streamk", "mix", "pair") if c.get(opt)]
     if unused:
         say_once(f"MoonEP expert kernels: one launch does not take the tile options {unused} (its loops are neither "
                  "warp-specialized nor flattened, its tiles whole); it runs without them", __name__)
