@@ -184,6 +184,8 @@ def test_pair_lever_doubles_rows_within_the_widest_sums():
     assert bench_levers.pair_tiles(big, 1) is None and bench_levers.pair_tiles({**dn, "streamk": True}, 1) is None
     assert list(bench_levers.variants({"gate_up": big, "down": big}, "pair")) == ["committed", "control"]
     assert "128 rows" in bench_levers.lever_absent({"gate_up": big, "down": big}, "pair")
+    one = {"gate_up": gu, "down": dn, "fused": {"num_warps": 8, "num_stages": 4, "progs_per_sm": 1}}
+    assert "one launch" in bench_levers.lever_absent(one, "pair")
 
 
 def test_pair_lever_halves_128_row_tiles():
@@ -196,8 +198,6 @@ def test_pair_lever_halves_128_row_tiles():
     assert v["pair_down"]["gate_up"] == gu and v["pair"]["down"] == v["pair_down"]["down"]
     assert "pair" not in dn and dn["BM"] == 128, "the committed tiles were edited in place"
     assert bench_levers.lever_absent({"gate_up": dn, "down": dn}, "pair") is None
-    one = {"gate_up": gu, "down": dn, "fused": {"num_warps": 8, "num_stages": 4, "progs_per_sm": 1}}
-    assert "one launch" in bench_levers.lever_absent(one, "pair")
 
 
 def test_pair_with_streamk_is_refused_by_name():
