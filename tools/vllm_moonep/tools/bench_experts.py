@@ -129,7 +129,7 @@ GU_CANDIDATES = [
     {"BM": 64, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     {"BM": 16, "BN": 64, "BK": 128, "num_warps": 4, "num_stages": 4, "progs_per_sm": 2, "tma": True},
     # two 64-row tiles of a group as one of 128 rows where both hold rows ("pair": each weight block loaded
-    # once for both): 1-2.4% less at Kimi-K2 1024 tokens on an H100, slower at Qwen3-30B-A3B 256 and Kimi-K2
+    # once for both): 0.5-2.4% less at Kimi-K2 1024 tokens on an H100, slower at Qwen3-30B-A3B 256 and Kimi-K2
     # 4096 (docs/PERFORMANCE.md#tile-options)
     {"BM": 64, "BN": 128, "BK": 64, "num_warps": 8, "num_stages": 3, "progs_per_sm": 1, "tma": True, "pair": True},
     # one wave: tiles whose shared memory lets 3-4 programs share an SM, so that a launch of a few

@@ -77,9 +77,9 @@ running them in separate rounds. Same bits either way.
 (a group's odd last tile stays ``BM`` rows): each weight block is then loaded into shared memory once for both, so
 at the ridge point (Kimi-K2 1024 tokens: ~170 rows per group, three 64-row tiles) the L2 serves each weight slice
 twice instead of three times, while the rows computed stay those of ``BM``-row tiles (128-row tiles compute 256
-there). The tile list counts pairs (``BMT``); each tile takes one of two main loops, by its rows. Measured 1-2.4%
-faster there on an H100 and slower elsewhere (docs/PERFORMANCE.md, tile options): a ``--tune`` candidate. Stream-K
-does not take it (refused).
+there). The tile list counts pairs (``BMT``); each tile takes one of two main loops, by its rows. Measured 0.5-1.4%
+(balanced) and 1.4-2.4% (skewed) faster there on an H100 and slower elsewhere (docs/PERFORMANCE.md, tile
+options): a ``--tune`` candidate. Stream-K does not take it (refused).
 
 Tile configurations come from the GPU's section of ``tuning.json`` (``policy.py``: its own, or the one
 its compute capability borrows, said once), looked up by ``H``, ``I`` and the step's tokens per rank
