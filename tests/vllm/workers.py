@@ -160,19 +160,33 @@ def run_bare(o, x, ids, w, *, apply_on_input: bool = False, wr=None):
     cu = meta.cu_seqlens
     assert cu is not None and cu.dtype == torch.int32 and cu.shape == meta.expert_num_tokens.shape
     assert torch.equal(torch.cumsum(meta.expert_num_tokens, 0, dtype=torch.int32), cu), "counts and cu_seqlens disagree"
-    y = torch.empty_like(a1q)
+    # two sentinels: a row that combine reads and neither apply writes still differs between them
+    y = torch.full_like(a1q, float("nan"))
     ex.apply(y, a1q, o["w13_l"], o["w2_l"], w_nvs, ids, MoEActivation.SILU, o["E"], None, None, None,
              torch.empty(0, device=x.device), torch.empty(0, device=x.device), meta, apply_on_input)
     # the same metadata without cu_seqlens (as another prepare's would be): apply counts them itself, same output
     plain = dataclasses.replace(meta, cu_seqlens=None)
-    y2 = torch.empty_like(a1q)
+    y2 = torch.full_like(a1q, -7.0)
     ex.apply(y2, a1q, o["w13_l"], o["w2_l"], w_nvs, ids, MoEActivation.SILU, o["E"], None, None, None,
              torch.empty(0, device=x.device), torch.empty(0, device=x.device), plain, apply_on_input)
-    end = int(cu[-1])  # rows past it are undefined
-    assert torch.equal(y2[:end], y[:end]), "apply on counts-only metadata differs from apply on our prepare's"
+    read = rows_combine_reads(cu, meta.row_ends, meta.zero_tail, y.shape[0])
+    assert torch.equal(y2[read], y[read]), "apply on counts-only metadata differs from apply on our prepare's"
     out = torch.empty_like(x)
     pf.finalize(out, y, w, ids, apply_on_input, wr if wr is not None else ex.finalize_weight_and_reduce_impl())
     return out
+
+
+def rows_combine_reads(cu: torch.Tensor, row_ends: torch.Tensor | None, zero_tail: bool, nrows: int) -> torch.Tensor:
+    """``bool [nrows]``: the rows that combine reads, which apply must write. With ``zero_tail``, every row
+    before ``cu[-1]`` (the padding tails as zeros); without it (the built-in engine's GPU dispatch, which
+    writes ``row_ends``), each segment's entry rows only: apply leaves the tails as the memory held them.
+    Rows from ``cu[-1]`` on are undefined either way."""
+    rows = torch.arange(nrows, device=cu.device)
+    read = rows < cu[-1]
+    if not zero_tail and row_ends is not None:  # segment g holds rows [cu[g-1], cu[g]), its entries end at row_ends[g]
+        group = torch.searchsorted(cu, rows.to(cu.dtype), right=True).clamp_(max=cu.numel() - 1)
+        read &= rows < row_ends.to(rows.dtype)[group]
+    return read
 
 
 def run_kernel(o, x, ids, w, *, apply_on_input: bool = False):
