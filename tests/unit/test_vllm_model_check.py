@@ -186,8 +186,8 @@ def test_comparisons_fail_on_any_difference_and_skip_nothing_silently():
     """The plugin-on/off comparison must fail on one differing token, and a serve answer must match offline."""
     a = _args(modes=["eager"], serve="eager", serve_tokens=3)
     runs = vmc.plan_runs(a, "/m")
-    assert [r.name for r in runs] == ["llm-eager-plugin", "llm-eager-noplugin", "serve-eager-plugin"]
-    on, off, srv = runs
+    assert [r.name for r in runs] == ["llm-eager-noplugin", "llm-eager-plugin", "serve-eager-plugin"]
+    off, on, srv = runs
     on.result = _llm_result([[1, 2]], {1: "x", 32: "y"})
     off.result = _llm_result([[1, 2]], {1: "x", 32: "y"})
     srv.result = {"status": "ok", "tokens": [[7, 8, 9]]}
@@ -217,9 +217,11 @@ def _graph_runs(on, off, off2=None, **kw):
     """llm-graphs-plugin, llm-graphs-noplugin (and llm-graphs-noplugin-2 where ``off2``) with these results."""
     a = _args(modes=["graphs"], serve="none", **kw)
     runs = vmc.plan_runs(a, "/m")
-    runs[0].result, runs[1].result = on, off
+    by = {r.name: r for r in runs}
+    by["llm-graphs-plugin"].result, by["llm-graphs-noplugin"].result = on, off
     if off2 is not None:
-        runs.append(vmc.Run(vmc.baseline_name("graphs"), "llm", "graphs", False, "moonep", list(runs[1].argv), off2))
+        runs.append(vmc.Run(vmc.baseline_name("graphs"), "llm", "graphs", False, "moonep",
+                            list(by["llm-graphs-noplugin"].argv), off2))
     return a, runs
 
 
@@ -336,7 +338,7 @@ def test_baseline_not_run_fails_and_says_why():
 
 def test_check_lines_uses_the_run_state(tmp_path):
     a = _args(weights="vllm")
-    run = vmc.plan_runs(a, "/m")[1]  # llm-eager-noplugin
+    run = vmc.plan_runs(a, "/m")[0]  # llm-eager-noplugin
     run.result = {"log_lines": vmc.scan_log("vllm-moonep 0.1.0 hooked vLLM 0.33.0 (3 seams: a); --all2all-backend "
                                             "moonep builds vllm-moonep's classes")}
     bad = [c for c in vmc.check_lines(run, a) if not c["ok"]]
@@ -421,7 +423,8 @@ def test_dry_run_plans_every_run_and_writes_results(tmp_path, capsys):
                    "--dry-run", "--dp", "1", "--json", "model.json"])
     res = json.loads((tmp_path / "out" / "model.json").read_text())
     assert rc == (2 if res["setup_errors"] else 0)
-    assert list(res["runs"]) == ["llm-eager-plugin", "llm-eager-noplugin", "llm-graphs-plugin", "llm-graphs-noplugin",
+    # the runs without the plugin first: a machine's first run of a mode is never the plugin's
+    assert list(res["runs"]) == ["llm-eager-noplugin", "llm-eager-plugin", "llm-graphs-noplugin", "llm-graphs-plugin",
                                  "serve-graphs-plugin"]
     env = res["runs"]["llm-eager-noplugin"]["env_diff"]
     assert env["VLLM_MOONEP_PLUGIN"] == "0" and env[vmc.WEIGHTS_ENV] == "scaled"

@@ -34,7 +34,7 @@ logits (std about 1) follow the MoE. ``vllm`` keeps vLLM's fill.
 What runs (defaults; every run with ``--enable-expert-parallel --all2all-backend moonep`` at
 ``--dp 1``, where vLLM uses no all2all backend and the plugin says why MoonEP is inactive):
 
-- ``llm-eager-plugin``, ``llm-eager-noplugin``, ``llm-graphs-plugin``, ``llm-graphs-noplugin``:
+- ``llm-eager-noplugin``, ``llm-eager-plugin``, ``llm-graphs-noplugin``, ``llm-graphs-plugin``:
   ``vllm.LLM`` (``LLM.from_engine_args`` over vLLM's own CLI parser, the same arguments as serve),
   greedy tokens of ``--prompts`` prompts given as token ids, then tokens/s at each ``--bench-batch``;
 - ``serve-graphs-plugin``: ``python -m vllm.entrypoints.cli.main serve`` (what the ``vllm`` console
@@ -54,6 +54,10 @@ passes when the plugin's tokens equal either no-plugin run's (vLLM's spread); it
 no-plugin runs agree and the plugin's differ (the plugin changes the tokens), when the plugin's
 equal neither, or when the baseline did not run (the check says why). ``results.json`` keeps the
 per-mode verdicts under ``baseline``; the comparison checks add ``verdict``, ``why`` and ``baseline``.
+The run without the plugin goes first (``--plugin``'s default order): on an H200 and on an H100 the
+plugin's run, then each call's first graph run, was the one that differed while the two runs without
+it agreed (``plugin_differs``); with that order the plugin's run and the baseline are never a
+machine's first run of their mode, so a first run's odd tokens read as spread, not as the plugin's.
 
 CUDA graphs without torch.compile (``--compile-mode NONE --graph-mode FULL_DECODE_ONLY``, the
 default): vLLM 0.33 captures FULL graphs of the whole forward without Dynamo/Inductor (piecewise
@@ -973,8 +977,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--logs", default=None, help="folder of the runs' logs (default --out)")
     c.add_argument("--modes", nargs="*", choices=("eager", "graphs"), default=["eager", "graphs"],
                    help="llm runs: eager (--enforce-eager) and/or CUDA graphs (none: no llm run)")
-    c.add_argument("--plugin", nargs="+", choices=("on", "off"), default=["on", "off"],
-                   help="llm runs with the plugin (VLLM_MOONEP_PLUGIN unset) and/or without (=0)")
+    c.add_argument("--plugin", nargs="+", choices=("on", "off"), default=["off", "on"],
+                   help="llm runs without the plugin (VLLM_MOONEP_PLUGIN=0) and/or with it (unset), in this order: "
+                        "the first run of a machine pays its first compilations, and the baseline run tells that apart "
+                        "only when the first run is one without the plugin")
     c.add_argument("--serve", choices=("graphs", "eager", "none"), default="graphs", help="the serve run's mode")
     c.add_argument("--serve-plugin", choices=("on", "off"), default="on", help="the serve run with or without the plugin")
     c.add_argument("--serve-cmd", default=SERVE_CMD,
