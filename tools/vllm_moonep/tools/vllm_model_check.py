@@ -54,10 +54,10 @@ passes when the plugin's tokens equal either no-plugin run's (vLLM's spread); it
 no-plugin runs agree and the plugin's differ (the plugin changes the tokens), when the plugin's
 equal neither, or when the baseline did not run (the check says why). ``results.json`` keeps the
 per-mode verdicts under ``baseline``; the comparison checks add ``verdict``, ``why`` and ``baseline``.
-The run without the plugin goes first (``--plugin``'s default order): on an H200 and on an H100 the
-plugin's run, then each call's first graph run, was the one that differed while the two runs without
-it agreed (``plugin_differs``); with that order the plugin's run and the baseline are never a
-machine's first run of their mode, so a first run's odd tokens read as spread, not as the plugin's.
+The run without the plugin goes first (``--plugin``'s default order). A machine's first graph run
+pays its first compilations, and such a run has been the odd one while the later two agreed
+(docs/TESTING.md, "Greedy tokens"); with this order neither the plugin's run nor the baseline is a
+first run, so a first run's odd tokens read as spread, not as the plugin's.
 
 CUDA graphs without torch.compile (``--compile-mode NONE --graph-mode FULL_DECODE_ONLY``, the
 default): vLLM 0.33 captures FULL graphs of the whole forward without Dynamo/Inductor (piecewise
@@ -978,9 +978,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--modes", nargs="*", choices=("eager", "graphs"), default=["eager", "graphs"],
                    help="llm runs: eager (--enforce-eager) and/or CUDA graphs (none: no llm run)")
     c.add_argument("--plugin", nargs="+", choices=("on", "off"), default=["off", "on"],
-                   help="llm runs without the plugin (VLLM_MOONEP_PLUGIN=0) and/or with it (unset), in this order: "
-                        "the first run of a machine pays its first compilations, and the baseline run tells that apart "
-                        "only when the first run is one without the plugin")
+                   help="llm runs without the plugin (VLLM_MOONEP_PLUGIN=0) and/or with it (unset), in this order "
+                        "(the default puts a machine's first run, which pays its first compilations, off the plugin)")
     c.add_argument("--serve", choices=("graphs", "eager", "none"), default="graphs", help="the serve run's mode")
     c.add_argument("--serve-plugin", choices=("on", "off"), default="on", help="the serve run with or without the plugin")
     c.add_argument("--serve-cmd", default=SERVE_CMD,
