@@ -116,6 +116,7 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
             res["adopted"] = layer.w13_weight.data_ptr() == lay.home_w13.data_ptr()
         res["report"] = lay.memory_report().as_dict()
         res["B"] = lay.num_slots
+        res["batch_invariant"] = ex.batch_invariant
 
         # a DP step: each rank its own token count; capacity from vLLM's DP metadata
         n = counts[rank]
@@ -171,6 +172,20 @@ def rk_seam_check():
         return str(e)
     finally:
         pfm.gather_moonep_weight_layout = saved
+
+
+def rk_library_impl_under_invariance(impl: str) -> str:
+    """MoonEPExperts built with a library kernel under VLLM_BATCH_INVARIANT=1: the error it raises."""
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+
+    from vllm_moonep.common.vllm_modular import MoonEPExperts
+    from vllm_moonep.engine import MoonEPInputError
+
+    try:
+        MoonEPExperts(W.moe_config(32, 4, 256, 256, 2, 0, 512), FUSED_MOE_UNQUANTIZED_CONFIG, impl=impl)
+    except MoonEPInputError as e:
+        return str(e)
+    return "no error"
 
 
 # ---------------------------------------------------------------------------- tests
@@ -309,6 +324,25 @@ def test_vllm_layer_forward(layout, shared):
         assert all(r["classes"][2].endswith("SymmetricWeightLayout") for r in res)
         assert all(r["w13_shape"] == (16, 512, 256) and r["same_param"] and r["adopted"] for r in res)
         assert all(r["report"]["replicated_rows"] == 0 for r in res)
+
+
+def test_vllm_layer_batch_invariant():
+    """VLLM_BATCH_INVARIANT=1 with the moonep backend: vLLM's oracle refusing our experts (they must say they
+    support it), the flag not reaching the expert compute, the start-up line not saying so, or a wrong step."""
+    extra = {"moonep": {"weight_layout": "replicated", "engine": "builtin", "num_prefetch_slots": 4}}
+    res = ranks(2, rk_vllm_layer, extra, [37, 150], 7, env={**CPU_ENV, "VLLM_BATCH_INVARIANT": "1"})
+    for r in res:
+        assert r["backend"] == "MOONEP" and r["batch_invariant"] is True, r
+        assert "kernel=reference, batch invariant (impl=auto)" in r["summary"], r["summary"]
+    assert max(r["slots"] for r in res) > 0
+    off = ranks(2, rk_vllm_layer, extra, [37, 150], 7, env=CPU_ENV)
+    assert all(r["batch_invariant"] is False and "batch invariant" not in r["summary"] for r in off)
+
+
+def test_library_impl_refused_under_batch_invariance():
+    """A library kernel (tiles chosen per problem size) taken under VLLM_BATCH_INVARIANT=1 without a word."""
+    msg = ranks(1, rk_library_impl_under_invariance, "grouped_mm", env={**CPU_ENV, "VLLM_BATCH_INVARIANT": "1"})[0]
+    assert "VLLM_BATCH_INVARIANT=1" in msg and "impl='grouped_mm'" in msg, msg
 
 
 def test_vllm_layer_step_log_transport_and_resolved_kernel():

@@ -187,12 +187,16 @@ class MoonEPMoE:
         pool: the buffer pool (shared by every layer of the same shape).
         layout: this layer's ``WeightLayout``.
         impl: grouped GEMM implementation (``vllm_moonep.common.grouped_gemm.IMPLS``).
+        batch_invariant: each token's output independent of the step's other tokens
+            (``grouped_gemm/invariance.py``).
     """
 
-    def __init__(self, pool: MoonEPBufferPool, layout: WeightLayout, *, impl: str = "auto", timer=None):
+    def __init__(self, pool: MoonEPBufferPool, layout: WeightLayout, *, impl: str = "auto", timer=None,
+                 batch_invariant: bool = False):
         self.pool = pool
         self.layout = layout
         self.impl = impl
+        self.batch_invariant = batch_invariant
         self.timer = timer or NullTimer()
         self.last: StepInfo | None = None
 
@@ -219,7 +223,8 @@ class MoonEPMoE:
         )
         with self.timer.phase("experts"):
             y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n,
-                           padded=state.padded, row_ends=state.row_ends, zero_tail=state.tails_read)
+                           padded=state.padded, row_ends=state.row_ends, zero_tail=state.tails_read,
+                           batch_invariant=self.batch_invariant)
         with self.timer.phase("combine"):
             out = combine_rows(state, y)
         self.last = state.info()

@@ -12,7 +12,8 @@ step functions as ``common/vllm_moonep/common/moe_step.py`` split at vLLM's seam
   row counts as ``ExpertTokensMetadata`` (on GPUs written by the dispatch kernel; with dispatch's
   ``cu_seqlens`` beside them, so ``apply`` launches no cumsum) and the route weights in row order.
 - ``MoonEPExperts.apply``: ``expert_ffn`` over the ``cu_seqlens`` groups with the route weights
-  applied inside (the activation is plain torch or our Triton kernel, never vLLM's compiled ops).
+  applied inside (the activation is plain torch or our Triton kernel, never vLLM's compiled ops);
+  batch invariant under ``VLLM_BATCH_INVARIANT=1`` (``grouped_gemm/invariance.py``).
 - ``MoonEPPrepareAndFinalize.finalize``: ``combine`` (which does the K-sum), so it requires
   ``TopKWeightAndReduceNoOP``.
 
@@ -29,11 +30,12 @@ from typing import Any
 
 import torch
 
+import vllm.envs as envs
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 
-from vllm_moonep.common.grouped_gemm import expert_ffn
+from vllm_moonep.common.grouped_gemm import expert_ffn, invariance
 from vllm_moonep.common.grouped_gemm.api import IMPLS
 from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.common.moe_step import (
@@ -46,6 +48,7 @@ from vllm_moonep.common.moe_step import (
     step_token_count,
 )
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, dispatched_rows
+from vllm_moonep.engine.defaults import say_once
 
 __all__ = [
     "MoonEPExperts",
@@ -303,6 +306,13 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
         impl = self.default_impl if impl is None else impl
         if impl not in IMPLS:
             raise MoonEPInputError(f"MoonEPExperts: impl must be one of {IMPLS}, got {impl!r}")
+        # read at construction, as vLLM's own kernels read it when the engine builds them
+        self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
+        if self.batch_invariant:
+            if impl not in ("auto", *invariance.IMPLS):
+                raise MoonEPInputError(f"MoonEPExperts: VLLM_BATCH_INVARIANT=1: {invariance.refused(impl)}")
+            say_once("MoonEP expert compute: batch invariant (VLLM_BATCH_INVARIANT=1): a token's expert outputs "
+                     "do not depend on the step's other tokens or on where the plan puts its rows", "vllm_moonep.vllm")
         self.impl = impl
         self._weight_layout = weight_layout
 
@@ -348,6 +358,10 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
     @staticmethod
     def _supports_quant_scheme(weight_key, activation_key) -> bool:
         return weight_key is None and activation_key is None
+
+    @staticmethod
+    def _supports_batch_invariance() -> bool:
+        return True  # apply passes VLLM_BATCH_INVARIANT on (expert_ffn(batch_invariant=True))
 
     def supports_chunking(self) -> bool:
         return False  # NvS is static and segments must stay whole
@@ -418,4 +432,5 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
                    tokens=getattr(expert_tokens_meta, "step_tokens", None),
                    padded=getattr(expert_tokens_meta, "padded", True),
                    row_ends=getattr(expert_tokens_meta, "row_ends", None),
-                   zero_tail=getattr(expert_tokens_meta, "zero_tail", True))
+                   zero_tail=getattr(expert_tokens_meta, "zero_tail", True),
+                   batch_invariant=self.batch_invariant)

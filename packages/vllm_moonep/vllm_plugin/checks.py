@@ -254,14 +254,18 @@ def _dummy_weights(device: torch.device, dense: bool, H: int = 128, I: int = 128
     return x, gw
 
 
-def resolve_kernel(impl: str, device: torch.device, dense: bool = True, shape: tuple[int, int] | None = None) -> str:
+def resolve_kernel(impl: str, device: torch.device, dense: bool = True, shape: tuple[int, int] | None = None,
+                   batch_invariant: bool = False) -> str:
     """The grouped GEMM ``impl`` runs as on ``device`` (``dense``: the layer's weights are one
     tensor; ``shape``: its ``(H, I)``). For ``impl="auto"``, where the choice depends on the step's
     tokens per rank (the GPU's ``auto`` regimes, ``grouped_gemm/policy.py``), each regime: ``"triton below 1024 tokens per
-    rank, quack from 1024"``."""
+    rank, quack from 1024"``; ``batch_invariant`` (``VLLM_BATCH_INVARIANT=1``): one kernel for every step."""
     from vllm_moonep.common.grouped_gemm import auto_regimes, resolve_impl
 
     probe = _dummy_weights(device, dense, *(shape or (128, 128)))
+    if batch_invariant:
+        x, w = probe
+        return f"{resolve_impl(impl, x, w, batch_invariant=True)}, batch invariant"
     if impl != "auto":
         return resolve_impl(impl, *probe)
     regimes = auto_regimes(*probe)

@@ -78,11 +78,15 @@ def _transport_text(opts: MoonEPOptions, engine: str, device: torch.device, buff
 
 
 def _kernel_text(opts: MoonEPOptions, device: torch.device) -> str:
+    import vllm.envs as envs
+
+    invariant = bool(envs.VLLM_BATCH_INVARIANT)
     kernels = Counter(resolve_kernel(opts.impl, device, getattr(lay, "dense_weights", True),
-                                     (lay.hidden_size, lay.intermediate_size) if hasattr(lay, "hidden_size") else None)
+                                     (lay.hidden_size, lay.intermediate_size) if hasattr(lay, "hidden_size") else None,
+                                     batch_invariant=invariant)
                       for lay in STATE.built_layouts())
     if not kernels:
-        kernels[resolve_kernel(opts.impl, device)] = 0
+        kernels[resolve_kernel(opts.impl, device, batch_invariant=invariant)] = 0
     src = "requested" if opts.impl != "auto" else "impl=auto"
     if len(kernels) == 1:
         return f"kernel={next(iter(kernels))} ({src})"

@@ -4,7 +4,8 @@
         --checks-----------------> MoonEPInputError naming the bad argument (nothing written)
         --resolve_impl-----------> reference | grouped_mm | triton | quack | deepgemm
                                    (auto: policy.py's measured regimes for this GPU, else triton on
-                                   CUDA, else grouped_mm on CUDA, else reference; said once)
+                                   CUDA, else grouped_mm on CUDA, else reference; said once;
+                                   batch_invariant: triton, else reference, invariance.py)
         --that module's entry----> out
 
 The dispatcher imports the implementations (each says why it cannot run: ``*_unusable``); none of
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_moonep.common.grouped_gemm import policy, probes
+from vllm_moonep.common.grouped_gemm import invariance, policy, probes
 from vllm_moonep.common.grouped_gemm.deepgemm_impl import deepgemm_unusable, expert_ffn_deepgemm
 from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack, quack_unusable
 from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
@@ -109,17 +110,30 @@ def auto_regimes(x: torch.Tensor, w: GroupedWeights) -> list[tuple[int, str]]:
     return out
 
 
-def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights, tokens: int | None = None) -> str:
-    """The implementation ``impl`` runs as (``tokens``: the step's tokens per rank, where known).
-    ``auto`` says once per process (per distinct outcome) which one it took and why; an explicit
-    ``impl`` that cannot run raises ``MoonEPInputError`` with the reason (the import error, the
-    device), never falls back to another."""
+def _resolve_invariant(x: torch.Tensor) -> tuple[str, str]:
+    """``(impl, why)`` of ``impl="auto"`` when batch invariant: triton where it runs, else reference."""
+    why_not_triton = triton_unusable(x)
+    if why_not_triton is None:
+        return "triton", (f"batch invariant: the Triton kernels with the generic {invariance.TRITON_REGIME!r} "
+                          "tiles at every shape and step")
+    return "reference", (f"batch invariant: {why_not_triton}; the reference path in matmuls of "
+                         f"{invariance.ROW_BLOCK} rows")
+
+
+def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights, tokens: int | None = None,
+                 batch_invariant: bool = False) -> str:
+    """The implementation ``impl`` runs as (``tokens``: the step's tokens per rank, where known;
+    ``batch_invariant``: only one of ``invariance.IMPLS``). ``auto`` says once per process (per distinct
+    outcome) which one it took and why; an explicit ``impl`` that cannot run raises ``MoonEPInputError``
+    with the reason (the import error, the device, batch invariance), never falls back to another."""
     if impl not in IMPLS:
         raise MoonEPInputError(f"expert_ffn: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        cand, why = _resolve_auto(x, w, tokens)
+        cand, why = _resolve_invariant(x) if batch_invariant else _resolve_auto(x, w, tokens)
         say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")
         return cand
+    if batch_invariant and impl not in invariance.IMPLS:
+        raise MoonEPInputError(f"expert_ffn: batch_invariant=True: {invariance.refused(impl)}")
     reason = impl_unusable(impl, x, w)
     if reason is not None:
         raise MoonEPInputError(
@@ -157,6 +171,7 @@ def expert_ffn(
     padded: bool = True,
     row_ends: torch.Tensor | None = None,
     zero_tail: bool = True,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The MoonEP expert compute: ``[NvS, H]`` rows in, ``[NvS, H]`` rows out (see the package doc).
     ``tokens``: the step's tokens per rank (before padding), where the caller knows it: the Triton
@@ -172,7 +187,9 @@ def expert_ffn(
     rows from ``row_ends`` to each segment's end, its padding tail, as they were instead of writing
     zeros there, for a caller whose combine reads each token's entry rows only (the built-in
     engine's: 2-80 MB less to write per step, 1-4% of the compute at decode); every entry row, weight 0
-    or not, is written as with ``True``."""
+    or not, is written as with ``True``. ``batch_invariant=True``: each row's output is the same bits
+    whatever the other rows, their number and ``tokens`` (``invariance.py``: one tile config, or
+    fixed-size reference matmuls; the library paths are refused)."""
     if not isinstance(weights, GroupedWeights):
         raise MoonEPInputError(f"expert_ffn: weights must be a GroupedWeights, got {type(weights).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != weights.hidden:
@@ -205,16 +222,18 @@ def expert_ffn(
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise MoonEPInputError(f"expert_ffn: out must be {list(x.shape)} {x.dtype} on {x.device}, got "
                                f"{list(out.shape)} {out.dtype} on {out.device}")
-    which = resolve_impl(impl, x, weights, tokens)
+    which = resolve_impl(impl, x, weights, tokens, batch_invariant)
     if which == "reference":
-        return expert_ffn_reference(x, route_w, cu_seqlens, weights, out=out)
+        return expert_ffn_reference(x, route_w, cu_seqlens, weights, out=out,
+                                    row_block=invariance.ROW_BLOCK if batch_invariant else None)
     if which == "grouped_mm":
         return expert_ffn_grouped_mm(x, route_w, cu_seqlens, weights, out=out)
     if which == "quack":
         return expert_ffn_quack(x, route_w, cu_seqlens, weights, out=out)
     if which == "deepgemm":
         return expert_ffn_deepgemm(x, route_w, cu_seqlens, weights, out=out)
-    from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
+    from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton, invariant_config
 
     return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded,
-                             row_ends=row_ends, zero_tail=zero_tail)
+                             row_ends=row_ends, zero_tail=zero_tail,
+                             config=invariant_config() if batch_invariant else None)

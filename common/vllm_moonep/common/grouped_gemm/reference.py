@@ -24,17 +24,25 @@ def expert_ffn_reference(
     weights: GroupedWeights,
     *,
     out: torch.Tensor | None = None,
+    row_block: int | None = None,
 ) -> torch.Tensor:
     """Per group in float32 from the stored weights; the activation is rounded to ``x.dtype``
-    once (as a fused kernel writes it), the output once. Rows past the last segment are zero."""
+    once (as a fused kernel writes it), the output once. Rows past the last segment are zero.
+    ``row_block``: every matmul over exactly that many rows (a segment's last block filled with zero
+    rows), so that a row's output does not follow how many rows share its matmul
+    (``invariance.py``); ``None``: one matmul per segment."""
     if out is None:
         out = torch.empty_like(x)
     for g, a, b in _segments(cu_seqlens):
-        gate, up, down = weights.rows(g)
-        xs = x[a:b].float()
-        act = F.silu(xs @ gate.float().T) * (xs @ up.float().T) * route_w[a:b, None].float()
-        act = act.to(x.dtype).float()
-        out[a:b] = (act @ down.float().T).to(out.dtype)
+        gate, up, down = (t.float() for t in weights.rows(g))
+        for s, e in ((a, b),) if row_block is None else ((s, min(s + row_block, b)) for s in range(a, b, row_block)):
+            xs, ws = x[s:e].float(), route_w[s:e].float()
+            if row_block is not None and e - s < row_block:
+                xs = torch.cat([xs, xs.new_zeros(row_block - (e - s), xs.shape[1])])
+                ws = torch.cat([ws, ws.new_zeros(row_block - (e - s))])
+            act = F.silu(xs @ gate.T) * (xs @ up.T) * ws[:, None]
+            act = act.to(x.dtype).float()
+            out[s:e] = (act @ down.T)[: e - s].to(out.dtype)
     # zero everything that is not inside a non-empty segment (padding between is computed above)
     total = int(cu_seqlens[-1]) if cu_seqlens.numel() else 0
     out[total:].zero_()

@@ -85,7 +85,8 @@ Tile configurations come from the GPU's section of ``tuning.json`` (``policy.py`
 its compute capability borrows, said once), looked up by ``H``, ``I`` and the step's tokens per rank
 where the caller passes them, else by the row count ``NvS`` (``max_rows``, which the buffer derives
 from the token capacity); unknown shapes use a generic rule, and so does every shape when the file
-cannot be read or parsed (reported once, WARNING, by ``policy.load_table``).
+cannot be read or parsed (reported once, WARNING, by ``policy.load_table``). A batch-invariant call
+(``expert_ffn(batch_invariant=True)``) runs one generic config at every shape and step (``invariant_config``).
 An entry with ``"fused": {"num_warps", "num_stages", "progs_per_sm"}`` runs its gate_up and down
 tiles in one launch (where ``bench_experts --tune`` measured that faster than three); the options of the
 three-launch loops (``ws``, ``flat``) stay in such an entry, so that its tiles time as three launches
@@ -108,7 +109,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moonep.common.grouped_gemm import policy
+from vllm_moonep.common.grouped_gemm import invariance, policy
 from vllm_moonep.common.grouped_gemm.probes import interpreting
 from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_args, interleaved_views
 from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
@@ -122,6 +123,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "expert_ffn_triton",
+    "invariant_config",
     "prepare_weights",
     "select_config",
     "interpreting",
@@ -579,6 +581,12 @@ _INTERP_CONFIG = {
     "gate_up": {"BM": 16, "BN": 16, "BK": 32, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1},
     "down": {"BM": 16, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1, "ZM": 32},
 }
+
+def invariant_config() -> dict:
+    """The tiles of every step when batch invariant (``invariance.py``): the generic
+    ``invariance.TRITON_REGIME`` tiles, whatever the shape, the rows and the tokens per rank."""
+    return _INTERP_CONFIG if interpreting() else DEFAULT_CONFIGS[invariance.TRITON_REGIME]
+
 
 def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None = None,
                   tokens: int | None = None) -> dict:

@@ -1,0 +1,148 @@
+"""``expert_ffn(batch_invariant=True)``: the same probe rows in steps that differ in everything
+else (the segment they sit in, their place in it, the other groups, the step's tokens per rank)
+come out as the same bits; without it they do not, which is what gives the check its power.
+
+On the CPU the probe runs in float32: a bf16 output rounds away the last bits where BLAS kernels
+chosen by the matmul's rows differ, so bf16 would hide what the check looks for. On a GPU the rows
+are bf16 at a shape with tile entries, and the probe is large enough (tens of thousands of outputs)
+for tiles that reduce in another order to show in the rounded bits."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, resolve_impl
+from vllm_moonep.common.grouped_gemm import invariance
+from vllm_moonep.engine import MoonEPInputError
+from vllm_moonep.testing.reference import expert_ffn_float64
+
+PROBE_GROUP = 2
+
+
+def _weights(G, I, H, dtype, device):
+    g = torch.Generator().manual_seed(11)
+    mk = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(dtype).to(device)  # noqa: E731
+    return GroupedWeights.contiguous(mk(G, I, H), mk(G, I, H), mk(G, H, I))
+
+
+def _case(lens, before, probe_x, probe_w, H, seed):
+    """Rows for segment lengths ``lens`` (the probe group's length counts the probe), the probe rows after
+    ``before`` other rows of the probe group: ``(x, route_w, cu, probe_slice)``."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    x = torch.randn(n, H, generator=g).to(probe_x.dtype).to(probe_x.device)
+    rw = torch.rand(n, generator=g).to(probe_x.device)
+    at = sum(lens[:PROBE_GROUP]) + before
+    p = probe_x.shape[0]
+    x[at:at + p] = probe_x
+    rw[at:at + p] = probe_w
+    cu = torch.tensor(lens).cumsum(0).to(torch.int32).to(probe_x.device)
+    return x, rw, cu, slice(at, at + p)
+
+
+def _probe_outputs(cases, w, impl, invariant, tokens_of):
+    outs = []
+    for i, (x, rw, cu, sl) in enumerate(cases):
+        out = expert_ffn(x, rw, cu, w, impl=impl, tokens=tokens_of[i], batch_invariant=invariant)
+        outs.append(out[sl].clone())
+    return outs
+
+
+def _same(outs):
+    return [bool(torch.equal(o, outs[0])) for o in outs]
+
+
+# --------------------------------------------------------------------------------------------- CPU
+CPU_LENS = [  # G = 4; the probe group (2) holds the 3 probe rows plus `before` others at least
+    ([0, 0, 3, 0], 0),
+    ([5, 1, 4, 9], 1),
+    ([2, 0, 70, 1], 40),
+    ([31, 7, 8, 0], 5),
+    ([0, 3, 130, 2], 127),
+]
+
+
+def _cpu_cases(dtype):
+    H = 64
+    g = torch.Generator().manual_seed(3)
+    px = torch.randn(3, H, generator=g).to(dtype)
+    pw = torch.rand(3, generator=g)
+    return [_case(lens, before, px, pw, H, seed=20 + i) for i, (lens, before) in enumerate(CPU_LENS)]
+
+
+def test_reference_probe_rows_same_bits():
+    """The reference path's matmuls sized by the segment under batch invariance (a CPU BLAS picks its kernel by
+    the rows), rows of a segment's last block lost or mixed with the zero fill, or results off float64."""
+    w = _weights(4, 96, 64, torch.float32, "cpu")
+    cases = _cpu_cases(torch.float32)
+    outs = _probe_outputs(cases, w, "reference", True, [None] * len(cases))
+    assert all(_same(outs)), f"the probe's bits changed in cases {[i for i, s in enumerate(_same(outs)) if not s]}"
+    for x, rw, cu, sl in cases:
+        out = expert_ffn(x, rw, cu, w, impl="reference", batch_invariant=True)
+        ref = expert_ffn_float64(x, rw, cu, w)
+        n = int(cu[-1])
+        assert float((out[:n].double() - ref[:n]).norm() / ref[:n].norm()) < 1e-5
+
+
+def test_reference_probe_rows_change_without_invariance():
+    """What the check above catches: one matmul per segment gives the probe other bits as the segment's rows
+    change (skips on a CPU whose BLAS happens to give the same bits at every row count)."""
+    w = _weights(4, 96, 64, torch.float32, "cpu")
+    outs = _probe_outputs(_cpu_cases(torch.float32), w, "reference", False, [None] * len(CPU_LENS))
+    if all(_same(outs)):
+        pytest.skip("this CPU's BLAS gave the probe the same bits at every row count")
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "quack", "deepgemm"])
+def test_library_impls_refused_under_invariance(impl):
+    """A library kernel, which picks its tiles per problem size, run under batch invariance without a word."""
+    w = _weights(4, 32, 64, torch.bfloat16, "cpu")
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    with pytest.raises(MoonEPInputError, match="batch_invariant=True.*per problem size"):
+        expert_ffn(x, torch.ones(8), torch.tensor([2, 4, 6, 8], dtype=torch.int32), w, impl=impl,
+                   batch_invariant=True)
+
+
+def test_auto_under_invariance_says_why(caplog):
+    """``auto`` under batch invariance taking a path it did not name, or the regimes' library kernels."""
+    w = _weights(4, 32, 64, torch.bfloat16, "cpu")
+    with caplog.at_level(logging.INFO, logger="vllm_moonep"):
+        assert resolve_impl("auto", torch.zeros(4, 64, dtype=torch.bfloat16), w, 4096, batch_invariant=True) \
+            == "reference"
+    assert any("batch invariant" in r.getMessage() and f"{invariance.ROW_BLOCK} rows" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+# --------------------------------------------------------------------------------------------- GPU
+#: Qwen3-30B-A3B's experts (tile entries from 1 to 4096 tokens per rank, whose tiles differ)
+GPU_H, GPU_I = 2048, 768
+GPU_TOKENS = [1, 16, 256, 1024, 4096]
+GPU_LENS = [([0, 0, 512, 0, 0, 0, 0, 0], 0), ([64, 3, 600, 1, 0, 0, 0, 9], 77), ([0, 0, 1100, 256, 5, 0, 0, 0], 300),
+            ([1, 1, 513, 1, 1, 1, 1, 1], 1), ([700, 0, 2048, 0, 0, 128, 0, 0], 1024)]
+
+
+def _gpu_cases():
+    g = torch.Generator().manual_seed(4)
+    px = torch.randn(512, GPU_H, generator=g).to(torch.bfloat16).cuda()
+    pw = torch.rand(512, generator=g).cuda()
+    return [_case(lens, before, px, pw, GPU_H, seed=40 + i) for i, (lens, before) in enumerate(GPU_LENS)]
+
+
+@pytest.mark.gpu
+def test_triton_probe_rows_same_bits_gpu():
+    """The Triton kernels' tiles following the step's tokens per rank (or the rows) under batch invariance, or a
+    row's output depending on its place in its tile or segment; the control: without invariance the tiles of
+    1-4096 tokens per rank give the probe other bits (skips if they all happen to agree)."""
+    w = _weights(8, GPU_I, GPU_H, torch.bfloat16, "cuda")
+    cases = _gpu_cases()
+    outs = _probe_outputs(cases, w, "triton", True, GPU_TOKENS)
+    assert all(_same(outs)), f"the probe's bits changed in cases {[i for i, s in enumerate(_same(outs)) if not s]}"
+    x, rw, cu, sl = cases[0]
+    ref = expert_ffn_float64(x, rw, cu, w)
+    assert float((outs[0].double() - ref[sl]).norm() / ref[sl].norm()) < 1e-2
+    free = _probe_outputs(cases, w, "triton", False, GPU_TOKENS)
+    if all(_same(free)):
+        pytest.skip("the tiles of every tokens per rank happened to give the probe the same bits: no control")
