@@ -228,14 +228,3 @@ def test_generic_lever_times_the_other_generic_regimes_on_an_untuned_shape():
     # a tuned entry's tiles: every generic regime against them
     assert list(bench_levers.variants({"gate_up": {"BM": 32}, "down": {"BM": 16}}, "generic")) == [
         "committed", "stream", "mid", "compute", "control"]
-
-
-def test_invariant_lever_times_the_batch_invariant_tiles():
-    """What VLLM_BATCH_INVARIANT=1 costs had no A/B: the lever must time the tiles a batch-invariant step runs."""
-    from vllm_moonep.common.grouped_gemm.triton_kernels import invariant_config
-
-    assert bench_levers.parse_args(["--lever", "invariant"]).lever == "invariant"
-    committed = {"gate_up": {"BM": 64, "BN": 128}, "down": {"BM": 64, "BN": 256}}
-    v = bench_levers.variants(committed, "invariant")
-    assert list(v) == ["committed", "invariant", "control"]
-    assert v["invariant"] == invariant_config() and bench_levers.LEVER_KERNEL["invariant"] == "gate_up"

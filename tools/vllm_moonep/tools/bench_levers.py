@@ -1,6 +1,6 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|pair|generic|invariant] [--impl triton|deepgemm]
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|pair|generic] [--impl triton|deepgemm]
 [--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
@@ -30,9 +30,7 @@ changes, or for ``mix``, ``streamk`` and ``pair``, which change both, gate/up):
   (``pair_bn``: where its BN differs from the committed); none at a one-launch entry or above 128 rows;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
   tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
-  ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none;
-- ``invariant`` (gate/up timed alone): the tiles every step runs when batch invariant (``VLLM_BATCH_INVARIANT=1``,
-  ``triton_kernels.invariant_config``) against the committed ones: what determinism costs at the point.
+  ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
 
 For each shape, tokens per rank and routing (balanced, skewed) it builds the same rank-0 case as
 ``bench_experts`` (its ``rank0_case``, ``make_weights``, ``make_inputs``, ``entry_ends``: rank 0 of EP=8,
@@ -56,7 +54,6 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
                   pair's gate/up tiles without the pair (its BN, warps, stages)
     stream, mid, compute
                   (--lever generic) the generic regimes' tiles, each but the committed one
-    invariant     (--lever invariant) the batch-invariant tiles
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
                   ratio to committed is the run's noise at the point, the band a lever must clear
 
@@ -110,7 +107,7 @@ MAX_MMA_N = 256
 #: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk, pair: both; gate/up), timed alone
 #: beside the whole compute
 LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "pair": "gate_up",
-                "generic": "gate_up", "invariant": "gate_up"}
+                "generic": "gate_up"}
 #: the float32 sums one tile of the pair lever may hold (``pair_tiles``): the committed tiles' largest, 128 x 256
 PAIR_MAX_ACC = 128 * 256
 #: the shared memory the pair lever's stages may take (``pair_tiles``), below Hopper's 227 KB per block
@@ -177,8 +174,7 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     same with the down tiles' ``"flat"`` toggled (``flat_off`` or ``flat_on``; none where the committed entry
     is one launch, which does not take ``flat``: ``lever_absent`` says so); for ``mix`` and ``streamk`` the same
     with that option on both kernels and on each alone (none for a one-launch entry); for ``generic`` each
-    generic regime's tiles (``DEFAULT_CONFIGS``) but the committed ones; for ``invariant`` the batch-invariant
-    tiles; and the committed tiles again as
+    generic regime's tiles (``DEFAULT_CONFIGS``) but the committed ones; and the committed tiles again as
     ``control`` (last)."""
     if lever not in LEVER_KERNEL:
         raise ValueError(f"bench_levers: unknown lever {lever!r}; known: {', '.join(sorted(LEVER_KERNEL))}")
@@ -194,10 +190,6 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
         for name, tiles in DEFAULT_CONFIGS.items():
             if tiles != committed:
                 out[name] = {k: dict(v) for k, v in tiles.items()}
-    elif lever == "invariant":
-        from vllm_moonep.common.grouped_gemm.triton_kernels import invariant_config
-
-        out["invariant"] = {k: dict(v) for k, v in invariant_config().items()}
     elif lever == "pair":
         if not committed.get("fused"):
             out.update(_pair_variants(committed))
