@@ -85,8 +85,8 @@ def test_probe_tokens_same_bits_in_every_step(R, layout_kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout_kind", ["replicated", "symmetric"])
 def test_probe_tokens_same_bits_in_every_step_cuda(layout_kind):
-    """The Triton expert compute under batch invariance (one tile config; without it the tiles follow the
-    step's tokens per rank), on two processes sharing the GPU."""
+    """The whole step on the GPU path (the Triton tiles, picked by the step's tokens per rank, the engine's
+    device planner and transport), on two processes sharing the GPU."""
     res = ranks(2, probe_across_steps, layout_kind, "cuda", "triton", True)
     for r, (same, caps, _) in enumerate(res):
         assert all(same), f"rank {r}: the probe's output changed in steps {[i for i, s in enumerate(same) if not s]}"

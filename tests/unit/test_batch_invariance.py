@@ -22,10 +22,14 @@ from vllm_moonep.testing.reference import expert_ffn_float64
 PROBE_GROUP = 2
 
 
-def _weights(G, I, H, dtype, device):
+def _tensors(G, I, H, dtype, device):
     g = torch.Generator().manual_seed(11)
     mk = lambda *s: (torch.randn(*s, generator=g) / s[-1] ** 0.5).to(dtype).to(device)  # noqa: E731
-    return GroupedWeights.contiguous(mk(G, I, H), mk(G, I, H), mk(G, H, I))
+    return mk(G, I, H), mk(G, I, H), mk(G, H, I)
+
+
+def _weights(G, I, H, dtype, device):
+    return GroupedWeights.contiguous(*_tensors(G, I, H, dtype, device))
 
 
 def _case(lens, before, probe_x, probe_w, H, seed):
@@ -133,16 +137,21 @@ def _gpu_cases():
 
 @pytest.mark.gpu
 def test_triton_probe_rows_same_bits_gpu():
-    """The Triton kernels' tiles following the step's tokens per rank (or the rows) under batch invariance, or a
-    row's output depending on its place in its tile or segment; the control: without invariance the tiles of
-    1-4096 tokens per rank give the probe other bits (skips if they all happen to agree)."""
-    w = _weights(8, GPU_I, GPU_H, torch.bfloat16, "cuda")
+    """A tile config that sums a row's K in another order (the tiles follow the step's tokens per rank: 1-4096
+    pick different ones at this shape), or a row's output depending on its place in its tile or segment. The
+    control: the same rows with the hidden columns permuted (x and gate/up alike: the same sums in another
+    order) must change the probe's bits, else equal bits would say nothing (skips if they do not)."""
+    gate, up, down = _tensors(8, GPU_I, GPU_H, torch.bfloat16, "cuda")
+    w = GroupedWeights.contiguous(gate, up, down)
     cases = _gpu_cases()
     outs = _probe_outputs(cases, w, "triton", True, GPU_TOKENS)
     assert all(_same(outs)), f"the probe's bits changed in cases {[i for i, s in enumerate(_same(outs)) if not s]}"
     x, rw, cu, sl = cases[0]
     ref = expert_ffn_float64(x, rw, cu, w)
     assert float((outs[0].double() - ref[sl]).norm() / ref[sl].norm()) < 1e-2
-    free = _probe_outputs(cases, w, "triton", False, GPU_TOKENS)
-    if all(_same(free)):
-        pytest.skip("the tiles of every tokens per rank happened to give the probe the same bits: no control")
+    perm = torch.randperm(GPU_H, generator=torch.Generator().manual_seed(9)).cuda()
+    wp = GroupedWeights.contiguous(gate[..., perm].contiguous(), up[..., perm].contiguous(), down)
+    permuted = expert_ffn(x[:, perm].contiguous(), rw, cu, wp, impl="triton", tokens=GPU_TOKENS[0],
+                          batch_invariant=True)[sl]
+    if torch.equal(permuted, outs[0]):
+        pytest.skip("summing the hidden columns in another order gave the probe the same bits: no control")

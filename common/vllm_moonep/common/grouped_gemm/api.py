@@ -114,8 +114,8 @@ def _resolve_invariant(x: torch.Tensor) -> tuple[str, str]:
     """``(impl, why)`` of ``impl="auto"`` when batch invariant: triton where it runs, else reference."""
     why_not_triton = triton_unusable(x)
     if why_not_triton is None:
-        return "triton", (f"batch invariant: the Triton kernels with the generic {invariance.TRITON_REGIME!r} "
-                          "tiles at every shape and step")
+        return "triton", ("batch invariant: the Triton kernels (their tiles without stream-K), never a library "
+                          "kernel")
     return "reference", (f"batch invariant: {why_not_triton}; the reference path in matmuls of "
                          f"{invariance.ROW_BLOCK} rows")
 
@@ -188,8 +188,8 @@ def expert_ffn(
     zeros there, for a caller whose combine reads each token's entry rows only (the built-in
     engine's: 2-80 MB less to write per step, 1-4% of the compute at decode); every entry row, weight 0
     or not, is written as with ``True``. ``batch_invariant=True``: each row's output is the same bits
-    whatever the other rows, their number and ``tokens`` (``invariance.py``: one tile config, or
-    fixed-size reference matmuls; the library paths are refused)."""
+    whatever the other rows, their number and ``tokens`` (``invariance.py``: the Triton tiles without
+    stream-K, or fixed-size reference matmuls; the library paths are refused)."""
     if not isinstance(weights, GroupedWeights):
         raise MoonEPInputError(f"expert_ffn: weights must be a GroupedWeights, got {type(weights).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != weights.hidden:
@@ -232,8 +232,7 @@ def expert_ffn(
         return expert_ffn_quack(x, route_w, cu_seqlens, weights, out=out)
     if which == "deepgemm":
         return expert_ffn_deepgemm(x, route_w, cu_seqlens, weights, out=out)
-    from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton, invariant_config
+    from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
 
     return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded,
-                             row_ends=row_ends, zero_tail=zero_tail,
-                             config=invariant_config() if batch_invariant else None)
+                             row_ends=row_ends, zero_tail=zero_tail, batch_invariant=batch_invariant)

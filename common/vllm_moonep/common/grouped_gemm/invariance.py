@@ -7,12 +7,16 @@ land in, their place in it and the step's tokens per rank (which pick the tiles)
 other tokens, on every rank.
 
     expert_ffn(..., batch_invariant=True)
-        triton      one tile config for every step (the generic ``TRITON_REGIME`` tiles, three
-                    launches): each row's dot products run the same K blocks in the same order
-                    wherever the row sits and however many rows the step has
+        triton      the tiles the step runs anyway, without stream-K: every tile config of the
+                    kernels sums a row's K in one fp32 accumulator, K ascending, 16 columns per MMA
+                    step, whatever the tile's rows, columns, K block, loads or launch count, so a
+                    row's bits do not follow the tiles the step's tokens per rank pick (measured:
+                    docs/PERFORMANCE.md, "Batch invariance"); stream-K alone cuts a row's sum
+                    between programs and adds the pieces
         reference   each segment's rows in matmuls of exactly ``ROW_BLOCK`` rows (the last block
-                    filled with zero rows): a CPU BLAS picks its kernel by the rows of the matmul
-        grouped_mm, quack, deepgemm: refused (a library's kernels, its choice per problem size)
+                    filled with zero rows): a BLAS picks its kernel by the rows of the matmul
+        grouped_mm, quack, deepgemm: refused, and ``auto`` takes none of them (a library's
+                    kernels, its choice per problem size)
     dispatch, prefetch: byte copies (a slot row is its home row's bytes)
     combine:    each token's K rows summed in fp32 over that token's rows only
 
@@ -20,10 +24,6 @@ Only the expert compute has a choice to make; the engine's steps are the same ei
 """
 
 from __future__ import annotations
-
-#: the generic tile regime (``triton_kernels.DEFAULT_CONFIGS``) every step runs when batch invariant:
-#: 64-row tiles, the middle of the three (its tile entry is the same at every shape)
-TRITON_REGIME = "mid"
 
 #: rows per reference matmul when batch invariant
 ROW_BLOCK = 64
@@ -36,3 +36,9 @@ def refused(impl: str) -> str:
     """Why ``batch_invariant=True`` does not run ``impl`` (one of the library paths)."""
     return (f"impl={impl!r} runs a library's kernels, chosen by the library per problem size, and nothing "
             f"here shows a row's output independent of the other rows there; batch invariance runs {IMPLS}")
+
+
+def without_split_k(cfg: dict) -> dict:
+    """Tile config ``cfg`` (``{"gate_up": {...}, "down": {...}, ...}``) without ``"streamk"`` on either kernel."""
+    return {k: ({o: v for o, v in c.items() if o != "streamk"} if k in ("gate_up", "down") else c)
+            for k, c in cfg.items()}

@@ -86,7 +86,7 @@ its compute capability borrows, said once), looked up by ``H``, ``I`` and the st
 where the caller passes them, else by the row count ``NvS`` (``max_rows``, which the buffer derives
 from the token capacity); unknown shapes use a generic rule, and so does every shape when the file
 cannot be read or parsed (reported once, WARNING, by ``policy.load_table``). A batch-invariant call
-(``expert_ffn(batch_invariant=True)``) runs one generic config at every shape and step (``invariant_config``).
+(``expert_ffn(batch_invariant=True)``) runs the same tiles without stream-K (``invariance.py``).
 An entry with ``"fused": {"num_warps", "num_stages", "progs_per_sm"}`` runs its gate_up and down
 tiles in one launch (where ``bench_experts --tune`` measured that faster than three); the options of the
 three-launch loops (``ws``, ``flat``) stay in such an entry, so that its tiles time as three launches
@@ -123,7 +123,6 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "expert_ffn_triton",
-    "invariant_config",
     "prepare_weights",
     "select_config",
     "interpreting",
@@ -582,12 +581,6 @@ _INTERP_CONFIG = {
     "down": {"BM": 16, "BN": 32, "BK": 16, "num_warps": 4, "num_stages": 1, "progs_per_sm": 1, "ZM": 32},
 }
 
-def invariant_config() -> dict:
-    """The tiles of every step when batch invariant (``invariance.py``): the generic
-    ``invariance.TRITON_REGIME`` tiles, whatever the shape, the rows and the tokens per rank."""
-    return _INTERP_CONFIG if interpreting() else DEFAULT_CONFIGS[invariance.TRITON_REGIME]
-
-
 def select_config(H: int, I: int, nvs: int, n_groups: int, entries: list | None = None,
                   tokens: int | None = None) -> dict:
     """Tile configs for ``(gate_up, down)``: the tile entry for ``(H, I)`` with the smallest
@@ -884,6 +877,7 @@ def expert_ffn_triton(
     padded: bool = True,
     row_ends: torch.Tensor | None = None,
     zero_tail: bool = True,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The fused expert compute (see the module doc). ``config`` overrides the tile configs
     (``{"gate_up": {...}, "down": {...}}``); ``act`` is an optional ``[NvS, I]`` scratch;
@@ -892,7 +886,8 @@ def expert_ffn_triton(
     are then skipped (``triton_tiles.live``); ``False`` for rows that have none. ``row_ends``: ``[G]``
     int32, the end of each group's rows that may be live (``expert_ffn``): the three launches become
     two (no trim launch), and the one launch reads them instead of scanning. ``zero_tail=False`` (only with
-    ``row_ends``): the rows past them, the segments' padding tails, are not written (``expert_ffn``)."""
+    ``row_ends``): the rows past them, the segments' padding tails, are not written (``expert_ffn``).
+    ``batch_invariant``: the tiles without stream-K (``invariance.py``)."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -913,6 +908,8 @@ def expert_ffn_triton(
     if act is None or act.shape != (NvS, I) or act.dtype != x.dtype or act.stride(1) != 1:
         act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
     cfg = config or select_config(H, I, NvS, G, entries=list(policy.policy_of(x).tiles), tokens=tokens)
+    if batch_invariant:
+        cfg = invariance.without_split_k(cfg)
     check_tail_args(row_ends, zero_tail, "expert_ffn_triton")
     ends = None if row_ends is None else row_ends.contiguous()  # no copy when it is already
     dot_f32 = interpreting() or x.dtype == torch.float32
