@@ -52,12 +52,14 @@ batch's digest) differs, the no-plugin run runs once more (same arguments and en
 log, within ``--budget``: not started if less than ``--min-run-s`` is left). Each sequence set then
 passes when the plugin's tokens equal either no-plugin run's (vLLM's spread); it fails when the two
 no-plugin runs agree and the plugin's differ (the plugin changes the tokens), when the plugin's
-equal neither, or when the baseline did not run (the check says why). ``results.json`` keeps the
+equal neither (which vLLM's spread alone has produced: three graph runs, three token sets), or when
+the baseline did not run (the check says why); read a failed graph comparison beside the eager one,
+whose tokens have matched exactly. ``results.json`` keeps the
 per-mode verdicts under ``baseline``; the comparison checks add ``verdict``, ``why`` and ``baseline``.
-The run without the plugin goes first (``--plugin``'s default order). A machine's first graph run
-pays its first compilations, and such a run has been the odd one while the later two agreed
+The run without the plugin goes first (``--plugin``'s default order): a machine's first graph run
+pays its first compilations (its timings read slow) and has been the odd one as often as any other
 (docs/TESTING.md, "Greedy tokens"); with this order neither the plugin's run nor the baseline is a
-first run, so a first run's odd tokens read as spread, not as the plugin's.
+first run.
 
 CUDA graphs without torch.compile (``--compile-mode NONE --graph-mode FULL_DECODE_ONLY``, the
 default): vLLM 0.33 captures FULL graphs of the whole forward without Dynamo/Inductor (piecewise
