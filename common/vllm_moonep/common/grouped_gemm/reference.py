@@ -35,7 +35,8 @@ def expert_ffn_reference(
         out = torch.empty_like(x)
     for g, a, b in _segments(cu_seqlens):
         gate, up, down = (t.float() for t in weights.rows(g))
-        for s, e in ((a, b),) if row_block is None else ((s, min(s + row_block, b)) for s in range(a, b, row_block)):
+        for s in (a,) if row_block is None else range(a, b, row_block):
+            e = b if row_block is None else min(s + row_block, b)
             xs, ws = x[s:e].float(), route_w[s:e].float()
             if row_block is not None and e - s < row_block:
                 xs = torch.cat([xs, xs.new_zeros(row_block - (e - s), xs.shape[1])])
