@@ -17,6 +17,7 @@ import torch.distributed as dist
 from tests.conftest import ranks
 from tests.moe_fixtures import check_rows_against_dense, global_weights, rank_inputs
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
+from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV
 from vllm_moonep.replicated import ReplicatedWeightLayout
 from vllm_moonep.symmetric import SymmetricWeightLayout
 from vllm_moonep.testing.weights import local_experts
@@ -34,15 +35,15 @@ def _hot_ids(m: int, epn: int, seed: int) -> torch.Tensor:
     return torch.stack([torch.randperm(epn, generator=g)[:K] for _ in range(m)]).to(torch.int32)
 
 
-def probe_across_steps(layout_kind: str, device: str, impl: str, invariant: bool):
+def probe_across_steps(layout_kind: str, device: str, impl: str, invariant: bool, transport: str = "auto"):
     r, R = dist.get_rank(), dist.get_world_size()
     epn = E // R
     w13, w2 = global_weights(E, H, I, seed=5)
     lw13, lw2 = (t.to(device) for t in local_experts(w13, w2, r, R))
     layout = (ReplicatedWeightLayout(lw13, lw2, E, B) if layout_kind == "replicated"
               else SymmetricWeightLayout(lw13, lw2, E, B))
-    pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=TP, device=device),
-                            max_tokens_per_rank=512, engine="builtin")
+    pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=TP, device=device,
+                                 transport=transport), max_tokens_per_rank=512, engine="builtin")
     moe = MoonEPMoE(pool, layout, impl=impl, batch_invariant=invariant)
     px, _, pw = rank_inputs(PROBE, E, K, H, sigma=0.0, seed=77, rank=r)
     pids = _hot_ids(PROBE, epn, seed=1000 + r)  # rank 0's experts: the ones the hot steps spread
@@ -70,12 +71,15 @@ def probe_across_steps(layout_kind: str, device: str, impl: str, invariant: bool
 
 
 @pytest.mark.parametrize("layout_kind", ["replicated", "symmetric"])
-@pytest.mark.parametrize("R", [2, 4])
-def test_probe_tokens_same_bits_in_every_step(R, layout_kind):
+@pytest.mark.parametrize("R,transport,env", [(2, "collective", None), (4, "collective", None), (2, "symmetric", None),
+                                             (4, "hybrid", {RANKS_PER_NODE_ENV: "2"})],
+                         ids=["R2-collective", "R4-collective", "R2-symmetric", "R4-hybrid-2-nodes"])
+def test_probe_tokens_same_bits_in_every_step(R, transport, env, layout_kind):
     """A token's MoE output that follows the step's other tokens under batch invariance: the CPU
-    expert compute's matmuls sized by the segment (a BLAS picks its kernel by the rows), or a
-    slot or overflow row that computes differently from its home row."""
-    res = ranks(R, probe_across_steps, layout_kind, "cpu", "auto", True)
+    expert compute's matmuls sized by the segment (a BLAS picks its kernel by the rows), a slot or
+    overflow row that computes differently from its home row, or a transport's combine whose sum
+    takes in more than the token's own rows."""
+    res = ranks(R, probe_across_steps, layout_kind, "cpu", "auto", True, transport, env=env)
     for r, (same, caps, moved) in enumerate(res):
         assert all(same), f"rank {r}: the probe's output changed in steps {[i for i, s in enumerate(same) if not s]}"
         assert len(set(caps)) >= 3, f"rank {r}: the steps must span capacities, got {caps}"
