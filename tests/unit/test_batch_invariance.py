@@ -155,3 +155,19 @@ def test_triton_probe_rows_same_bits_gpu():
                           batch_invariant=True)[sl]
     if torch.equal(permuted, outs[0]):
         pytest.skip("summing the hidden columns in another order gave the probe the same bits: no control")
+
+
+def test_invariant_tiles_drop_what_was_not_measured_equal():
+    """A shipped tile entry keeping stream-K or swap-AB under batch invariance (the one cuts a row's sum between
+    programs, the other has no bit-equality measurement), or losing an option that was measured equal."""
+    from vllm_moonep.common.grouped_gemm import policy
+
+    entries = [e for sec in policy.load_table()["devices"].values() for e in sec.get("tiles", [])]
+    assert any(e[k].get("swap") for e in entries for k in ("gate_up", "down")), "no entry takes swap-AB any more"
+    for e in entries:
+        cfg = {k: e[k] for k in ("gate_up", "down", "fused") if k in e}
+        inv = invariance.invariant_tiles(cfg)
+        for k in ("gate_up", "down"):
+            assert not {"streamk", "swap"} & set(inv[k]), (e["shape"], e.get("tokens_per_rank"), k, inv[k])
+            assert {o: v for o, v in cfg[k].items() if o not in ("streamk", "swap")} == inv[k]
+        assert inv.get("fused") == cfg.get("fused")

@@ -7,12 +7,13 @@ land in, their place in it and the step's tokens per rank (which pick the tiles)
 other tokens, on every rank.
 
     expert_ffn(..., batch_invariant=True)
-        triton      the tiles the step runs anyway, without stream-K: every tile config of the
-                    kernels sums a row's K in one fp32 accumulator, K ascending, 16 columns per MMA
-                    step, whatever the tile's rows, columns, K block, loads or launch count, so a
-                    row's bits do not follow the tiles the step's tokens per rank pick (measured:
-                    docs/PERFORMANCE.md, "Batch invariance"); stream-K alone cuts a row's sum
-                    between programs and adds the pieces
+        triton      the tiles the step runs anyway, without stream-K and swap-AB: a row's K sum
+                    runs in one fp32 accumulator, K ascending, 16 columns per MMA step, whatever the
+                    tile's rows, columns or K block, its loads or the launch count, so a row's bits
+                    do not follow the tiles the step's tokens per rank pick (measured bit-equal:
+                    docs/PERFORMANCE.md, "Batch invariance"); stream-K cuts a row's sum between
+                    programs and adds the pieces, and swap-AB (weights on the MMA's M side), which
+                    one entry takes, has not been measured against the others
         reference   each segment's rows in matmuls of exactly ``ROW_BLOCK`` rows (the last block
                     filled with zero rows): a BLAS picks its kernel by the rows of the matmul
         grouped_mm, quack, deepgemm: refused, and ``auto`` takes none of them (a library's
@@ -38,7 +39,12 @@ def refused(impl: str) -> str:
             f"here shows a row's output independent of the other rows there; batch invariance runs {IMPLS}")
 
 
-def without_split_k(cfg: dict) -> dict:
-    """Tile config ``cfg`` (``{"gate_up": {...}, "down": {...}, ...}``) without ``"streamk"`` on either kernel."""
-    return {k: ({o: v for o, v in c.items() if o != "streamk"} if k in ("gate_up", "down") else c)
+#: tile options a batch-invariant step drops (``invariant_tiles``)
+DROPPED = ("streamk", "swap")
+
+
+def invariant_tiles(cfg: dict) -> dict:
+    """Tile config ``cfg`` (``{"gate_up": {...}, "down": {...}, ...}``) without the ``DROPPED`` options on
+    either kernel."""
+    return {k: ({o: v for o, v in c.items() if o not in DROPPED} if k in ("gate_up", "down") else c)
             for k, c in cfg.items()}
