@@ -86,6 +86,45 @@ def test_probe_tokens_same_bits_in_every_step(R, transport, env, layout_kind):
     assert sum(moved for _, _, moved in res) > 0, "the hot steps must compute rank 0's experts on other ranks"
 
 
+#: route weights that name an entry's k, and the expert output each k's rows get: summed k ascending in fp32,
+#: (1e8 - 1e8) + 1 = 1; in any other order the 1 meets one of the 1e8 first and rounds away: 0
+K_CODE = {0.25: 1e8, 0.5: -1e8, 0.75: 1.0}
+
+
+def combine_order(transport: str):
+    from vllm_moonep.engine import Buffer
+
+    r, R = dist.get_rank(), dist.get_world_size()
+    S, H, Kc, Ec, Bc = 24, 8, 3, 4 * R, 2
+    buf = Buffer(S, H, Kc, Ec, R, B=Bc, token_padding=4, device="cpu", dtype=torch.float32, transport=transport)
+    g = torch.Generator().manual_seed(40 + r)
+    hot = torch.randperm(Ec // R, generator=g)[:Kc]  # rank 0's experts: the plan moves some into slots
+    ids = torch.stack([hot if t % 2 else torch.randperm(Ec, generator=g)[:Kc] for t in range(S)]).to(torch.int32)
+    w = torch.tensor(list(K_CODE))[None, :].expand(S, Kc).contiguous()
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=Ec).to(torch.int32)
+    xn, wn, cu, plan = buf.dispatch(torch.randn(S, H, generator=g), w, ids, tpe)
+    y = torch.zeros_like(xn)
+    for code, val in K_CODE.items():
+        y[wn == code] = val
+    out, _, _ = buf.combine(plan, y)
+    slots = int((plan.experts_to_copy >= 0).sum())
+    buf.destroy()
+    return sorted(set(out.reshape(-1).tolist())), slots
+
+
+@pytest.mark.parametrize("R,transport,env", [(2, "collective", None), (2, "symmetric", None),
+                                             (4, "hybrid", {RANKS_PER_NODE_ENV: "2"})],
+                         ids=["R2-collective", "R2-symmetric", "R4-hybrid-2-nodes"])
+def test_combine_sums_each_token_k_ascending(R, transport, env):
+    """A combine whose K-sum runs in another order than k ascending (a reduction whose order follows the
+    tensor's shape, or the entries' arrival): outputs of 1e8, -1e8 and 1 for k = 0, 1, 2 sum to exactly 1
+    only in that order; in any other they give 0."""
+    res = ranks(R, combine_order, transport, env=env)
+    for r, (values, _) in enumerate(res):
+        assert values == [1.0], f"rank {r}: the tokens' sums came out {values}, not the k-ascending 1"
+    assert sum(slots for _, slots in res) > 0, "the hot tokens must put rows in slots"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout_kind", ["replicated", "symmetric"])
 def test_probe_tokens_same_bits_in_every_step_cuda(layout_kind):

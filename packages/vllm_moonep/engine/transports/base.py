@@ -31,7 +31,19 @@ import torch
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout
 from vllm_moonep.engine.planning.planner import GlobalPlan
 
-__all__ = ["Dispatched", "Transport"]
+__all__ = ["Dispatched", "Transport", "sum_entries"]
+
+
+def sum_entries(rows: torch.Tensor, S: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's ``K`` entry rows (``rows [S*K, H]``, token ``t``'s at ``t*K .. t*K+K-1``) summed in fp32,
+    ``k`` ascending, rounded once to ``dtype``: ``[S, H]``. The order is written out, as the symmetric
+    transport's reduce kernel writes it, so that a token's sum is the same bits on every transport and in
+    every step, whatever the other tokens (batch invariance: ``grouped_gemm/invariance.py``)."""
+    v = rows.view(S, K, -1)
+    out = v[:, 0].to(torch.float32) + 0.0  # a new tensor, from +0 as the kernel's sum starts (-0 becomes +0)
+    for k in range(1, K):
+        out += v[:, k]
+    return out.to(dtype)
 
 
 class Dispatched(NamedTuple):

@@ -26,7 +26,7 @@ from vllm_moonep.engine.errors import MoonEPStateError
 from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 from vllm_moonep.engine.planning.host_plan import plan_on_host
 from vllm_moonep.engine.planning.planner import GlobalPlan, place_entries
-from vllm_moonep.engine.transports.base import Dispatched, Transport
+from vllm_moonep.engine.transports.base import Dispatched, Transport, sum_entries
 
 __all__ = ["CollectiveStep", "CollectiveTransport"]
 
@@ -108,7 +108,7 @@ class CollectiveTransport(Transport):
         n = self.S * self.K
         acc = torch.empty(n, self.H, dtype=torch.float32, device=self.device)  # every entry comes back
         acc.index_copy_(0, send_order, back.float())
-        out = acc.view(self.S, self.K, self.H).sum(dim=1).to(self.dtype)
+        out = sum_entries(acc, self.S, self.K, self.dtype)
         rw = None
         if y_w is not None:
             wb = tr.all_to_all(y_w.index_select(0, recv_rows), state.recv_splits, state.send_splits,

@@ -78,7 +78,7 @@ from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, describe_fa
 from vllm_moonep.engine.nodes import NodeMap, acquire_node_subgroup, release_node_subgroup
 from vllm_moonep.engine.planning.host_plan import plan_on_host
 from vllm_moonep.engine.planning.planner import GlobalPlan, padding_rows, place_entries
-from vllm_moonep.engine.transports.base import Dispatched, Transport
+from vllm_moonep.engine.transports.base import Dispatched, Transport, sum_entries
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -364,7 +364,7 @@ class HybridTransport(Transport):
         if not isinstance(state, HybridStep):  # not reachable: the Buffer checks the plan is its own
             raise MoonEPStateError("the hybrid transport's combine needs its own dispatch's state")
         st = state
-        S, K, H, n = self.S, self.K, self.H, self.S * self.K
+        S, K, n = self.S, self.K, self.S * self.K
         b = self.buf
         step, used, got = st.step, st.used, st.got
         # 1) rows whose source is on this node: pushed into the source's landing area at the entry.
@@ -400,7 +400,7 @@ class HybridTransport(Transport):
         acc = b["comb_x"].to(torch.float32, copy=True)
         if back is not None:
             acc.index_copy_(0, st.remote_order, back.float())
-        out = acc.view(S, K, H).sum(dim=1).to(self.dtype)
+        out = sum_entries(acc, S, K, self.dtype)
         rw = None
         if y_w is not None:
             rw = b["comb_w"].clone()

@@ -64,7 +64,7 @@ from vllm_moonep.engine.faults.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OU
 from vllm_moonep.engine.heaps.base import SymmetricHeap
 from vllm_moonep.engine.launch import Launcher, sm_count
 from vllm_moonep.engine.planning.planner import GlobalPlan, padding_rows, place_entries, plan_global
-from vllm_moonep.engine.transports.base import Dispatched, Transport
+from vllm_moonep.engine.transports.base import Dispatched, Transport, sum_entries
 from vllm_moonep.engine.transports.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS, GraphCache
 
 if TYPE_CHECKING:
@@ -409,7 +409,7 @@ class SymmetricTransport(Transport):
         return b["recv_x"], b["recv_w"], cu.to(torch.int32), gp
 
     def _combine_host(self, y, y_w, used: int):
-        R, S, K, H = self.R, self.S, self.K, self.H
+        R, S, K = self.R, self.S, self.K
         b = self.buf
         n = S * K
         # rows past cu[-1] may hold an earlier step's source ids: only [0, cu[-1]) is this step's
@@ -423,7 +423,7 @@ class SymmetricTransport(Transport):
                     self.peer["comb_w"][d].index_copy_(0, entries, y_w.index_select(0, rows))
         self._signal_host("combine", range(R))
         self._wait_host("combine")
-        out = b["comb_x"].view(S, K, H).float().sum(dim=1).to(self.dtype)
+        out = sum_entries(b["comb_x"], S, K, self.dtype)
         rw = b["comb_w"].view(S, K).clone() if y_w is not None else None
         return out, rw
 
