@@ -6,7 +6,8 @@ the other ranks' slots and overflow rows) and the probe's place among them. The 
 be the same bits in every step, on both layouts, and right against the dense float32 reference.
 The steps' bf16 outputs round away most last-bit differences of the float32 sums, so this checks the
 whole step's plumbing (slots, overflow rows, combine); the expert compute's own bits are checked in
-float32 and with large probes in ``tests/unit/test_batch_invariance.py``."""
+float32 and with large probes in ``tests/unit/test_batch_invariance.py``, the combine's order here with
+values whose fp32 sum only one order gets right."""
 
 from __future__ import annotations
 
@@ -75,10 +76,11 @@ def probe_across_steps(layout_kind: str, device: str, impl: str, invariant: bool
                                              (4, "hybrid", {RANKS_PER_NODE_ENV: "2"})],
                          ids=["R2-collective", "R4-collective", "R2-symmetric", "R4-hybrid-2-nodes"])
 def test_probe_tokens_same_bits_in_every_step(R, transport, env, layout_kind):
-    """A token's MoE output that follows the step's other tokens under batch invariance: the CPU
-    expert compute's matmuls sized by the segment (a BLAS picks its kernel by the rows), a slot or
-    overflow row that computes differently from its home row, or a transport's combine whose sum
-    takes in more than the token's own rows."""
+    """A token's MoE output that follows the step's other tokens by more than bf16 rounding hides (a slot or
+    overflow row computing another value than its home row, a combine taking in other tokens' rows, rows
+    lost or misplaced against the dense reference) on any transport. The last bits are checked where they
+    show: the expert compute in float32 (tests/unit/test_batch_invariance.py) and the combine's order
+    (``test_combine_sums_each_token_k_ascending``)."""
     res = ranks(R, probe_across_steps, layout_kind, "cpu", "auto", True, transport, env=env)
     for r, (same, caps, moved) in enumerate(res):
         assert all(same), f"rank {r}: the probe's output changed in steps {[i for i, s in enumerate(same) if not s]}"

@@ -110,14 +110,52 @@ def test_library_impls_refused_under_invariance(impl):
                    batch_invariant=True)
 
 
-def test_auto_under_invariance_says_why(caplog):
-    """``auto`` under batch invariance taking a path it did not name, or the regimes' library kernels."""
+def test_auto_under_invariance_takes_no_library_kernel(monkeypatch, caplog):
+    """``auto`` under batch invariance taking a measured library regime (quack, DeepGEMM), a path other than
+    triton where triton runs, or saying nothing; on a CPU the reference path in fixed-size matmuls, said."""
+    from vllm_moonep.common.grouped_gemm import api, policy
+    from vllm_moonep.engine import defaults
+
     w = _weights(4, 32, 64, torch.bfloat16, "cpu")
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(defaults, "_SAID", set())
     with caplog.at_level(logging.INFO, logger="vllm_moonep"):
-        assert resolve_impl("auto", torch.zeros(4, 64, dtype=torch.bfloat16), w, 4096, batch_invariant=True) \
-            == "reference"
+        assert resolve_impl("auto", x, w, 4096, batch_invariant=True) == "reference"
     assert any("batch invariant" in r.getMessage() and f"{invariance.ROW_BLOCK} rows" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
+    pol = policy.DevicePolicy("test", (), (policy.Regime("quack", w.hidden, w.intermediate, 1),
+                                           policy.Regime("deepgemm", w.hidden, w.intermediate, 1)))
+    monkeypatch.setattr(policy, "policy_of", lambda x, path=None: pol)
+    monkeypatch.setattr(api, "triton_unusable", lambda x: None)  # as on a GPU
+    monkeypatch.setattr(api, "quack_unusable", lambda x, w: None)
+    monkeypatch.setattr(api, "deepgemm_unusable", lambda x, w: None)
+    assert resolve_impl("auto", x, w, 4096) == "quack"  # the regime, without invariance
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm_moonep"):
+        assert resolve_impl("auto", x, w, 4096, batch_invariant=True) == "triton"
+    assert any("-> triton" in r.getMessage() and "never a library kernel" in r.getMessage() for r in caplog.records)
+
+
+def test_triton_path_drops_the_options_under_invariance(monkeypatch):
+    """``expert_ffn_triton`` launching a tile entry's stream-K or swap-AB under batch invariance, or dropping them
+    without it (the launches are recorded, not run: no GPU here)."""
+    from vllm_moonep.common.grouped_gemm import triton_kernels as tk
+
+    opts = {"BM": 16, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 2, "progs_per_sm": 1}
+    entry = {"gate_up": {**opts, "swap": True, "streamk": True}, "down": {**opts, "streamk": True}}
+    launched = []
+    monkeypatch.setattr(tk, "select_config", lambda *a, **k: entry)
+    monkeypatch.setattr(tk, "_launch_trim", lambda *a, **k: None)
+    monkeypatch.setattr(tk, "_launch_gate_up", lambda *a, **k: launched.append(("gate_up", a[6])))
+    monkeypatch.setattr(tk, "_launch_down", lambda *a, **k: launched.append(("down", a[6])))
+    w = _weights(2, 32, 64, torch.bfloat16, "cpu")
+    x, rw, cu = torch.zeros(8, 64, dtype=torch.bfloat16), torch.ones(8), torch.tensor([4, 8], dtype=torch.int32)
+    for invariant in (True, False):
+        launched.clear()
+        tk.expert_ffn_triton(x, rw, cu, w, tokens=4, batch_invariant=invariant)
+        got = {kind: {o for o in ("swap", "streamk") if c.get(o)} for kind, c in launched}
+        want = {"gate_up": set(), "down": set()} if invariant else {"gate_up": {"swap", "streamk"}, "down": {"streamk"}}
+        assert got == want, (invariant, got)
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -172,3 +210,11 @@ def test_invariant_tiles_drop_what_was_not_measured_equal():
             assert not {"streamk", "swap"} & set(inv[k]), (e["shape"], e.get("tokens_per_rank"), k, inv[k])
             assert {o: v for o, v in cfg[k].items() if o not in ("streamk", "swap")} == inv[k]
         assert inv.get("fused") == cfg.get("fused")
+
+
+def test_moe_step_refuses_a_library_impl_at_construction():
+    """``MoonEPMoE(batch_invariant=True, impl=<library>)`` accepted, to fail only at its first step."""
+    from vllm_moonep.common import MoonEPMoE
+
+    with pytest.raises(MoonEPInputError, match="MoonEPMoE: batch_invariant=True: impl='deepgemm'"):
+        MoonEPMoE(None, None, impl="deepgemm", batch_invariant=True)  # type: ignore[arg-type]

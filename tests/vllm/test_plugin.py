@@ -132,6 +132,15 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
             return orig(a1, tw, ti, *a, **k)
 
         pf.prepare = spy
+        import vllm_moonep.common.vllm_modular as vm
+
+        ffn, flags = vm.expert_ffn, []
+
+        def ffn_spy(*a, **k):  # what the experts' apply asks of the expert compute
+            flags.append(k.get("batch_invariant"))
+            return ffn(*a, **k)
+
+        vm.expert_ffn = ffn_spy
         try:
             for _ in range(steps):
                 with set_forward_context(None, cfg, num_tokens=n,
@@ -139,6 +148,8 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
                     y = runner.forward(x, logits)
         finally:
             del pf.prepare
+            vm.expert_ffn = ffn
+        res["ffn_batch_invariant"] = sorted(set(flags))
         probs = torch.softmax(logits.float(), -1)
         _, ids_torch = torch.topk(probs, K, -1)
         assert bool((seen["ids"].long().sort(-1).values == ids_torch.sort(-1).values).all()), "router ids differ"
@@ -332,11 +343,12 @@ def test_vllm_layer_batch_invariant():
     extra = {"moonep": {"weight_layout": "replicated", "engine": "builtin", "num_prefetch_slots": 4}}
     res = ranks(2, rk_vllm_layer, extra, [37, 150], 7, env={**CPU_ENV, "VLLM_BATCH_INVARIANT": "1"})
     for r in res:
-        assert r["backend"] == "MOONEP" and r["batch_invariant"] is True, r
+        assert r["backend"] == "MOONEP" and r["batch_invariant"] is True and r["ffn_batch_invariant"] == [True], r
         assert "kernel=reference, batch invariant (impl=auto)" in r["summary"], r["summary"]
     assert max(r["slots"] for r in res) > 0
     off = ranks(2, rk_vllm_layer, extra, [37, 150], 7, env=CPU_ENV)
-    assert all(r["batch_invariant"] is False and "batch invariant" not in r["summary"] for r in off)
+    assert all(r["batch_invariant"] is False and r["ffn_batch_invariant"] == [False] and "batch invariant" not in
+               r["summary"] for r in off)
 
 
 def test_library_impl_refused_under_batch_invariance():

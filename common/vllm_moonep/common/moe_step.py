@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moonep.common.grouped_gemm import expert_ffn
+from vllm_moonep.common.grouped_gemm import expert_ffn, invariance
 from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.common.padding import pad_and_count
 from vllm_moonep.common.pool import MoonEPBufferPool, as_int
@@ -193,10 +193,12 @@ class MoonEPMoE:
 
     def __init__(self, pool: MoonEPBufferPool, layout: WeightLayout, *, impl: str = "auto", timer=None,
                  batch_invariant: bool = False):
+        if batch_invariant and impl not in ("auto", *invariance.IMPLS):
+            raise MoonEPInputError(f"MoonEPMoE: batch_invariant=True: {invariance.refused(impl)}")
         self.pool = pool
         self.layout = layout
         self.impl = impl
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = bool(batch_invariant)
         self.timer = timer or NullTimer()
         self.last: StepInfo | None = None
 

@@ -259,7 +259,7 @@ def resolve_kernel(impl: str, device: torch.device, dense: bool = True, shape: t
     """The grouped GEMM ``impl`` runs as on ``device`` (``dense``: the layer's weights are one
     tensor; ``shape``: its ``(H, I)``). For ``impl="auto"``, where the choice depends on the step's
     tokens per rank (the GPU's ``auto`` regimes, ``grouped_gemm/policy.py``), each regime: ``"triton below 1024 tokens per
-    rank, quack from 1024"``; ``batch_invariant`` (``VLLM_BATCH_INVARIANT=1``): one kernel for every step."""
+    rank, quack from 1024"``; ``batch_invariant`` (``VLLM_BATCH_INVARIANT=1``): the one implementation every step runs (no library kernel)."""
     from vllm_moonep.common.grouped_gemm import auto_regimes, resolve_impl
 
     probe = _dummy_weights(device, dense, *(shape or (128, 128)))

@@ -10,8 +10,11 @@ other tokens, on every rank.
         triton      the tiles the step runs anyway, without stream-K and swap-AB: a row's K sum
                     runs in one fp32 accumulator, K ascending, 16 columns per MMA step, whatever the
                     tile's rows, columns or K block, its loads or the launch count, so a row's bits
-                    do not follow the tiles the step's tokens per rank pick (measured bit-equal:
-                    docs/PERFORMANCE.md, "Batch invariance"); stream-K cuts a row's sum between
+                    do not follow the tiles the step's tokens per rank pick (measured bit-equal on an
+                    H100 with Triton 3.6 at two shapes' tuned tiles and the Hopper code paths:
+                    docs/PERFORMANCE.md, "Batch invariance"; another GPU generation or Triton
+                    version is held to it by tests/unit/test_batch_invariance.py's GPU case, not
+                    by construction); stream-K cuts a row's sum between
                     programs and adds the pieces, and swap-AB (weights on the MMA's M side), which
                     one entry takes, has not been measured against the others
         reference   each segment's rows in matmuls of exactly ``ROW_BLOCK`` rows (the last block
@@ -19,7 +22,8 @@ other tokens, on every rank.
         grouped_mm, quack, deepgemm: refused, and ``auto`` takes none of them (a library's
                     kernels, its choice per problem size)
     dispatch, prefetch: byte copies (a slot row is its home row's bytes)
-    combine:    each token's K rows summed in fp32 over that token's rows only
+    combine:    each token's K rows summed in fp32, k ascending, on every transport
+                (``engine/transports/base.sum_entries``, the symmetric transport's reduce kernel)
 
 Only the expert compute has a choice to make; the engine's steps are the same either way.
 """

@@ -699,7 +699,8 @@ def _w13i(prep: _Prepared) -> tuple[bool, tuple]:
 
 def _swap(c: dict) -> bool:
     """A tile config's ``swap`` (swap-AB, ``triton_tiles.mma``): off unless the config asks; every
-    schedule and both operand loads take it, so it is never dropped."""
+    schedule and both operand loads take it, so no kernel option drops it (a batch-invariant call does:
+    ``invariance.DROPPED``)."""
     return bool(c.get("swap", False))
 
 
