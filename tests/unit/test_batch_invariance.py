@@ -137,8 +137,8 @@ def test_auto_under_invariance_takes_no_library_kernel(monkeypatch, caplog):
 
 
 def test_triton_path_drops_the_options_under_invariance(monkeypatch):
-    """``expert_ffn_triton`` launching a tile entry's stream-K or swap-AB under batch invariance, or dropping them
-    without it (the launches are recorded, not run: no GPU here)."""
+    """``expert_ffn_triton`` launching a tile entry's stream-K or swap-AB under batch invariance, dropping them
+    without it, or dropping them without saying so (the launches are recorded, not run: no GPU here)."""
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
 
     opts = {"BM": 16, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 2, "progs_per_sm": 1}
@@ -148,6 +148,9 @@ def test_triton_path_drops_the_options_under_invariance(monkeypatch):
     monkeypatch.setattr(tk, "_launch_trim", lambda *a, **k: None)
     monkeypatch.setattr(tk, "_launch_gate_up", lambda *a, **k: launched.append(("gate_up", a[6])))
     monkeypatch.setattr(tk, "_launch_down", lambda *a, **k: launched.append(("down", a[6])))
+    from vllm_moonep.engine import defaults
+
+    monkeypatch.setattr(defaults, "_SAID", set())
     w = _weights(2, 32, 64, torch.bfloat16, "cpu")
     x, rw, cu = torch.zeros(8, 64, dtype=torch.bfloat16), torch.ones(8), torch.tensor([4, 8], dtype=torch.int32)
     for invariant in (True, False):
@@ -156,6 +159,7 @@ def test_triton_path_drops_the_options_under_invariance(monkeypatch):
         got = {kind: {o for o in ("swap", "streamk") if c.get(o)} for kind, c in launched}
         want = {"gate_up": set(), "down": set()} if invariant else {"gate_up": {"swap", "streamk"}, "down": {"streamk"}}
         assert got == want, (invariant, got)
+    assert any("batch invariant" in m and "without streamk, swap" in m for m in defaults._SAID), defaults._SAID
 
 
 # --------------------------------------------------------------------------------------------- GPU

@@ -910,7 +910,11 @@ def expert_ffn_triton(
         act = torch.empty((NvS, I), dtype=x.dtype, device=dev)
     cfg = config or select_config(H, I, NvS, G, entries=list(policy.policy_of(x).tiles), tokens=tokens)
     if batch_invariant:
-        cfg = invariance.invariant_tiles(cfg)
+        kept, cfg = cfg, invariance.invariant_tiles(cfg)
+        if kept != cfg:
+            say_once(f"MoonEP expert kernels: batch invariant: the tile entry for H={H}, I={I} runs without "
+                     f"{', '.join(o for o in invariance.DROPPED if any(c.get(o) for c in kept.values()))} "
+                     "(not measured bit-equal to the other tiles)", __name__)
     check_tail_args(row_ends, zero_tail, "expert_ffn_triton")
     ends = None if row_ends is None else row_ends.contiguous()  # no copy when it is already
     dot_f32 = interpreting() or x.dtype == torch.float32
