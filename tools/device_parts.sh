@@ -4,7 +4,7 @@
 #   here:   pack_parts WORK DEST LABEL [XZ_LEVEL]
 #             WORK holds the folders to bundle (e.g. src/, wheels/); one tar, xz at XZ_LEVEL (default
 #             -9e; 0 = plain tar, for content that is already compressed), split into parts of
-#             PART_MIB (default 58) MiB: DEST/part-<k>/ holds bundle.<k> and MANIFEST (LABEL, the
+#             PART_MIB (default DEFAULT_PART_MIB) MiB: DEST/part-<k>/ holds bundle.<k> and MANIFEST (LABEL, the
 #             bundle's and every part's sha256, the part count, the format)
 #   there:  stage_parts DEST ROOT
 #             each carried DEST/part-<k> checked and kept in ROOT/parts (/tmp survives between calls
@@ -15,9 +15,15 @@
 
 manifest_field() { sed -n "s/^$1 //p" "$2" | head -1; }
 
+# A part travels with the working tree in one call (64 MiB, as the device counts it: it refused a part of
+# 58 MiB beside a 5.8 MiB tree that this script's count put at 63.8 MiB), so parts leave the tree room to grow.
+DEFAULT_PART_MIB=50
+# the warning's bound: 64 MiB less what the device's count has read above this script's
+CALL_LIMIT_MIB=63
+
 pack_parts() {
-  local work=$1 dest=$2 label=$3 level=${4:--9e} part_mib=${PART_MIB:-58} sha n k f tree sz
-  local limit=$((64 * 1024 * 1024))
+  local work=$1 dest=$2 label=$3 level=${4:--9e} part_mib=${PART_MIB:-$DEFAULT_PART_MIB} sha n k f tree sz
+  local limit=$((CALL_LIMIT_MIB * 1024 * 1024))
   if [ "$level" = 0 ]; then
     tar cf "$work/bundle.tar" -C "$work" $(cd "$work" && ls -d */)
   else
@@ -46,7 +52,7 @@ pack_parts() {
   for f in "$dest"/part-*; do
     sz=$(du -cb "$f" | tail -1 | cut -f1)
     if (( sz + tree > limit )); then
-      echo "pack: WARNING: $f ($sz B) + working tree ($tree B) exceed one call's 64 MiB: lower PART_MIB" >&2
+      echo "pack: WARNING: $f ($sz B) + working tree ($tree B) exceed the $CALL_LIMIT_MIB MiB one call can take: lower PART_MIB" >&2
     fi
   done
   echo "pack: $n parts in $dest (working tree $((tree / 1024 / 1024)) MiB beside each); carry one per call:"

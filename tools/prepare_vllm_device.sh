@@ -13,20 +13,19 @@
 #              _vllm_fa3_C 172 MB): the runs use vLLM's Triton attention backend.
 #   wheels/    cp312 manylinux x86_64 wheels of what vLLM's import closure, its engine core and its
 #              OpenAI server need and the device image lacks (versions as in .venv; WHEELS below)
-# then split into parts of PART_MIB (default 58) MiB, one folder each: .device/vllm/part-<k>/ holds
-# bundle.<k> and MANIFEST (the bundle's and every part's sha256, the part count). A call carries one
-# folder (run's carry=[".device/vllm/part-<k>"]); `bash tools/gpu_vllm.sh stage` there keeps the
+# then split into parts of PART_MIB (default: tools/device_parts.sh's) MiB, one folder each:
+# .device/vllm/part-<k>/ holds bundle.<k> and MANIFEST (the bundle's and every part's sha256, the part
+# count). A call carries one folder (run's carry=[".device/vllm/part-<k>"]); `bash tools/gpu_vllm.sh stage` there keeps the
 # part in the machine's /tmp, and once every part is there joins, checks and unpacks them, so the
 # parts travel in consecutive calls while the machine stays warm (30 s idle). A part plus the
 # working tree must stay under one call's 64 MiB: the script says if it does not.
 #
 # Usage (repo root): bash tools/prepare_vllm_device.sh        (about 3 minutes on 2 cores)
-#   PART_MIB     part size in MiB (default 58)
+#   PART_MIB     part size in MiB (default: DEFAULT_PART_MIB in tools/device_parts.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 DEST=.device/vllm
-PART_MIB=${PART_MIB:-58}
 # name as pip knows it; the import that needs each is in docs/TESTING.md ("vLLM on the GPU machine")
 WHEELS="pyzmq pydantic pydantic_core annotated-types typing-inspection typing_extensions cbor2 oss-harmony openai
         httpx2 sniffio msgspec pybase64 cachetools xgrammar apache-tvm-ffi fastapi starlette partial-json-parser
