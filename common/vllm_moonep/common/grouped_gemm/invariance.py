@@ -14,9 +14,9 @@ other tokens, on every rank.
                     H100 with Triton 3.6 at two shapes' tuned tiles and the Hopper code paths:
                     docs/PERFORMANCE.md, "Batch invariance"; another GPU generation or Triton
                     version is held to it by tests/unit/test_batch_invariance.py's GPU case, not
-                    by construction); stream-K cuts a row's sum between
-                    programs and adds the pieces, and swap-AB (weights on the MMA's M side), which
-                    one entry takes, has not been measured against the others
+                    by construction); stream-K cuts a row's sum between programs and adds the
+                    pieces, and swap-AB (weights on the MMA's M side), which one entry takes, has
+                    not been measured against the others
         reference   each segment's rows in matmuls of exactly ``ROW_BLOCK`` rows (the last block
                     filled with zero rows): a BLAS picks its kernel by the rows of the matmul
         grouped_mm, quack, deepgemm: refused, and ``auto`` takes none of them (a library's
