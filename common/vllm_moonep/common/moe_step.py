@@ -193,8 +193,8 @@ class MoonEPMoE:
 
     def __init__(self, pool: MoonEPBufferPool, layout: WeightLayout, *, impl: str = "auto", timer=None,
                  batch_invariant: bool = False):
-        if batch_invariant and impl not in ("auto", *invariance.IMPLS):
-            raise MoonEPInputError(f"MoonEPMoE: batch_invariant=True: {invariance.refused(impl)}")
+        if batch_invariant:
+            invariance.check_impl(impl, "MoonEPMoE: batch_invariant=True")
         self.pool = pool
         self.layout = layout
         self.impl = impl

@@ -309,8 +309,7 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
         # read at construction, as vLLM's own kernels read it when the engine builds them
         self.batch_invariant = bool(envs.VLLM_BATCH_INVARIANT)
         if self.batch_invariant:
-            if impl not in ("auto", *invariance.IMPLS):
-                raise MoonEPInputError(f"MoonEPExperts: VLLM_BATCH_INVARIANT=1: {invariance.refused(impl)}")
+            invariance.check_impl(impl, "MoonEPExperts: VLLM_BATCH_INVARIANT=1")
             say_once("MoonEP expert compute: batch invariant (VLLM_BATCH_INVARIANT=1): a token's expert outputs "
                      "do not depend on the step's other tokens or on where the plan puts its rows", "vllm_moonep.vllm")
         self.impl = impl

@@ -132,8 +132,8 @@ def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights, tokens: int | No
         cand, why = _resolve_invariant(x) if batch_invariant else _resolve_auto(x, w, tokens)
         say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")
         return cand
-    if batch_invariant and impl not in invariance.IMPLS:
-        raise MoonEPInputError(f"expert_ffn: batch_invariant=True: {invariance.refused(impl)}")
+    if batch_invariant:
+        invariance.check_impl(impl, "expert_ffn: batch_invariant=True")
     reason = impl_unusable(impl, x, w)
     if reason is not None:
         raise MoonEPInputError(

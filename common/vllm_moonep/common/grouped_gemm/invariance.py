@@ -30,6 +30,8 @@ Only the expert compute has a choice to make; the engine's steps are the same ei
 
 from __future__ import annotations
 
+from vllm_moonep.engine.errors import MoonEPInputError
+
 #: rows per reference matmul when batch invariant
 ROW_BLOCK = 64
 
@@ -37,10 +39,13 @@ ROW_BLOCK = 64
 IMPLS = ("triton", "reference")
 
 
-def refused(impl: str) -> str:
-    """Why ``batch_invariant=True`` does not run ``impl`` (one of the library paths)."""
-    return (f"impl={impl!r} runs a library's kernels, chosen by the library per problem size, and nothing "
-            f"here shows a row's output independent of the other rows there; batch invariance runs {IMPLS}")
+def check_impl(impl: str, who: str) -> None:
+    """``MoonEPInputError`` naming ``who`` where a batch-invariant caller asks for a library path (``auto`` and
+    ``IMPLS`` pass; ``auto`` then takes one of ``IMPLS``)."""
+    if impl != "auto" and impl not in IMPLS:
+        raise MoonEPInputError(f"{who}: impl={impl!r} runs a library's kernels, chosen by the library per problem "
+                               "size, and nothing here shows a row's output independent of the other rows there; "
+                               f"batch invariance runs {IMPLS}")
 
 
 #: tile options a batch-invariant step drops (``invariant_tiles``)
