@@ -58,3 +58,23 @@ def test_programs_sweep_times_every_setting_against_one_anchor(tmp_path, capsys)
     assert table.count("| 2 | 0.0 | ") == 1
     with pytest.raises(SystemExit):
         bench_dispatch.main(["--ranks", "2", "--programs-sweep", "-1"])
+
+
+def test_sum_refuses_without_a_gpu(capsys):
+    """``--sum`` times the reduce kernel, which only runs on CUDA: on CPU it must refuse and say why, not time
+    the torch adds under the kernel's name."""
+    with pytest.raises(SystemExit):
+        bench_dispatch.main(["--sum", "--device", "cpu"])
+    assert "needs --device cuda" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_sum_times_the_kernel_the_adds_and_the_anchor_gpu(tmp_path, capsys):
+    """A ``--sum`` column left untimed, or a run whose kernel and adds disagree in bits reported as a figure."""
+    out = tmp_path / "sum.json"
+    assert bench_dispatch.main(["--sum", "--device", "cuda", "--preset", "qwen3-30b-a3b", "--tokens", "1", "64",
+                                "--iters", "5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 64]
+    assert all(r[k] > 0 for r in rows for k in ("kernel_us", "adds_us", "one_sum_us"))
+    assert capsys.readouterr().out.count("| 64 | ") == 1

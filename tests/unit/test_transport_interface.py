@@ -104,3 +104,31 @@ def test_the_capability_flags_are_part_of_the_protocol():
         assert buf.accepts_num_tokens is True and buf.combine_reads_entry_rows_only is True
     finally:
         buf.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S,K,H,dtype", [(0, 8, 7168, torch.float32), (1, 3, 8, torch.float32),
+                                         (37, 8, 7168, torch.float32), (64, 3, 100, torch.float32),
+                                         (19, 1, 2048, torch.bfloat16), (130, 6, 4096, torch.bfloat16)])
+def test_sum_entries_kernel_matches_the_written_order_gpu(S, K, H, dtype):
+    """The combine's K-sum on CUDA (the reduce kernel) in another order than the CPU path's k-ascending adds,
+    starting from anything but +0, rounding other than once, or missing columns past a power of two: the
+    bits must equal ``sum_entries_torch``'s. Token 0's rows are 1e8, -1e8, 1, then zeros (exactly 1 only k
+    ascending) where K >= 3, and token 1's rows are all -0 (+0 from a sum that starts at +0). S = 0 (no
+    tokens) gives an empty result, not an error."""
+    from vllm_moonep.engine.transports.base import sum_entries, sum_entries_torch
+
+    rows = torch.randn(S * K, H, generator=torch.Generator().manual_seed(S + K)).to(dtype)
+    if S and K >= 3:
+        rows[0:K] = 0.0
+        rows[0:3] = torch.tensor([1e8, -1e8, 1.0]).to(dtype)[:, None]
+    if S > 1:
+        rows[K:2 * K] = -0.0
+    want = sum_entries_torch(rows, S, K, torch.bfloat16)
+    got = sum_entries(rows.cuda(), S, K, torch.bfloat16).cpu()
+    assert got.shape == (S, H)
+    assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} sums differ"
+    if S > 1:  # torch.equal takes -0 for +0
+        assert not torch.signbit(got[1]).any() and not torch.signbit(want[1]).any(), "a sum of -0 rows must be +0"
+    if S and K >= 3 and dtype == torch.float32:
+        assert got[0].eq(1).all(), "1e8, -1e8, 1 summed k ascending is exactly 1"

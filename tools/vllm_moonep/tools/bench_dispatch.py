@@ -22,6 +22,9 @@ across blocks); ``--transport collective`` gives the all-collective figure of th
 anchors stay the plain all-to-all and the one-node one-sided copies).
 ``--profile`` prints the top kernels of one dispatch on rank 0. ``--programs-sweep`` times, instead,
 buffers of several row-kernel program counts against each other in one process (``rank_programs_sweep``).
+``--sum`` times, instead, the combine's K-sum alone in this process (``sum_bench``): the collective and hybrid
+transports' ``sum_entries`` on their fp32 rows, the same sum as K-1 torch adds, and one torch reduction over K
+(order unspecified) as the anchor.
 """
 
 from __future__ import annotations
@@ -266,6 +269,42 @@ def _points(a, launch, env, rank_fn, H, E, K, *extra) -> list:
     return out
 
 
+def sum_bench(a, argv, H: int, K: int) -> int:
+    """``--sum``: the combine's K-sum of ``S*K`` fp32 rows (the collective and hybrid transports' ``acc``) into
+    ``S`` bf16 rows on this GPU, device-timed after an L2 flush (``flushed_median_ms``): ``sum_entries`` (the
+    reduce kernel), ``sum_entries_torch`` (K-1 adds, the same order) and one ``sum(dim=1)`` as the anchor.
+    The first two must give the same bits (else the run fails)."""
+    from vllm_moonep.engine.transports.base import sum_entries, sum_entries_torch
+    from vllm_moonep.tools.timing import flushed_median_ms
+
+    rep = max(5.0, float(a.iters))  # ms of timed calls per figure
+    rows = []
+    for S in a.tokens:
+        acc = torch.randn(S * K, H, generator=torch.Generator().manual_seed(S)).cuda()
+        kernel, adds = sum_entries(acc, S, K, torch.bfloat16), sum_entries_torch(acc, S, K, torch.bfloat16)
+        if not torch.equal(kernel, adds):
+            raise SystemExit(f"bench_dispatch --sum: the reduce kernel and the torch adds differ at {S} tokens")
+        t = {name: flushed_median_ms(fn, rep=rep) * 1e3 for name, fn in (
+            ("kernel", lambda: sum_entries(acc, S, K, torch.bfloat16)),
+            ("adds", lambda: sum_entries_torch(acc, S, K, torch.bfloat16)),
+            ("one_sum", lambda: acc.view(S, K, H).sum(dim=1).to(torch.bfloat16)))}
+        rows.append({"tokens": S, "read_MB": S * K * H * 4 / 1e6, "moved_bytes": S * H * (4 * K + 2),
+                     **{f"{k}_us": v for k, v in t.items()}})
+    print(f"the combine's K-sum, {a.preset} (H={H}, K={K}), fp32 rows to bf16 on {torch.cuda.get_device_name()}: "
+          "device-timed medians after an L2 flush")
+    print("| tokens/rank | fp32 rows MB | reduce kernel us | K-1 torch adds us | one torch sum us | kernel/sum | "
+          "adds/sum | kernel GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tokens']} | {r['read_MB']:.1f} | {r['kernel_us']:.1f} | {r['adds_us']:.1f} | {r['one_sum_us']:.1f} | "
+              f"{r['kernel_us'] / r['one_sum_us']:.2f} | {r['adds_us'] / r['one_sum_us']:.2f} | "
+              f"{r['moved_bytes'] / (r['kernel_us'] * 1e3):.0f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(_run_record(a, argv, "-", "-", H, 0, K, rows), f, indent=1)
+    return 0
+
+
 def _programs_sweep(a, argv, launch, env, H, E, K) -> int:
     """``--programs-sweep``: the paired table, slowest rank's median per entry."""
     rows = []
@@ -333,6 +372,9 @@ def main(argv=None) -> int:
     ap.add_argument("--programs-sweep", type=int, nargs="+", default=None, metavar="N",
                     help="instead of the table: a paired sweep of the row kernels' programs, one buffer per num_sms "
                          "N (0: the default) in each rank's process, timed in rotating rounds with the all_to_all")
+    ap.add_argument("--sum", action="store_true",
+                    help="instead of the table: the combine's K-sum alone in this process (--device cuda; --iters "
+                         "is then ms of timed calls per figure)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--profile", action="store_true",
@@ -348,6 +390,10 @@ def main(argv=None) -> int:
     if a.programs_sweep and any(n < 0 for n in a.programs_sweep):
         ap.error("--programs-sweep values must be >= 0 (0: the default)")
     H, E, K = SHAPES[a.preset]
+    if a.sum:
+        if a.device != "cuda" or not torch.cuda.is_available():
+            ap.error("--sum times the reduce kernel: it needs --device cuda and a GPU")
+        return sum_bench(a, argv, H, K)
     if E % a.ranks:
         ap.error(f"{a.preset} has {E} experts, not divisible by --ranks {a.ranks}")
     if a.ranks_per_node is not None and (a.ranks_per_node < 1 or a.ranks % a.ranks_per_node):

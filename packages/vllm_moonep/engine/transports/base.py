@@ -29,6 +29,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout
+from vllm_moonep.engine.launch import Launcher
 from vllm_moonep.engine.planning.planner import GlobalPlan
 
 __all__ = ["Dispatched", "Transport", "sum_entries"]
@@ -38,12 +39,46 @@ def sum_entries(rows: torch.Tensor, S: int, K: int, dtype: torch.dtype) -> torch
     """Each token's ``K`` entry rows (``rows [S*K, H]``, token ``t``'s at ``t*K .. t*K+K-1``) summed in fp32,
     ``k`` ascending, rounded once to ``dtype``: ``[S, H]``. The order is written out, as the symmetric
     transport's reduce kernel writes it, so that a token's sum is the same bits on every transport and in
-    every step, whatever the other tokens (batch invariance: ``grouped_gemm/invariance.py``)."""
-    v = rows.view(S, K, -1)
+    every step, whatever the other tokens (batch invariance: ``grouped_gemm/invariance.py``). On CUDA it is
+    that kernel (one pass over the rows, 0.71-1.05x one unordered torch reduction's time on an H100; K-1
+    torch adds read and write the fp32 sum K-1 times: 2.0-3.1x, docs/PERFORMANCE.md "The combine's K-sum")."""
+    launch = _reduce_launcher() if rows.is_cuda else None
+    if launch is not None:
+        from vllm_moonep.engine.transports.symmetric_kernels import reduce_grid
+
+        H = rows.shape[-1]
+        out = torch.empty(S, H, dtype=dtype, device=rows.device)
+        if S:
+            n_prog, bh, k_pad = reduce_grid(S, K, H)
+            rows = rows.contiguous()
+            launch((n_prog, 1, 1), rows, rows, out, out, S, K, H, n_prog, HAS_W=False, K_PAD=k_pad, BLOCK_H=bh,
+                   num_warps=4)
+        return out
+    return sum_entries_torch(rows, S, K, dtype)
+
+
+def sum_entries_torch(rows: torch.Tensor, S: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """``sum_entries`` as K-1 torch adds in the same order (the CPU path, any device)."""
+    v = rows.view(S, K, rows.shape[-1])
     out = v[:, 0].to(torch.float32) + 0.0  # a new tensor, from +0 as the kernel's sum starts (-0 becomes +0)
     for k in range(1, K):
         out += v[:, k]
     return out.to(dtype)
+
+
+#: the reduce kernel's launcher, made at the first CUDA sum (``[None]`` where Triton does not import)
+_REDUCE: list[Launcher | None] = []
+
+
+def _reduce_launcher() -> Launcher | None:
+    if not _REDUCE:
+        try:
+            from vllm_moonep.engine.transports.symmetric_kernels import reduce_kernel
+        except ImportError:
+            _REDUCE.append(None)
+        else:
+            _REDUCE.append(Launcher(reduce_kernel))
+    return _REDUCE[0]
 
 
 class Dispatched(NamedTuple):

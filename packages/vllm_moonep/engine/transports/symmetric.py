@@ -81,8 +81,6 @@ DEFAULT_PROGRAMS_PER_SM = 2
 PROGRAMS_PER_SM = 4
 #: rows per tile in the row-moving kernels
 _ROWS = 4
-#: programs of the (local) reduce; it only waits on the signals, so any count works
-_REDUCE_PROGRAMS = 1056
 #: entries compared at a time when dispatch_rows places its entries itself (small batches)
 _PLACE_CHUNK = 256
 #: the GPU executor's kernels (``symmetric_kernels.<name>_kernel``; clear_rows only after a dispatch
@@ -218,9 +216,7 @@ class SymmetricTransport(Transport):
             self._G = E + B
             self._G_PAD = triton.next_power_of_2(self._G)
             # the reduce: local work, enough programs to fill the GPU
-            self._bh_red = min(triton.next_power_of_2(H), 2048)
-            self._n_red = max(1, min(S * triton.cdiv(H, self._bh_red), _REDUCE_PROGRAMS))
-            self._K_PAD = triton.next_power_of_2(K)
+            self._n_red, self._bh_red, self._K_PAD = k.reduce_grid(S, K, H)
             # rows the last step wrote (cleared at the next dispatch); rows [0, S*K) at first,
             # which the allocation zeroed
             self.real_rows = torch.arange(SK, dtype=torch.int32, device=self.device)

@@ -181,6 +181,17 @@ def clear_rows_kernel(real_rows, recv_x, recv_w, recv_src, SK, H, n_prog, ROWS: 
                      mask=m2)
 
 
+#: programs of the reduce at most (local work: its inputs are in this rank's memory, so any count works)
+REDUCE_PROGRAMS = 1056
+
+
+def reduce_grid(S: int, K: int, H: int) -> tuple[int, int, int]:
+    """``(programs, BLOCK_H, K_PAD)`` of ``reduce_kernel`` for ``S`` tokens of ``K`` rows of ``H`` columns: one
+    work item per token and block of up to 2048 columns, enough programs to fill the GPU."""
+    bh = min(triton.next_power_of_2(H), 2048)
+    return max(1, min(S * triton.cdiv(H, bh), REDUCE_PROGRAMS)), bh, triton.next_power_of_2(K)
+
+
 @triton.jit
 def reduce_kernel(comb_x, comb_w, out, out_w, S, K, H, n_prog, HAS_W: tl.constexpr, K_PAD: tl.constexpr,
                   BLOCK_H: tl.constexpr):
