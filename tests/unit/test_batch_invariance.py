@@ -137,8 +137,9 @@ def test_auto_under_invariance_takes_no_library_kernel(monkeypatch, caplog):
 
 
 def test_triton_path_drops_the_options_under_invariance(monkeypatch):
-    """``expert_ffn_triton`` launching a tile entry's stream-K or swap-AB under batch invariance, dropping them
-    without it, or dropping them without saying so (the launches are recorded, not run: no GPU here)."""
+    """``expert_ffn_triton`` launching a tile entry's stream-K under batch invariance, dropping it without it,
+    dropping swap-AB (measured bit-equal: the GPU case below), or dropping stream-K without saying so (the
+    launches are recorded, not run: no GPU here)."""
     from vllm_moonep.common.grouped_gemm import triton_kernels as tk
 
     opts = {"BM": 16, "BN": 32, "BK": 64, "num_warps": 4, "num_stages": 2, "progs_per_sm": 1}
@@ -157,41 +158,46 @@ def test_triton_path_drops_the_options_under_invariance(monkeypatch):
         launched.clear()
         tk.expert_ffn_triton(x, rw, cu, w, tokens=4, batch_invariant=invariant)
         got = {kind: {o for o in ("swap", "streamk") if c.get(o)} for kind, c in launched}
-        want = {"gate_up": set(), "down": set()} if invariant else {"gate_up": {"swap", "streamk"}, "down": {"streamk"}}
+        want = ({"gate_up": {"swap"}, "down": set()} if invariant
+                else {"gate_up": {"swap", "streamk"}, "down": {"streamk"}})
         assert got == want, (invariant, got)
-    assert any("batch invariant" in m and "without streamk, swap" in m for m in defaults._SAID), defaults._SAID
+    assert any("batch invariant" in m and "without streamk" in m for m in defaults._SAID), defaults._SAID
 
 
 # --------------------------------------------------------------------------------------------- GPU
-#: Qwen3-30B-A3B's experts (tile entries from 1 to 4096 tokens per rank, whose tiles differ)
-GPU_H, GPU_I = 2048, 768
-GPU_TOKENS = [1, 16, 256, 1024, 4096]
+#: (H, I) of the shapes with tile entries from 1 to 4096 tokens per rank, whose tiles differ: Qwen3-30B-A3B
+#: (BM 16-128, TMA, the flat down kernel) and Kimi-K2 (also the warp-specialized gate/up and the 64-token
+#: entry's swap-AB)
+GPU_SHAPES = {"qwen3-30b-a3b": (2048, 768), "kimi-k2": (7168, 2048)}
+GPU_TOKENS = [1, 16, 64, 256, 1024, 4096]
 GPU_LENS = [([0, 0, 512, 0, 0, 0, 0, 0], 0), ([64, 3, 600, 1, 0, 0, 0, 9], 77), ([0, 0, 1100, 256, 5, 0, 0, 0], 300),
-            ([1, 1, 513, 1, 1, 1, 1, 1], 1), ([700, 0, 2048, 0, 0, 128, 0, 0], 1024)]
+            ([1, 1, 513, 1, 1, 1, 1, 1], 1), ([700, 0, 2048, 0, 0, 128, 0, 0], 1024), ([9, 40, 640, 2, 0, 0, 7, 0], 128)]
 
 
-def _gpu_cases():
+def _gpu_cases(H):
     g = torch.Generator().manual_seed(4)
-    px = torch.randn(512, GPU_H, generator=g).to(torch.bfloat16).cuda()
+    px = torch.randn(512, H, generator=g).to(torch.bfloat16).cuda()
     pw = torch.rand(512, generator=g).cuda()
-    return [_case(lens, before, px, pw, GPU_H, seed=40 + i) for i, (lens, before) in enumerate(GPU_LENS)]
+    return [_case(lens, before, px, pw, H, seed=40 + i) for i, (lens, before) in enumerate(GPU_LENS)]
 
 
 @pytest.mark.gpu
-def test_triton_probe_rows_same_bits_gpu():
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_triton_probe_rows_same_bits_gpu(shape):
     """A tile config that sums a row's K in another order (the tiles follow the step's tokens per rank: 1-4096
-    pick different ones at this shape), or a row's output depending on its place in its tile or segment. The
+    pick different ones at these shapes), or a row's output depending on its place in its tile or segment. The
     control: the same rows with the hidden columns permuted (x and gate/up alike: the same sums in another
     order) must change the probe's bits, else equal bits would say nothing (skips if they do not)."""
-    gate, up, down = _tensors(8, GPU_I, GPU_H, torch.bfloat16, "cuda")
+    H, I = GPU_SHAPES[shape]
+    gate, up, down = _tensors(8, I, H, torch.bfloat16, "cuda")
     w = GroupedWeights.contiguous(gate, up, down)
-    cases = _gpu_cases()
+    cases = _gpu_cases(H)
     outs = _probe_outputs(cases, w, "triton", True, GPU_TOKENS)
-    assert all(_same(outs)), f"the probe's bits changed in cases {[i for i, s in enumerate(_same(outs)) if not s]}"
+    assert all(_same(outs)), f"the probe's bits changed at tokens {[GPU_TOKENS[i] for i, s in enumerate(_same(outs)) if not s]}"
     x, rw, cu, sl = cases[0]
     ref = expert_ffn_float64(x, rw, cu, w)
     assert float((outs[0].double() - ref[sl]).norm() / ref[sl].norm()) < 1e-2
-    perm = torch.randperm(GPU_H, generator=torch.Generator().manual_seed(9)).cuda()
+    perm = torch.randperm(H, generator=torch.Generator().manual_seed(9)).cuda()
     wp = GroupedWeights.contiguous(gate[..., perm].contiguous(), up[..., perm].contiguous(), down)
     permuted = expert_ffn(x[:, perm].contiguous(), rw, cu, wp, impl="triton", tokens=GPU_TOKENS[0],
                           batch_invariant=True)[sl]
@@ -200,8 +206,8 @@ def test_triton_probe_rows_same_bits_gpu():
 
 
 def test_invariant_tiles_drop_what_was_not_measured_equal():
-    """A shipped tile entry keeping stream-K or swap-AB under batch invariance (the one cuts a row's sum between
-    programs, the other has no bit-equality measurement), or losing an option that was measured equal."""
+    """A shipped tile entry keeping stream-K under batch invariance (it cuts a row's sum between programs), or
+    losing an option that was measured equal (swap-AB, TMA, warp specialization, the flat down kernel)."""
     from vllm_moonep.common.grouped_gemm import policy
 
     entries = [e for sec in policy.load_table()["devices"].values() for e in sec.get("tiles", [])]
@@ -211,8 +217,8 @@ def test_invariant_tiles_drop_what_was_not_measured_equal():
         cfg = {k: e[k] for k in ("gate_up", "down", "fused") if k in e}
         inv = invariance.invariant_tiles(cfg)
         for k in ("gate_up", "down"):
-            assert not {"streamk", "swap"} & set(inv[k]), (e["shape"], e.get("tokens_per_rank"), k, inv[k])
-            assert {o: v for o, v in cfg[k].items() if o not in ("streamk", "swap")} == inv[k]
+            assert "streamk" not in inv[k], (e["shape"], e.get("tokens_per_rank"), k, inv[k])
+            assert {o: v for o, v in cfg[k].items() if o != "streamk"} == inv[k]
         assert inv.get("fused") == cfg.get("fused")
 
 

@@ -114,7 +114,7 @@ def _resolve_invariant(x: torch.Tensor) -> tuple[str, str]:
     """``(impl, why)`` of ``impl="auto"`` when batch invariant: triton where it runs, else reference."""
     why_not_triton = triton_unusable(x)
     if why_not_triton is None:
-        return "triton", ("batch invariant: the Triton kernels (their tiles without stream-K and swap-AB), never a "
+        return "triton", ("batch invariant: the Triton kernels (their tiles without stream-K), never a "
                           "library kernel")
     return "reference", (f"batch invariant: {why_not_triton}; the reference path in matmuls of "
                          f"{invariance.ROW_BLOCK} rows")

@@ -7,16 +7,15 @@ land in, their place in it and the step's tokens per rank (which pick the tiles)
 other tokens, on every rank.
 
     expert_ffn(..., batch_invariant=True)
-        triton      the tiles the step runs anyway, without stream-K and swap-AB: a row's K sum
-                    runs in one fp32 accumulator, K ascending, 16 columns per MMA step, whatever the
-                    tile's rows, columns or K block, its loads or the launch count, so a row's bits
-                    do not follow the tiles the step's tokens per rank pick (measured bit-equal on an
-                    H100 with Triton 3.6 at two shapes' tuned tiles and the Hopper code paths:
-                    docs/PERFORMANCE.md, "Batch invariance"; another GPU generation or Triton
-                    version is held to it by tests/unit/test_batch_invariance.py's GPU case, not
-                    by construction); stream-K cuts a row's sum between programs and adds the
-                    pieces, and swap-AB (weights on the MMA's M side), which one entry takes, has
-                    not been measured against the others
+        triton      the tiles the step runs anyway, without stream-K: a row's K sum runs in one fp32
+                    accumulator, K ascending, 16 columns per MMA step, whatever the tile's rows,
+                    columns or K block, its loads, swap-AB (weights on the MMA's M side) or the launch
+                    count, so a row's bits do not follow the tiles the step's tokens per rank pick
+                    (measured bit-equal on an H100 with Triton 3.6 at two shapes' tuned tiles and the
+                    Hopper code paths: docs/PERFORMANCE.md, "Batch invariance"; another GPU generation
+                    or Triton version is held to it by tests/unit/test_batch_invariance.py's GPU case,
+                    not by construction); stream-K cuts a row's sum between programs and adds the
+                    pieces
         reference   each segment's rows in matmuls of exactly ``ROW_BLOCK`` rows (the last block
                     filled with zero rows): a BLAS picks its kernel by the rows of the matmul
         grouped_mm, quack, deepgemm: refused, and ``auto`` takes none of them (a library's
@@ -49,7 +48,7 @@ def check_impl(impl: str, who: str) -> None:
 
 
 #: tile options a batch-invariant step drops (``invariant_tiles``)
-DROPPED = ("streamk", "swap")
+DROPPED = ("streamk",)
 
 
 def invariant_tiles(cfg: dict) -> dict:

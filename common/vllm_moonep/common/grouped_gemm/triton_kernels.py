@@ -86,7 +86,7 @@ its compute capability borrows, said once), looked up by ``H``, ``I`` and the st
 where the caller passes them, else by the row count ``NvS`` (``max_rows``, which the buffer derives
 from the token capacity); unknown shapes use a generic rule, and so does every shape when the file
 cannot be read or parsed (reported once, WARNING, by ``policy.load_table``). A batch-invariant call
-(``expert_ffn(batch_invariant=True)``) runs the same tiles without stream-K and swap-AB (``invariance.py``).
+(``expert_ffn(batch_invariant=True)``) runs the same tiles without stream-K (``invariance.py``).
 An entry with ``"fused": {"num_warps", "num_stages", "progs_per_sm"}`` runs its gate_up and down
 tiles in one launch (where ``bench_experts --tune`` measured that faster than three); the options of the
 three-launch loops (``ws``, ``flat``) stay in such an entry, so that its tiles time as three launches
@@ -699,8 +699,8 @@ def _w13i(prep: _Prepared) -> tuple[bool, tuple]:
 
 def _swap(c: dict) -> bool:
     """A tile config's ``swap`` (swap-AB, ``triton_tiles.mma``): off unless the config asks; every
-    schedule and both operand loads take it, so no kernel option drops it (a batch-invariant call does:
-    ``invariance.DROPPED``)."""
+    schedule and both operand loads take it, so no kernel option drops it (a batch-invariant call keeps it
+    too: its rows' sums measured bit-equal to the other tiles', ``invariance.py``)."""
     return bool(c.get("swap", False))
 
 
@@ -888,7 +888,7 @@ def expert_ffn_triton(
     int32, the end of each group's rows that may be live (``expert_ffn``): the three launches become
     two (no trim launch), and the one launch reads them instead of scanning. ``zero_tail=False`` (only with
     ``row_ends``): the rows past them, the segments' padding tails, are not written (``expert_ffn``).
-    ``batch_invariant``: the tiles without stream-K and swap-AB (``invariance.py``)."""
+    ``batch_invariant``: the tiles without stream-K (``invariance.py``)."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -914,7 +914,7 @@ def expert_ffn_triton(
         if kept != cfg:
             say_once(f"MoonEP expert kernels: batch invariant: the tile entry for H={H}, I={I} runs without "
                      f"{', '.join(o for o in invariance.DROPPED if any(c.get(o) for c in kept.values()))} "
-                     "(not measured bit-equal to the other tiles)", __name__)
+                     "(it cuts a row's K sum between programs)", __name__)
     check_tail_args(row_ends, zero_tail, "expert_ffn_triton")
     ends = None if row_ends is None else row_ends.contiguous()  # no copy when it is already
     dot_f32 = interpreting() or x.dtype == torch.float32
