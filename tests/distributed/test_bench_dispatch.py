@@ -75,6 +75,7 @@ def test_sum_times_the_kernel_the_adds_and_the_anchor_gpu(tmp_path, capsys):
     assert bench_dispatch.main(["--sum", "--device", "cuda", "--preset", "qwen3-30b-a3b", "--tokens", "1", "64",
                                 "--iters", "5", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["tokens"] for r in rows] == [1, 64]
+    assert [(r["rows_dtype"], r["tokens"]) for r in rows] == [("bfloat16", 1), ("bfloat16", 64), ("float32", 1),
+                                                               ("float32", 64)]
     assert all(r[k] > 0 for r in rows for k in ("kernel_us", "adds_us", "one_sum_us"))
-    assert capsys.readouterr().out.count("| 64 | ") == 1
+    assert capsys.readouterr().out.count("| 64 | ") == 2

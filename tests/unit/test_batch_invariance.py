@@ -183,16 +183,24 @@ def _gpu_cases(H):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-def test_triton_probe_rows_same_bits_gpu(shape):
+def test_triton_probe_rows_same_bits_gpu(shape, monkeypatch):
     """A tile config that sums a row's K in another order (the tiles follow the step's tokens per rank: 1-4096
     pick different ones at these shapes), or a row's output depending on its place in its tile or segment. The
     control: the same rows with the hidden columns permuted (x and gate/up alike: the same sums in another
-    order) must change the probe's bits, else equal bits would say nothing (skips if they do not)."""
+    order) must change the probe's bits, else equal bits would say nothing (skips if they do not). The gate/up
+    launches are recorded: at Kimi-K2's shape one must take swap-AB, or the case no longer covers it."""
+    from vllm_moonep.common.grouped_gemm import triton_kernels as tk
+
+    launched = []
+    real = tk._launch_gate_up
+    monkeypatch.setattr(tk, "_launch_gate_up", lambda *a, **k: launched.append(dict(a[6])) or real(*a, **k))
     H, I = GPU_SHAPES[shape]
     gate, up, down = _tensors(8, I, H, torch.bfloat16, "cuda")
     w = GroupedWeights.contiguous(gate, up, down)
     cases = _gpu_cases(H)
     outs = _probe_outputs(cases, w, "triton", True, GPU_TOKENS)
+    if shape == "kimi-k2":
+        assert any(c.get("swap") for c in launched), f"no gate/up launch took swap-AB: {launched}"
     assert all(_same(outs)), f"the probe's bits changed at tokens {[GPU_TOKENS[i] for i, s in enumerate(_same(outs)) if not s]}"
     x, rw, cu, sl = cases[0]
     ref = expert_ffn_float64(x, rw, cu, w)

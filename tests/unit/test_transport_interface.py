@@ -109,14 +109,19 @@ def test_the_capability_flags_are_part_of_the_protocol():
 @pytest.mark.gpu
 @pytest.mark.parametrize("S,K,H,dtype", [(0, 8, 7168, torch.float32), (1, 3, 8, torch.float32),
                                          (37, 8, 7168, torch.float32), (64, 3, 100, torch.float32),
-                                         (19, 1, 2048, torch.bfloat16), (130, 6, 4096, torch.bfloat16)])
+                                         (19, 1, 2048, torch.bfloat16), (130, 6, 4096, torch.bfloat16),
+                                         (600, 8, 7168, torch.float32)])
 def test_sum_entries_kernel_matches_the_written_order_gpu(S, K, H, dtype):
     """The combine's K-sum on CUDA (the reduce kernel) in another order than the CPU path's k-ascending adds,
     starting from anything but +0, rounding other than once, or missing columns past a power of two: the
     bits must equal ``sum_entries_torch``'s. Token 0's rows are 1e8, -1e8, 1, then zeros (exactly 1 only k
     ascending) where K >= 3, and token 1's rows are all -0 (+0 from a sum that starts at +0). S = 0 (no
-    tokens) gives an empty result, not an error."""
+    tokens) gives an empty result, not an error; 600 tokens of 7168 columns are 2400 work items, past the
+    kernel's 1056 programs (its grid-stride loop)."""
+    from vllm_moonep.engine.transports import base
     from vllm_moonep.engine.transports.base import sum_entries, sum_entries_torch
+
+    assert base.reduce_launcher() is not None, "on CUDA the sum must run the kernel (else torch meets torch)"
 
     rows = torch.randn(S * K, H, generator=torch.Generator().manual_seed(S + K)).to(dtype)
     if S and K >= 3:

@@ -270,38 +270,43 @@ def _points(a, launch, env, rank_fn, H, E, K, *extra) -> list:
 
 
 def sum_bench(a, argv, H: int, K: int) -> int:
-    """``--sum``: the combine's K-sum of ``S*K`` fp32 rows (the collective and hybrid transports' ``acc``) into
-    ``S`` bf16 rows on this GPU, device-timed after an L2 flush (``flushed_median_ms``): ``sum_entries`` (the
-    reduce kernel), ``sum_entries_torch`` (K-1 adds, the same order) and one ``sum(dim=1)`` as the anchor.
+    """``--sum``: the combine's K-sum of ``S*K`` rows into ``S`` bf16 rows on this GPU, for bf16 rows (what the
+    collective and hybrid transports pass: their outputs gathered in the buffer's dtype) and fp32 rows,
+    device-timed after an L2 flush (``flushed_median_ms``): ``sum_entries`` (the reduce kernel),
+    ``sum_entries_torch`` (K-1 adds, the same order) and one ``sum(dim=1)`` (order unspecified) as the anchor.
     The first two must give the same bits (else the run fails)."""
     from vllm_moonep.engine.transports.base import sum_entries, sum_entries_torch
     from vllm_moonep.tools.timing import flushed_median_ms
 
     rep = max(5.0, float(a.iters))  # ms of timed calls per figure
+    bf16 = torch.bfloat16
     rows = []
-    for S in a.tokens:
-        acc = torch.randn(S * K, H, generator=torch.Generator().manual_seed(S)).cuda()
-        kernel, adds = sum_entries(acc, S, K, torch.bfloat16), sum_entries_torch(acc, S, K, torch.bfloat16)
-        if not torch.equal(kernel, adds):
-            raise SystemExit(f"bench_dispatch --sum: the reduce kernel and the torch adds differ at {S} tokens")
-        t = {name: flushed_median_ms(fn, rep=rep) * 1e3 for name, fn in (
-            ("kernel", lambda: sum_entries(acc, S, K, torch.bfloat16)),
-            ("adds", lambda: sum_entries_torch(acc, S, K, torch.bfloat16)),
-            ("one_sum", lambda: acc.view(S, K, H).sum(dim=1).to(torch.bfloat16)))}
-        rows.append({"tokens": S, "read_MB": S * K * H * 4 / 1e6, "moved_bytes": S * H * (4 * K + 2),
-                     **{f"{k}_us": v for k, v in t.items()}})
-    print(f"the combine's K-sum, {a.preset} (H={H}, K={K}), fp32 rows to bf16 on {torch.cuda.get_device_name()}: "
+    for dtype in (bf16, torch.float32):
+        for S in a.tokens:
+            acc = torch.randn(S * K, H, generator=torch.Generator().manual_seed(S)).to(dtype).cuda()
+            if not torch.equal(sum_entries(acc, S, K, bf16), sum_entries_torch(acc, S, K, bf16)):
+                raise SystemExit(f"bench_dispatch --sum: the reduce kernel and the torch adds differ at {S} tokens "
+                                 f"of {dtype} rows")
+            t = {name: flushed_median_ms(fn, rep=rep) * 1e3 for name, fn in (
+                ("kernel", lambda: sum_entries(acc, S, K, bf16)),
+                ("adds", lambda: sum_entries_torch(acc, S, K, bf16)),
+                ("one_sum", lambda: acc.view(S, K, H).sum(dim=1).to(bf16)))}
+            size = acc.element_size()
+            rows.append({"tokens": S, "rows_dtype": str(dtype).removeprefix("torch."),
+                         "read_MB": S * K * H * size / 1e6, "moved_bytes": S * H * (size * K + 2),
+                         **{f"{k}_us": v for k, v in t.items()}})
+    print(f"the combine's K-sum, {a.preset} (H={H}, K={K}), to bf16 on {torch.cuda.get_device_name()}: "
           "device-timed medians after an L2 flush")
-    print("| tokens/rank | fp32 rows MB | reduce kernel us | K-1 torch adds us | one torch sum us | kernel/sum | "
+    print("| rows | tokens/rank | rows MB | reduce kernel us | K-1 torch adds us | one torch sum us | kernel/sum | "
           "adds/sum | kernel GB/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['read_MB']:.1f} | {r['kernel_us']:.1f} | {r['adds_us']:.1f} | {r['one_sum_us']:.1f} | "
-              f"{r['kernel_us'] / r['one_sum_us']:.2f} | {r['adds_us'] / r['one_sum_us']:.2f} | "
+        print(f"| {r['rows_dtype']} | {r['tokens']} | {r['read_MB']:.1f} | {r['kernel_us']:.1f} | {r['adds_us']:.1f} | "
+              f"{r['one_sum_us']:.1f} | {r['kernel_us'] / r['one_sum_us']:.2f} | {r['adds_us'] / r['one_sum_us']:.2f} | "
               f"{r['moved_bytes'] / (r['kernel_us'] * 1e3):.0f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(_run_record(a, argv, "-", "-", H, 0, K, rows), f, indent=1)
+            json.dump({**_run_record(a, argv, "-", "-", H, 0, K, rows), "ranks": 1}, f, indent=1)
     return 0
 
 
@@ -391,8 +396,10 @@ def main(argv=None) -> int:
         ap.error("--programs-sweep values must be >= 0 (0: the default)")
     H, E, K = SHAPES[a.preset]
     if a.sum:
-        if a.device != "cuda" or not torch.cuda.is_available():
-            ap.error("--sum times the reduce kernel: it needs --device cuda and a GPU")
+        from vllm_moonep.engine.transports.base import reduce_launcher
+
+        if a.device != "cuda" or not torch.cuda.is_available() or reduce_launcher() is None:
+            ap.error("--sum times the reduce kernel: it needs --device cuda, a GPU and Triton (not its interpreter)")
         return sum_bench(a, argv, H, K)
     if E % a.ranks:
         ap.error(f"{a.preset} has {E} experts, not divisible by --ranks {a.ranks}")

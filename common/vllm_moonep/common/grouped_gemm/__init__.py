@@ -31,9 +31,8 @@ are others, with no copies. Implementations (``impl=``):
   choice falls back to another.
 
 ``batch_invariant=True`` (vLLM's ``VLLM_BATCH_INVARIANT=1``): each row's output the same bits
-whatever the step's other rows (``invariance.py``): triton with its tiles minus stream-K and
-swap-AB, or the reference in fixed-size matmuls; the library paths are refused, and ``auto`` takes
-none of them.
+whatever the step's other rows (``invariance.py``): triton with its tiles minus stream-K, or the
+reference in fixed-size matmuls; the library paths are refused, and ``auto`` takes none of them.
 
 Rows past ``cu_seqlens[-1]`` are not computed: the output there is unspecified (zero in the
 reference), and nothing downstream reads them. The rows of each segment's padding tail are written

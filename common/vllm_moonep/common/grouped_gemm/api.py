@@ -189,7 +189,7 @@ def expert_ffn(
     engine's: 2-80 MB less to write per step, 1-4% of the compute at decode); every entry row, weight 0
     or not, is written as with ``True``. ``batch_invariant=True``: each row's output is the same bits
     whatever the other rows, their number and ``tokens`` (``invariance.py``: the Triton tiles without
-    stream-K and swap-AB, or fixed-size reference matmuls; the library paths are refused)."""
+    stream-K, or fixed-size reference matmuls; the library paths are refused)."""
     if not isinstance(weights, GroupedWeights):
         raise MoonEPInputError(f"expert_ffn: weights must be a GroupedWeights, got {type(weights).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != weights.hidden:

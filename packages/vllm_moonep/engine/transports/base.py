@@ -23,6 +23,7 @@ flight), the group's failure state and the order of teardown. Implementations:
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
@@ -36,25 +37,27 @@ __all__ = ["Dispatched", "Transport", "sum_entries"]
 
 
 def sum_entries(rows: torch.Tensor, S: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """Each token's ``K`` entry rows (``rows [S*K, H]``, token ``t``'s at ``t*K .. t*K+K-1``) summed in fp32,
-    ``k`` ascending, rounded once to ``dtype``: ``[S, H]``. The order is written out, as the symmetric
-    transport's reduce kernel writes it, so that a token's sum is the same bits on every transport and in
-    every step, whatever the other tokens (batch invariance: ``grouped_gemm/invariance.py``). On CUDA it is
-    that kernel (one pass over the rows, 0.71-1.05x one unordered torch reduction's time on an H100; K-1
-    torch adds read and write the fp32 sum K-1 times: 2.0-3.1x, docs/PERFORMANCE.md "The combine's K-sum")."""
-    launch = _reduce_launcher() if rows.is_cuda else None
-    if launch is not None:
-        from vllm_moonep.engine.transports.symmetric_kernels import reduce_grid
+    """Each token's ``K`` entry rows (``rows [S*K, H]`` in fp32, bf16 or fp16, token ``t``'s at ``t*K ..
+    t*K+K-1``) summed in fp32, ``k`` ascending, from +0, rounded once to ``dtype``: ``[S, H]``. The order is
+    written out, as the symmetric transport's reduce kernel writes it, so that a token's sum is the same bits
+    on every transport and in every step, whatever the other tokens (batch invariance:
+    ``grouped_gemm/invariance.py``). On CUDA it is that kernel: one pass over the rows, 0.80-1.05x one
+    unordered torch reduction of bf16 rows from 1024 tokens on an H100, where K-1 torch adds, each reading
+    and writing the fp32 sum, take 4.7-6.6x (docs/PERFORMANCE.md, "The combine's K-sum")."""
+    H = rows.shape[-1]
+    rows = rows.reshape(S * K, H)  # a wrong row count raises here, on either path
+    launch = reduce_launcher() if rows.is_cuda else None
+    if launch is None:
+        return sum_entries_torch(rows, S, K, dtype)
+    from vllm_moonep.engine.transports.symmetric_kernels import reduce_grid
 
-        H = rows.shape[-1]
-        out = torch.empty(S, H, dtype=dtype, device=rows.device)
-        if S:
-            n_prog, bh, k_pad = reduce_grid(S, K, H)
-            rows = rows.contiguous()
-            launch((n_prog, 1, 1), rows, rows, out, out, S, K, H, n_prog, HAS_W=False, K_PAD=k_pad, BLOCK_H=bh,
-                   num_warps=4)
-        return out
-    return sum_entries_torch(rows, S, K, dtype)
+    out = torch.empty(S, H, dtype=dtype, device=rows.device)
+    if S:
+        n_prog, bh, k_pad = reduce_grid(S, K, H)
+        with torch.cuda.device(rows.device):  # the launcher launches on the current device
+            launch((n_prog, 1, 1), rows.contiguous(), rows, out, out, S, K, H, n_prog, HAS_W=False, K_PAD=k_pad,
+                   BLOCK_H=bh, num_warps=4)
+    return out
 
 
 def sum_entries_torch(rows: torch.Tensor, S: int, K: int, dtype: torch.dtype) -> torch.Tensor:
@@ -66,12 +69,17 @@ def sum_entries_torch(rows: torch.Tensor, S: int, K: int, dtype: torch.dtype) ->
     return out.to(dtype)
 
 
-#: the reduce kernel's launcher, made at the first CUDA sum (``[None]`` where Triton does not import)
+#: the reduce kernel's launcher, made at the first CUDA sum (``[None]`` where Triton does not import, or
+#: runs as its interpreter, which rounds fp32 to bf16 by truncation: the torch adds then)
 _REDUCE: list[Launcher | None] = []
 
 
-def _reduce_launcher() -> Launcher | None:
+def reduce_launcher() -> Launcher | None:
+    """The launcher ``sum_entries`` runs on CUDA tensors, or ``None`` where it sums with torch adds."""
     if not _REDUCE:
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            _REDUCE.append(None)
+            return None
         try:
             from vllm_moonep.engine.transports.symmetric_kernels import reduce_kernel
         except ImportError:

@@ -106,8 +106,9 @@ class CollectiveTransport(Transport):
         back = tr.all_to_all(y.index_select(0, recv_rows), state.recv_splits, state.send_splits,
                              "combine: all_to_all(hidden)")
         n = self.S * self.K
-        acc = torch.empty(n, self.H, dtype=torch.float32, device=self.device)  # every entry comes back
-        acc.index_copy_(0, send_order, back.float())
+        # every entry comes back; kept in the rows' dtype (the sum reads each value exactly as fp32)
+        acc = torch.empty(n, self.H, dtype=back.dtype, device=self.device)
+        acc.index_copy_(0, send_order, back)
         out = sum_entries(acc, self.S, self.K, self.dtype)
         rw = None
         if y_w is not None:

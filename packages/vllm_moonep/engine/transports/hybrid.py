@@ -397,9 +397,9 @@ class HybridTransport(Transport):
         self._wait("combine", step)
         # 3) every entry's row is here (node peers' in comb_*, the others' in back): the collective
         # transport's sum, on the same values
-        acc = b["comb_x"].to(torch.float32, copy=True)
+        acc = b["comb_x"].clone()  # in the rows' dtype: the sum reads each value exactly as fp32
         if back is not None:
-            acc.index_copy_(0, st.remote_order, back.float())
+            acc.index_copy_(0, st.remote_order, back)
         out = sum_entries(acc, S, K, self.dtype)
         rw = None
         if y_w is not None:
