@@ -22,9 +22,9 @@ across blocks); ``--transport collective`` gives the all-collective figure of th
 anchors stay the plain all-to-all and the one-node one-sided copies).
 ``--profile`` prints the top kernels of one dispatch on rank 0. ``--programs-sweep`` times, instead,
 buffers of several row-kernel program counts against each other in one process (``rank_programs_sweep``).
-``--sum`` times, instead, the combine's K-sum alone in this process (``sum_bench``): the collective and hybrid
-transports' ``sum_entries`` on their fp32 rows, the same sum as K-1 torch adds, and one torch reduction over K
-(order unspecified) as the anchor.
+``--sum`` times, instead, the combine's K-sum alone in this process (``sum_bench``): ``sum_entries`` (the
+reduce kernel) on bf16 rows (what the collective and hybrid transports pass) and fp32 rows, the same sum as
+K-1 torch adds, and one torch reduction over K (order unspecified) as the anchor.
 """
 
 from __future__ import annotations
