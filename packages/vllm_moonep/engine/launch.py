@@ -34,13 +34,18 @@ import torch
 
 from vllm_moonep.engine.defaults import say_once
 
-__all__ = ["FAST_LAUNCH", "Launcher", "capability", "sm_count"]
+__all__ = ["FAST_LAUNCH", "Launcher", "capability", "interpreting", "sm_count"]
 
 #: the runner path on by default; ``VLLM_MOONEP_FAST_LAUNCH=0`` keeps every launch ordinary
 FAST_LAUNCH = os.environ.get("VLLM_MOONEP_FAST_LAUNCH", "1") != "0"
 
 
 _PROPS: dict[int, object] = {}
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _props(device: torch.device):
@@ -94,7 +99,7 @@ class Launcher:
         self.fn = fn
         self.fast = FAST_LAUNCH if fast is None else bool(fast)
         # the interpreter (and a machine without CUDA) has no compiled kernel to keep
-        self.fast = self.fast and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and torch.cuda.is_available()
+        self.fast = self.fast and not interpreting() and torch.cuda.is_available()
         self.names = tuple(getattr(fn, "arg_names", ()))
         self.runners: dict = {}
         self.hits = 0  # calls that went through a compiled runner (tests read it)

@@ -54,7 +54,9 @@ passes when the plugin's tokens equal either no-plugin run's (vLLM's spread); it
 no-plugin runs agree and the plugin's differ (the plugin changes the tokens), when the plugin's
 equal neither (which vLLM's spread alone has produced: three graph runs, three token sets), or when
 the baseline did not run (the check says why); read a failed graph comparison beside the eager one,
-whose tokens have matched exactly. ``results.json`` keeps the
+whose tokens have matched exactly. ``--env VLLM_BATCH_INVARIANT=1`` makes the graph runs exact (vLLM's
+kernels then do not follow how its engine composes a batch; every graph run's tokens matched on an H100,
+at about 0.5-0.7x the tokens/s: docs/TESTING.md, "Greedy tokens"). ``results.json`` keeps the
 per-mode verdicts under ``baseline``; the comparison checks add ``verdict``, ``why`` and ``baseline``.
 The run without the plugin goes first (``--plugin``'s default order): a machine's first graph run
 pays its first compilations (its timings read slow) and has been the odd one as often as any other

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_moonep.common.grouped_gemm.probes import interpreting
+from vllm_moonep.engine.launch import interpreting
 
 #: columns per program at most
 BLOCK = 1024

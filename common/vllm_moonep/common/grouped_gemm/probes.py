@@ -5,7 +5,6 @@ test stands in for a GPU or a missing package in one place)."""
 from __future__ import annotations
 
 import importlib
-import os
 
 import torch
 
@@ -40,6 +39,3 @@ def device_name(x: torch.Tensor) -> str | None:
     return torch.cuda.get_device_name(x.device)
 
 
-def interpreting() -> bool:
-    """Whether Triton kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

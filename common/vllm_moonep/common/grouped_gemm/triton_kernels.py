@@ -110,14 +110,13 @@ import triton
 import triton.language as tl
 
 from vllm_moonep.common.grouped_gemm import invariance, policy
-from vllm_moonep.common.grouped_gemm.probes import interpreting
 from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_args, interleaved_views
 from vllm_moonep.common.grouped_gemm.triton_fused import SYNC_WORDS, fused_kernel
 from vllm_moonep.common.grouped_gemm.triton_tiles import (down_acc, down_store, down_tile, gate_up_acc, gate_up_store,
                                                           gate_up_tile, pick, tile_index, trim_end, zero_rows)
 from vllm_moonep.engine.defaults import resolve_device, say_once
 from vllm_moonep.engine.errors import MoonEPInputError
-from vllm_moonep.engine.launch import capability, sm_count
+from vllm_moonep.engine.launch import capability, interpreting, sm_count
 
 log = logging.getLogger(__name__)
 

@@ -23,14 +23,13 @@ flight), the group's failure state and the order of teardown. Implementations:
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout
-from vllm_moonep.engine.launch import Launcher
+from vllm_moonep.engine.launch import Launcher, interpreting
 from vllm_moonep.engine.planning.planner import GlobalPlan
 
 __all__ = ["Dispatched", "Transport", "sum_entries"]
@@ -77,7 +76,7 @@ _REDUCE: list[Launcher | None] = []
 def reduce_launcher() -> Launcher | None:
     """The launcher ``sum_entries`` runs on CUDA tensors, or ``None`` where it sums with torch adds."""
     if not _REDUCE:
-        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        if interpreting():
             _REDUCE.append(None)
             return None
         try:
