@@ -23,11 +23,13 @@ flight), the group's failure state and the order of teardown. Implementations:
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout
 from vllm_moonep.engine.launch import Launcher, interpreting
 from vllm_moonep.engine.planning.planner import GlobalPlan
@@ -74,17 +76,21 @@ _REDUCE: list[Launcher | None] = []
 
 
 def reduce_launcher() -> Launcher | None:
-    """The launcher ``sum_entries`` runs on CUDA tensors, or ``None`` where it sums with torch adds."""
+    """The launcher ``sum_entries`` runs on CUDA tensors, or ``None`` where it sums with torch adds (said
+    once: the same bits, 2-7x the time)."""
     if not _REDUCE:
-        if interpreting():
+        why = "Triton runs as its interpreter (TRITON_INTERPRET)" if interpreting() else None
+        if why is None:
+            try:
+                from vllm_moonep.engine.transports.symmetric_kernels import reduce_kernel
+            except ImportError as exc:
+                why = f"Triton's kernels do not import ({type(exc).__name__}: {exc})"
+            else:
+                _REDUCE.append(Launcher(reduce_kernel))
+        if why is not None:
             _REDUCE.append(None)
-            return None
-        try:
-            from vllm_moonep.engine.transports.symmetric_kernels import reduce_kernel
-        except ImportError:
-            _REDUCE.append(None)
-        else:
-            _REDUCE.append(Launcher(reduce_kernel))
+            say_once(f"MoonEP combine: each token's K-sum on CUDA as K-1 torch adds in the kernel's order: {why}",
+                     level=logging.WARNING)
     return _REDUCE[0]
 
 
