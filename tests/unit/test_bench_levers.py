@@ -228,3 +228,19 @@ def test_generic_lever_times_the_other_generic_regimes_on_an_untuned_shape():
     # a tuned entry's tiles: every generic regime against them
     assert list(bench_levers.variants({"gate_up": {"BM": 32}, "down": {"BM": 16}}, "generic")) == [
         "committed", "stream", "mid", "compute", "control"]
+
+
+def test_deepgemm_half_lever_times_each_half_and_the_whole():
+    """The DeepGEMM-half lever leaving a half out, timing a one-launch entry (which has no halves) against itself, or
+    handing the variants configs other than the committed tiles (the Triton half must be what ships)."""
+    gu = {"BM": 64, "BN": 128, "BK": 64, "tma": True, "ws": True}
+    dn = {"BM": 64, "BN": 128, "BK": 64, "tma": True, "flat": True}
+    v = bench_levers.variants({"gate_up": gu, "down": dn}, "deepgemm_half")
+    assert list(v) == ["committed", "deepgemm", "deepgemm_gate_up", "deepgemm_down", "control"]
+    assert all(c == {"gate_up": gu, "down": dn} for c in v.values())
+    assert bench_levers.DEEPGEMM_HALVES == {"deepgemm": (True, True), "deepgemm_gate_up": (True, False),
+                                            "deepgemm_down": (False, True)}
+    one = {"gate_up": gu, "down": dn, "fused": {"num_warps": 8, "num_stages": 4, "progs_per_sm": 1}}
+    assert list(bench_levers.variants(one, "deepgemm_half")) == ["committed", "control"]
+    assert "one launch" in bench_levers.lever_absent(one, "deepgemm_half")
+    assert bench_levers.parse_args(["--lever", "deepgemm_half"]).lever == "deepgemm_half"

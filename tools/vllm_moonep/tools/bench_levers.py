@@ -1,6 +1,7 @@
 """A/B of a Triton expert-kernel lever against the committed tiles, in one run on one GPU.
 
-``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|pair|generic] [--impl triton|deepgemm]
+``python -m vllm_moonep.tools.bench_levers [--lever w13i|flat|mix|streamk|pair|generic|deepgemm_half]
+[--impl triton|deepgemm]
 [--shapes kimi-k2,qwen3-30b-a3b] [--tokens 256,1024,4096] [--rep 50] [--rounds 4]``
 
 The levers (``--lever``; ``LEVER_KERNEL``: the kernel timed alone beside the whole compute, the one the lever
@@ -28,6 +29,11 @@ changes, or for ``mix``, ``streamk`` and ``pair``, which change both, gate/up):
   widest tile holds, 8 warps, one program per SM; committed 128-row tiles: the same tiles as pairs of 64 rows, so
   that a group's odd last 64 rows run as a tile of 64), and the pair's gate/up tiles without the pair
   (``pair_bn``: where its BN differs from the committed); none at a one-launch entry or above 128 rows;
+- ``deepgemm_half`` (both kernels; gate/up timed alone, with its activation): one half of the compute from
+  DeepGEMM (``deepgemm_impl.gate_up_act``: its gate/up GEMM then ``swiglu_route``; ``deepgemm_impl.down``: its
+  down GEMM) and the other from the committed Triton tiles (gate/up with the activation in its epilogue; down),
+  and the whole of DeepGEMM's compute, over the same rows and weights (``deepgemm_impl.deepgemm_unusable`` must
+  pass: DeepGEMM importable, see ``tools/gpu_deepgemm.sh``); none at a one-launch entry;
 - ``generic`` (gate/up timed alone): the generic tiles (``triton_kernels.DEFAULT_CONFIGS``, for shapes
   tuning.json has no entry for), each regime's against the one ``select_config`` picks; meant for the shape
   ``untuned`` (``UNTUNED_SHAPE``: Qwen3-235B-A22B's experts), which has none.
@@ -52,6 +58,9 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
     pair, pair_gate_up, pair_down, pair_bn
                   (--lever pair) the pair tiles on both kernels, on gate/up only, on down only, and the
                   pair's gate/up tiles without the pair (its BN, warps, stages)
+    deepgemm, deepgemm_gate_up, deepgemm_down
+                  (--lever deepgemm_half) DeepGEMM's whole compute, its gate/up and activation before the
+                  committed down tiles, the committed gate/up tiles before its down GEMM
     stream, mid, compute
                   (--lever generic) the generic regimes' tiles, each but the committed one
     control       the committed tiles again, as a variant of their own (own graph and buffers): its
@@ -107,7 +116,7 @@ MAX_MMA_N = 256
 #: the levers ``--lever`` takes, and the kernel each one changes (mix, streamk, pair: both; gate/up), timed alone
 #: beside the whole compute
 LEVER_KERNEL = {"w13i": "gate_up", "flat": "down", "mix": "gate_up", "streamk": "gate_up", "pair": "gate_up",
-                "generic": "gate_up"}
+                "generic": "gate_up", "deepgemm_half": "gate_up"}
 #: the float32 sums one tile of the pair lever may hold (``pair_tiles``): the committed tiles' largest, 128 x 256
 PAIR_MAX_ACC = 128 * 256
 #: the shared memory the pair lever's stages may take (``pair_tiles``), below Hopper's 227 KB per block
@@ -116,6 +125,8 @@ PAIR_MAX_SMEM = 200 * 1024
 PAIR_ROWS = 128
 #: the levers that are one tile option set on both kernels and on each alone (none at a one-launch entry)
 BOTH_KERNELS = ("mix", "streamk")
+#: ``--lever deepgemm_half``'s variants: which half of the compute DeepGEMM runs (``(gate_up, down)``)
+DEEPGEMM_HALVES = {"deepgemm": (True, True), "deepgemm_gate_up": (True, False), "deepgemm_down": (False, True)}
 #: the lever by default
 DEFAULT_LEVER = "w13i"
 #: the variants of ``--lever w13i`` that run over the weights stored interleaved; its others run over two tensors
@@ -193,6 +204,9 @@ def variants(committed: dict, lever: str = DEFAULT_LEVER) -> dict[str, dict]:
     elif lever == "pair":
         if not committed.get("fused"):
             out.update(_pair_variants(committed))
+    elif lever == "deepgemm_half":
+        if not committed.get("fused"):
+            out.update({name: {k: dict(v) for k, v in committed.items()} for name in DEEPGEMM_HALVES})
     elif lever in BOTH_KERNELS:
         if not committed.get("fused"):
             gu, dn = committed["gate_up"], committed["down"]
@@ -249,7 +263,7 @@ def _pair_variants(committed: dict) -> dict[str, dict]:
 
 def lever_absent(committed: dict, lever: str) -> str | None:
     """Why a point has no variant of ``lever`` (``None`` where it has one)."""
-    if (lever in ("flat", "pair") or lever in BOTH_KERNELS) and committed.get("fused"):
+    if (lever in ("flat", "pair", "deepgemm_half") or lever in BOTH_KERNELS) and committed.get("fused"):
         return f"the committed entry runs as one launch, which does not take \"{lever}\""
     if lever == "pair" and not _pair_variants(committed):
         return f"the committed tiles have more than {PAIR_ROWS} rows on both kernels (or run stream-K)"
@@ -294,6 +308,12 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
             if impl == "deepgemm":
                 whole, alone = _deepgemm_fns(x, rw, cu, weights, o, act)
                 whole()
+                outs[name] = o[:n].clone()
+                fns[name] = (_graphed(whole), _graphed(alone))
+                continue
+            if name in DEEPGEMM_HALVES:
+                whole, alone = _half_fns(tk, DEEPGEMM_HALVES[name], x, rw, cu, ends, weights, prep, conf, o)
+                whole(True)
                 outs[name] = o[:n].clone()
                 fns[name] = (_graphed(whole), _graphed(alone))
                 continue
@@ -352,6 +372,35 @@ def _deepgemm_fns(x, rw, cu, weights, out, act):
     act_alone = torch.empty_like(act)
     return (lambda: expert_ffn_deepgemm(x, rw, cu, weights, out=out),
             lambda: swiglu_route(g, u, rw, act_alone))
+
+
+def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out):
+    """``(whole, gate_up)`` of a compute whose halves run DeepGEMM where ``halves`` (``(gate_up, down)``) says and
+    the committed Triton tiles elsewhere, as the layer runs them (``row_ends``; ``whole(zero_tail)``: ``True`` for
+    the check call, every row written) and of its gate/up half alone (with the activation). Its own ``act``,
+    zeroed once: the Triton gate/up tiles leave the padding tails' rows as they were, which DeepGEMM's down
+    GEMM then reads."""
+    from vllm_moonep.common.grouped_gemm import deepgemm_impl as dgi
+
+    why = dgi.deepgemm_unusable(x, weights)
+    if why is not None:
+        raise RuntimeError(why)
+    dg_gu, dg_dn = halves
+    layout = dgi.grouped_layout(cu, weights, x.shape[0])
+    act = torch.zeros(x.shape[0], weights.intermediate, device=x.device, dtype=x.dtype)
+
+    def gate_up():
+        if dg_gu:
+            return dgi.gate_up_act(x, rw, weights, layout, act)
+        return tk._launch_gate_up(x, rw, cu, ends, prep, act, conf["gate_up"], False)
+
+    def whole(zero_tail=False):
+        gate_up()
+        if dg_dn:
+            return dgi.down(act, weights, layout, out)
+        return tk._launch_down(act, rw, cu, ends, prep, out, conf["down"], False, zero_tail=zero_tail)
+
+    return whole, gate_up
 
 
 def table(rows: list[dict]) -> list[str]:

@@ -33,7 +33,8 @@ from vllm_moonep.common.grouped_gemm import probes
 from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
 from vllm_moonep.engine.errors import MoonEPInputError
 
-__all__ = ["DEEPGEMM_MODULES", "ROW_LAYOUT", "deep_gemm", "deepgemm_unusable", "expert_ffn_deepgemm"]
+__all__ = ["DEEPGEMM_MODULES", "ROW_LAYOUT", "deep_gemm", "deepgemm_unusable", "down", "expert_ffn_deepgemm",
+           "gate_up_act", "grouped_layout"]
 
 #: where DeepGEMM is looked for, in order: vLLM's bundled copy, then a standalone install
 DEEPGEMM_MODULES = ("vllm.third_party.deep_gemm", "deep_gemm")
@@ -100,14 +101,51 @@ def deepgemm_unusable(x: torch.Tensor, w: GroupedWeights) -> str | None:
     return None
 
 
-def _grouped_layout(cu_seqlens: torch.Tensor, w: GroupedWeights, rows: int, layout: str) -> torch.Tensor:
-    """The grouped layout DeepGEMM reads: the ends of pool 0's groups (``"psum"``), or one group index
-    per row (``"rows"``)."""
-    ends = cu_seqlens.index_select(0, w.dense_groups_on(cu_seqlens.device)).to(torch.int32)
+def grouped_layout(cu_seqlens: torch.Tensor, weights: GroupedWeights, rows: int, layout: str = ROW_LAYOUT) -> torch.Tensor:
+    """The grouped layout both GEMMs read: the ends of pool 0's groups (``"psum"``), or one group index per
+    row (``"rows"``); see the module doc."""
+    if layout not in ("psum", "rows"):
+        raise MoonEPInputError(f"expert_ffn_deepgemm: layout must be 'psum' or 'rows', got {layout!r}")
+    ends = cu_seqlens.index_select(0, weights.dense_groups_on(cu_seqlens.device)).to(torch.int32)
     if layout == "psum":
         return ends
     idx = torch.searchsorted(ends, torch.arange(rows, device=ends.device, dtype=torch.int32), right=True)
     return torch.where(idx < ends.numel(), idx, -1).to(torch.int32)
+
+
+def gate_up_act(x: torch.Tensor, route_w: torch.Tensor, weights: GroupedWeights, layout_t: torch.Tensor,
+                act: torch.Tensor, *, psum: bool = True) -> torch.Tensor:
+    """The first half of the compute: DeepGEMM's gate/up GEMM(s) into ``h``, then ``swiglu_route`` into
+    ``act`` ``[NvS, I]`` (every row: 0 where the route weight is)."""
+    from vllm_moonep.common.grouped_gemm.deepgemm_act import swiglu_route
+
+    dg = deep_gemm()
+    M, I = x.shape[0], weights.intermediate
+    xc = x.contiguous()
+    w13i, w13 = weights.gate_up_interleaved(), weights.gate_up_as_one()
+    one = w13i if w13i is not None else w13
+    if one is not None and one.is_contiguous():
+        h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
+        dg.m_grouped_bf16_gemm_nt_contiguous(xc, one, h, layout_t, use_psum_layout=psum)
+        g, u = (h[:, 0::2], h[:, 1::2]) if one is w13i else (h[:, :I], h[:, I:])
+    else:
+        g = torch.empty(M, I, dtype=x.dtype, device=x.device)  # DeepGEMM writes dense outputs
+        u = torch.empty(M, I, dtype=x.dtype, device=x.device)
+        dg.m_grouped_bf16_gemm_nt_contiguous(xc, weights.gate[0].contiguous(), g, layout_t, use_psum_layout=psum)
+        dg.m_grouped_bf16_gemm_nt_contiguous(xc, weights.up[0].contiguous(), u, layout_t, use_psum_layout=psum)
+    return swiglu_route(g, u, route_w, act)
+
+
+def down(act: torch.Tensor, weights: GroupedWeights, layout_t: torch.Tensor, out: torch.Tensor, *,
+         psum: bool = True) -> torch.Tensor:
+    """The second half: DeepGEMM's down GEMM of ``act`` into ``out`` ``[NvS, H]`` (every row up to the last
+    segment's end)."""
+    dst = out if out.is_contiguous() else torch.empty_like(out)
+    deep_gemm().m_grouped_bf16_gemm_nt_contiguous(act, weights.down[0].contiguous(), dst, layout_t,
+                                                  use_psum_layout=psum)
+    if dst is not out:
+        out.copy_(dst)
+    return out
 
 
 def expert_ffn_deepgemm(
@@ -126,35 +164,12 @@ def expert_ffn_deepgemm(
     why = deepgemm_unusable(x, weights)
     if why is not None:
         raise MoonEPInputError(f"expert_ffn_deepgemm: {why}")
-    from vllm_moonep.common.grouped_gemm.deepgemm_act import swiglu_route
-
-    dg = deep_gemm()
     if out is None:
         out = torch.empty_like(x)
-    M, I = x.shape[0], weights.intermediate
+    M = x.shape[0]
     if M == 0:
         return out
-    if layout not in ("psum", "rows"):
-        raise MoonEPInputError(f"expert_ffn_deepgemm: layout must be 'psum' or 'rows', got {layout!r}")
-    psum = layout == "psum"
-    layout_t = _grouped_layout(cu_seqlens, weights, M, layout)
-    xc = x.contiguous()
-    w13i, w13 = weights.gate_up_interleaved(), weights.gate_up_as_one()
-    one = w13i if w13i is not None else w13
-    if one is not None and one.is_contiguous():
-        h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
-        dg.m_grouped_bf16_gemm_nt_contiguous(xc, one, h, layout_t, use_psum_layout=psum)
-        g, u = (h[:, 0::2], h[:, 1::2]) if one is w13i else (h[:, :I], h[:, I:])
-    else:
-        gd = torch.empty(M, I, dtype=x.dtype, device=x.device)  # DeepGEMM writes dense outputs
-        ud = torch.empty(M, I, dtype=x.dtype, device=x.device)
-        dg.m_grouped_bf16_gemm_nt_contiguous(xc, weights.gate[0].contiguous(), gd, layout_t, use_psum_layout=psum)
-        dg.m_grouped_bf16_gemm_nt_contiguous(xc, weights.up[0].contiguous(), ud, layout_t, use_psum_layout=psum)
-        g, u = gd, ud
-    act = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    swiglu_route(g, u, route_w, act)
-    dst = out if out.is_contiguous() else torch.empty_like(x)
-    dg.m_grouped_bf16_gemm_nt_contiguous(act, weights.down[0].contiguous(), dst, layout_t, use_psum_layout=psum)
-    if dst is not out:
-        out.copy_(dst)
-    return out
+    layout_t = grouped_layout(cu_seqlens, weights, M, layout)
+    act = torch.empty(M, weights.intermediate, dtype=x.dtype, device=x.device)
+    gate_up_act(x, route_w, weights, layout_t, act, psum=layout == "psum")
+    return down(act, weights, layout_t, out, psum=layout == "psum")
