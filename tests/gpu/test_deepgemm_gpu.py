@@ -1,6 +1,7 @@
 """``impl="deepgemm"`` on the GPU (DeepGEMM imports and compiles there): MoonEP's padded segments through
 DeepGEMM's contiguous grouped GEMMs, against the float64 reference, in both grouped layouts, with gate and
-up as one ``w13`` or two tensors, padding tails of NaN with weight 0, and replayed from a CUDA graph."""
+up as one ``w13`` or two tensors, padding tails of NaN with weight 0, and replayed from a CUDA graph; and
+``impl="deepgemm_down"`` (the Triton gate/up tiles before its down GEMM) the same way."""
 
 from __future__ import annotations
 
@@ -100,5 +101,62 @@ def test_deepgemm_replays_from_a_cuda_graph_through_the_dispatcher():
     torch.cuda.synchronize()
     want = torch.empty_like(x)
     expert_ffn(x, rw, cu, w, impl="deepgemm", out=want)
+    end = int(cu[-1])
+    assert torch.equal(out[:end], want[:end])
+
+
+@pytest.mark.parametrize("given_ends", [True, False], ids=["row_ends", "trimmed"])
+@pytest.mark.parametrize("zero_tail", [True, False], ids=["zero-tail", "tail-free"])
+@pytest.mark.parametrize("counts,H,I", CASES, ids=["decode", "mid", "prefill"])
+def test_deepgemm_down_matches_float64(counts, H, I, zero_tail, given_ends):
+    """impl='deepgemm_down' (the Triton gate/up tiles, then DeepGEMM's down GEMM): the tiles' rows past each live
+    end (stale: NaN here) reaching DeepGEMM's down GEMM (zero_tails missing or short), a weight-0 tile skipped and
+    its stale act rows multiplied, a live row lost to the zeros, or a row left unwritten; through the dispatcher,
+    as the layer calls it (tokens, row_ends, zero_tail) and without row_ends (the trim kernel's ends)."""
+    _skip_unless_usable()
+    x, rw, cu, w = _case(counts, len(counts), H, I, seed=len(counts) + H + 1, w13="interleaved")
+    start, live = 0, []
+    for c, e in zip(counts, cu.tolist()):
+        live.append(start + c)
+        start = e
+    row_ends = torch.tensor(live, dtype=torch.int32, device=x.device) if given_ends else None
+    if not zero_tail and not given_ends:
+        pytest.skip("zero_tail=False needs row_ends")
+    rw[3] = 0.0  # a weight-0 row inside a segment (a padding token's entry): its output is 0 too
+    out = torch.full_like(x, float("nan"))
+    expert_ffn(x, rw, cu, w, impl="deepgemm_down", out=out, tokens=sum(counts), padded=True, row_ends=row_ends,
+               zero_tail=zero_tail)
+    torch.cuda.synchronize()
+    end = int(cu[-1])
+    ref = expert_ffn_float64(x.nan_to_num(), rw, cu, w)
+    assert torch.isfinite(out[:end]).all(), "rows unwritten or a padding NaN reached the output"
+    assert (out[:end][rw[:end] == 0] == 0).all(), "weight-0 rows (padding tails, padding entries) must be exactly 0"
+    ok = rw[:end] != 0
+    err = float((out[:end][ok].double() - ref[:end][ok]).norm() / ref[:end][ok].norm())
+    assert err < 1.5e-2, f"relative error {err:.2e} against float64"
+    tri = torch.full_like(x, float("nan"))
+    expert_ffn(x, rw, cu, w, impl="triton", out=tri, tokens=sum(counts), row_ends=row_ends)
+    e2 = float((out[:end][ok].double() - tri[:end][ok].double()).norm() / tri[:end][ok].double().norm())
+    assert e2 < 1e-2, f"relative error {e2:.2e} against impl='triton' (the same gate/up tiles)"
+
+
+def test_deepgemm_down_replays_from_a_cuda_graph():
+    """impl='deepgemm_down' synchronising with the host inside a capture, or keeping a buffer the graph does not
+    (a different result on replay after the inputs changed in place)."""
+    _skip_unless_usable()
+    x, rw, cu, w = _case([3, 0, 17, 1], 4, 2048, 768, seed=7, w13="interleaved")
+    out = torch.empty_like(x)
+    expert_ffn(x, rw, cu, w, impl="deepgemm_down", out=out, tokens=21)  # compiles outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        expert_ffn(x, rw, cu, w, impl="deepgemm_down", out=out, tokens=21)
+    x2, rw2, _, _ = _case([3, 0, 17, 1], 4, 2048, 768, seed=8, w13="interleaved")
+    x.copy_(x2)
+    rw.copy_(rw2)
+    g.replay()
+    torch.cuda.synchronize()
+    want = torch.empty_like(x)
+    expert_ffn(x, rw, cu, w, impl="deepgemm_down", out=want, tokens=21)
     end = int(cu[-1])
     assert torch.equal(out[:end], want[:end])

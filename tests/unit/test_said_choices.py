@@ -147,6 +147,35 @@ def test_a_gpu_measured_to_keep_another_section_says_so_not_a_guess(triton_kerne
     assert c.section == d.section == "GPU A" and any("GPU C" in m and "guess" in m for m in said), said
 
 
+def test_a_same_as_gpu_with_its_own_regimes_keeps_the_tiles_and_runs_its_regimes(triton_kernels, tmp_path, caplog):
+    """An H100 whose own A/B found another library split faster than the H200's regime (measured on the H100 only)
+    had either to copy the H200's whole tile table or to hand the H200 a regime nothing measured there: a
+    ``same_as`` section with an ``auto`` list runs the named section's tiles and its own regimes, says both once,
+    and a tuning pass that gives it tiles of its own keeps those regimes."""
+    from vllm_moonep.common.grouped_gemm.policy import with_tiles
+
+    tiles = [{"H": 256, "I": 256, "max_rows": 1024, "gate_up": {"BM": 16}, "down": {"BM": 32}}]
+    theirs = {"H": 256, "I": 256, "impl": "deepgemm", "from_tokens": 64}
+    mine = {"H": 256, "I": 256, "impl": "deepgemm_down", "from_tokens": 64}
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"fallback": {"sm_90": "GPU A"}, "devices": {
+        "GPU A": {"tiles": tiles, "auto": [theirs]},
+        "GPU B": {"same_as": "GPU A", "measured": "kept by day D", "auto": [mine, {"impl": "quack"}]}}}))
+    with caplog.at_level(logging.INFO):
+        table = policy.load_table(path)
+        for _ in range(2):
+            b = policy.policy_for("GPU B", (9, 0), path)
+        a = policy.policy_for("GPU A", (9, 0), path)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "GPU B" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert list(b.tiles) == tiles and [r.impl for r in b.regimes_at(256, 256, 64)] == ["deepgemm_down"]
+    assert [r.impl for r in a.regimes_at(256, 256, 64)] == ["deepgemm"], "the named section's regimes were changed"
+    assert len(said) == 1 and "its auto regimes are its own" in said[0] and "kept by day D" in said[0], said
+    assert len(warned) == 1 and "1 of 2 auto regimes" in warned[0], warned  # the regime without keys, dropped
+    own = with_tiles(table, "GPU B", [{"t": "b"}], (9, 0))["devices"]["GPU B"]
+    assert own == {"tiles": [{"t": "b"}], "auto": [mine]}
+
+
 def test_expert_impl_choice_is_said_once_and_explicit_triton_says_why(monkeypatch, caplog):
     """impl=auto resolved silently (nobody knew which kernel ran), and impl='triton' where it cannot
     run said only 'cannot run here' without the reason (no CUDA device, or the import error). On CPU,

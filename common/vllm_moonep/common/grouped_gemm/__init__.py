@@ -21,6 +21,9 @@ are others, with no copies. Implementations (``impl=``):
   ``vllm-moonep[quack]``), bf16 on sm90+, over a dense source like ``grouped_mm``.
 - ``deepgemm``: DeepGEMM's contiguous grouped bf16 GEMMs (``deepgemm_impl.py``; vLLM bundles it,
   ``vllm.third_party.deep_gemm``), sm_90/sm_100, over a dense source like ``grouped_mm``.
+- ``deepgemm_down``: the Triton gate/up tiles (the activation in their epilogue), then DeepGEMM's down
+  GEMM (``deepgemm_impl.py``): where each library kernel beat the other's half (``bench_levers --lever
+  deepgemm_half``); needs what both need.
 - ``auto``: the library kernel of a regime where it was measured faster than triton on this GPU
   (``policy.py``: per shape, a range of tokens per rank; the caller passes ``tokens``) and it runs, else
   triton on CUDA when it is importable, else grouped_mm where it applies on CUDA, else reference
@@ -37,7 +40,8 @@ reference in fixed-size matmuls; the library paths are refused, and ``auto`` tak
 Rows past ``cu_seqlens[-1]`` are not computed: the output there is unspecified (zero in the
 reference), and nothing downstream reads them. The rows of each segment's padding tail are written
 as zeros unless the caller says its combine never reads them (``zero_tail=False``: the Triton kernels
-then leave them as they were; the MoE step passes it for the built-in engine).
+then leave them as they were, ``deepgemm_down`` writes zeros there either way; the MoE step passes it for
+the built-in engine).
 """
 
 from vllm_moonep.common.grouped_gemm.api import (

@@ -2,7 +2,7 @@
 
     expert_ffn(x, route_w, cu_seqlens, weights, impl=...)
         --checks-----------------> MoonEPInputError naming the bad argument (nothing written)
-        --resolve_impl-----------> reference | grouped_mm | triton | quack | deepgemm
+        --resolve_impl-----------> reference | grouped_mm | triton | quack | deepgemm | deepgemm_down
                                    (auto: policy.py's measured regimes for this GPU, else triton on
                                    CUDA, else grouped_mm on CUDA, else reference; said once;
                                    batch_invariant: triton, else reference, invariance.py)
@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from vllm_moonep.common.grouped_gemm import invariance, policy, probes
-from vllm_moonep.common.grouped_gemm.deepgemm_impl import deepgemm_unusable, expert_ffn_deepgemm
+from vllm_moonep.common.grouped_gemm.deepgemm_impl import (deepgemm_unusable, expert_ffn_deepgemm,
+                                                           expert_ffn_deepgemm_down)
 from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack, quack_unusable
 from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
 from vllm_moonep.common.grouped_gemm.torch_grouped_mm import expert_ffn_grouped_mm, grouped_mm_unusable
@@ -26,7 +27,7 @@ from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_a
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPInputError
 
-IMPLS = ("auto", "reference", "grouped_mm", "triton", "quack", "deepgemm")
+IMPLS = ("auto", "reference", "grouped_mm", "triton", "quack", "deepgemm", "deepgemm_down")
 
 TRITON = "vllm_moonep.common.grouped_gemm.triton_kernels"
 
@@ -53,6 +54,8 @@ def impl_unusable(impl: str, x: torch.Tensor, w: GroupedWeights) -> str | None:
         return quack_unusable(x, w)
     if impl == "deepgemm":
         return deepgemm_unusable(x, w)
+    if impl == "deepgemm_down":  # the Triton gate/up tiles, then DeepGEMM's down GEMM
+        return triton_unusable(x) or deepgemm_unusable(x, w)
     raise MoonEPInputError(f"expert_ffn: impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -232,6 +235,9 @@ def expert_ffn(
         return expert_ffn_quack(x, route_w, cu_seqlens, weights, out=out)
     if which == "deepgemm":
         return expert_ffn_deepgemm(x, route_w, cu_seqlens, weights, out=out)
+    if which == "deepgemm_down":
+        return expert_ffn_deepgemm_down(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded,
+                                        row_ends=row_ends, zero_tail=zero_tail)
     from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
 
     return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded,

@@ -1,7 +1,10 @@
 """The activation between DeepGEMM's two grouped GEMMs: ``act = bf16(silu(g) * u * route_w)`` per row,
-exactly 0 where the row's route weight is 0 (the padding tail, whose ``g``/``u`` rows may hold anything).
+exactly 0 where the row's route weight is 0 (the padding tail, whose ``g``/``u`` rows may hold anything);
+and ``zero_tails``, which gives DeepGEMM's down GEMM the same zeros behind the Triton gate/up tiles
+(``impl="deepgemm_down"``: those tiles write each segment's rows up to its live end only).
 
     g [M, I], u [M, I] (bf16, any strides)  --one Triton launch-->  act [M, I] (dense)
+    act, cu_seqlens [G], ends [G]           --one Triton launch-->  act[ends[g]:cu_seqlens[g]] = 0
 
 ``g`` and ``u`` are the two halves of DeepGEMM's ``[M, 2I]`` output (weights stored in halves) or its even and
 odd columns (stored interleaved: ``h[:, 0::2]``, ``h[:, 1::2]``), which the kernel reads as contiguous pairs
@@ -21,6 +24,10 @@ from vllm_moonep.engine.launch import interpreting
 
 #: columns per program at most
 BLOCK = 1024
+#: ``zero_tails``: rows per store, and columns per program at most (a segment's tail is under the padding,
+#: 128 rows, wherever its ends are the live ends the engine's dispatch writes)
+ZERO_ROWS = 16
+ZERO_BLOCK = 256
 
 
 @triton.jit
@@ -40,6 +47,44 @@ def swiglu_route_kernel(g_ptr, u_ptr, rw_ptr, act_ptr, I, stride_g, stride_u, st
     a = g / (1.0 + tl.exp(-g)) * u * w
     a = tl.where(w != 0.0, a, 0.0)
     tl.store(act_ptr + row * stride_a + cols, a.to(act_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def zero_tails_kernel(act_ptr, cu_ptr, ends_ptr, I, stride_a, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    seg_end = tl.load(cu_ptr + g).to(tl.int64)
+    seg_start = tl.load(cu_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
+    first = tl.minimum(tl.maximum(tl.load(ends_ptr + g).to(tl.int64), seg_start), seg_end)
+    zeros = tl.zeros((ROWS, BLOCK), dtype=act_ptr.dtype.element_ty)
+    for r0 in range(first, seg_end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        tl.store(act_ptr + rows[:, None] * stride_a + cols[None, :], zeros,
+                 mask=(rows < seg_end)[:, None] & (cols < I)[None, :])
+
+
+def zero_tails_torch(act: torch.Tensor, cu_seqlens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """The kernel's stores in torch (reads the ends on the host)."""
+    start = 0
+    for end, live in zip(cu_seqlens.tolist(), ends.tolist()):
+        act[min(max(live, start), end):end] = 0
+        start = end
+    return act
+
+
+def zero_tails(act: torch.Tensor, cu_seqlens: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``act[r] = 0`` for the rows of each segment ``g`` from ``ends[g]`` (clamped into the segment) to its end
+    ``cu_seqlens[g]``; every other row untouched. No host synchronisation on CUDA."""
+    G, I = cu_seqlens.numel(), act.shape[1]
+    if G == 0:
+        return act
+    if act.device.type != "cuda" and not interpreting():
+        return zero_tails_torch(act, cu_seqlens, ends)
+    if act.stride(1) != 1:
+        raise ValueError("zero_tails: act needs a unit column stride")
+    blk = min(ZERO_BLOCK, triton.next_power_of_2(I))
+    zero_tails_kernel[(G, triton.cdiv(I, blk))](act, cu_seqlens, ends, I, act.stride(0), ROWS=ZERO_ROWS, BLOCK=blk)
+    return act
 
 
 def swiglu_route_torch(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, act: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,14 @@ form, each group starting at the previous end rounded up to its block) or one gr
 (the padding tail) get an activation of exactly 0, so their outputs are 0 whatever the rows held;
 rows past ``cu_seqlens[-1]`` are not written. No host synchronisation: it captures in a CUDA graph.
 
+``impl="deepgemm_down"`` (``expert_ffn_deepgemm_down``) runs only the down GEMM here, after the Triton
+gate/up tiles (the activation in their epilogue, no ``h``): those write each segment's rows up to its live
+end, ``zero_tails`` writes zeros from there to the segment's end, and DeepGEMM's down GEMM then runs every
+segment whole, so the padding tails come out 0 as above::
+
+    x --Triton gate/up tiles (triton_kernels)--> act [NvS, I] up to each live end --zero_tails--> the rest 0
+    act --m_grouped_bf16_gemm_nt_contiguous--> out [NvS, H]
+
 The activation rounds DeepGEMM's bf16 ``h`` (the float32 sums rounded once), as vLLM's DeepGEMM MoE
 does; the Triton kernels keep them in float32 up to the activation: the two differ by bf16 rounding.
 """
@@ -34,7 +42,7 @@ from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
 from vllm_moonep.engine.errors import MoonEPInputError
 
 __all__ = ["DEEPGEMM_MODULES", "ROW_LAYOUT", "deep_gemm", "deepgemm_unusable", "down", "expert_ffn_deepgemm",
-           "gate_up_act", "grouped_layout"]
+           "expert_ffn_deepgemm_down", "gate_up_act", "grouped_layout"]
 
 #: where DeepGEMM is looked for, in order: vLLM's bundled copy, then a standalone install
 DEEPGEMM_MODULES = ("vllm.third_party.deep_gemm", "deep_gemm")
@@ -173,3 +181,40 @@ def expert_ffn_deepgemm(
     act = torch.empty(M, weights.intermediate, dtype=x.dtype, device=x.device)
     gate_up_act(x, route_w, weights, layout_t, act, psum=layout == "psum")
     return down(act, weights, layout_t, out, psum=layout == "psum")
+
+
+def expert_ffn_deepgemm_down(
+    x: torch.Tensor,
+    route_w: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    weights: GroupedWeights,
+    *,
+    out: torch.Tensor | None = None,
+    tokens: int | None = None,
+    padded: bool = True,
+    row_ends: torch.Tensor | None = None,
+    zero_tail: bool = True,
+) -> torch.Tensor:
+    """The Triton gate/up tiles (``tokens`` picks them, as for ``impl="triton"``), then DeepGEMM's down GEMM (see
+    the module doc). Every row up to the last segment's end is written, the padding tails 0 (whatever
+    ``zero_tail``); ``padded`` and ``row_ends`` as ``expert_ffn``'s. Raises ``MoonEPInputError`` where DeepGEMM
+    cannot run (``deepgemm_unusable``)."""
+    why = deepgemm_unusable(x, weights)
+    if why is not None:
+        raise MoonEPInputError(f"expert_ffn_deepgemm_down: {why}")
+    from vllm_moonep.common.grouped_gemm.deepgemm_act import zero_tails
+    from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
+
+    if out is None:
+        out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    layout_t = grouped_layout(cu, weights, x.shape[0])
+
+    def down_gemm(act: torch.Tensor, ends: torch.Tensor, dst: torch.Tensor) -> None:
+        zero_tails(act, cu, ends)
+        down(act, weights, layout_t, dst)
+
+    return expert_ffn_triton(x, route_w, cu, weights, out=out, tokens=tokens, padded=padded, row_ends=row_ends,
+                             zero_tail=zero_tail, down_gemm=down_gemm)

@@ -18,7 +18,8 @@ the same step (the first that runs here is taken); outside every regime ``auto``
 kernels. A tile table measured on one GPU is a guess on another, so a device without its own
 section says which section it borrowed, once, at INFO. ``same_as``: a device measured and found to
 keep another's tiles and regimes (``measured`` says by what) runs that section without a copy of it,
-and says so once, at INFO, with the note instead of "a guess".
+and says so once, at INFO, with the note instead of "a guess"; with an ``auto`` list of its own it keeps
+the tiles only and runs its own regimes (measured on it where they differ).
 """
 
 from __future__ import annotations
@@ -128,11 +129,13 @@ def load_table(path=None) -> dict:
                     "the Triton kernels", key, type(exc).__name__, exc)
         raw, devices = {}, {}
     table = {"devices": {}, "fallback": dict(raw.get("fallback") or {}), "comment": raw.get("comment", "")}
-    aliases = {}
+    aliases: dict[str, dict] = {}
     for name, sec in devices.items():
         sec = sec if isinstance(sec, dict) else {}
         if "same_as" in sec:
             aliases[name] = {"same_as": str(sec["same_as"]), "measured": str(sec.get("measured", ""))}
+            if "auto" in sec:  # its own regimes, the named section's tiles
+                aliases[name]["auto"] = _valid(sec["auto"], REGIME_KEYS, "auto regimes", f"{key} [{name}]")
             continue
         table["devices"][name] = {
             "tiles": _valid(sec.get("tiles"), TILE_KEYS, "tile entries", f"{key} [{name}]"),
@@ -174,9 +177,12 @@ def policy_for(name: str | None, capability: tuple[int, int] | None, path=None) 
 def _resolve(table: dict, name: str, capability: tuple[int, int] | None) -> DevicePolicy:
     sec = table["devices"].get(name)
     if sec is not None and "same_as" in sec:
-        say_once(f"MoonEP expert kernels: {name} runs the tile table and auto regimes of {sec['same_as']}, which "
-                 f"measurements on this GPU kept ({sec['measured']})", "vllm_moonep.common")
-        return _policy(sec["same_as"], table["devices"][sec["same_as"]])
+        own = "auto" in sec
+        say_once(f"MoonEP expert kernels: {name} runs the tile table{'' if own else ' and auto regimes'} of "
+                 f"{sec['same_as']}, which measurements on this GPU kept ({sec['measured']})"
+                 + ("; its auto regimes are its own" if own else ""), "vllm_moonep.common")
+        named = table["devices"][sec["same_as"]]
+        return _policy(sec["same_as"], {**named, "auto": sec["auto"]} if own else named)
     if sec is not None:
         return _policy(name, sec)
     arch = None if capability is None else f"sm_{capability[0]}{capability[1]}"
@@ -201,7 +207,8 @@ def with_tiles(table: dict, device: str, tiles: list, capability: tuple[int, int
     it. Where ``device`` had no section, the new one keeps the regimes of the section it borrowed until now
     (its capability's fallback; none if there was none), as its tiles start from that section's (``--tune``
     measures tiles, not the libraries), and becomes its capability's fallback where that has none yet. A
-    ``same_as`` device gets a section of its own the same way, from the section it named."""
+    ``same_as`` device gets a section of its own the same way, from the section it named (its own regimes
+    where it has them)."""
     out = {"comment": table.get("comment", ""), "fallback": dict(table.get("fallback", {})),
            "devices": {k: dict(v) for k, v in table.get("devices", {}).items()}}
     arch = None if capability is None else f"sm_{capability[0]}{capability[1]}"
@@ -209,7 +216,8 @@ def with_tiles(table: dict, device: str, tiles: list, capability: tuple[int, int
     if sec is None or "same_as" in sec:
         src = sec["same_as"] if sec is not None else (out["fallback"].get(arch) if arch else None)
         borrowed = out["devices"].get(src) if src is not None else None
-        out["devices"][device] = {"tiles": [], "auto": [dict(r) for r in (borrowed or {}).get("auto", [])]}
+        regimes = sec["auto"] if sec is not None and "auto" in sec else (borrowed or {}).get("auto", [])
+        out["devices"][device] = {"tiles": [], "auto": [dict(r) for r in regimes]}
     out["devices"][device]["tiles"] = tiles
     if arch is not None:
         out["fallback"].setdefault(arch, device)

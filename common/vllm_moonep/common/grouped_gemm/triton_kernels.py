@@ -878,6 +878,7 @@ def expert_ffn_triton(
     row_ends: torch.Tensor | None = None,
     zero_tail: bool = True,
     batch_invariant: bool = False,
+    down_gemm=None,
 ) -> torch.Tensor:
     """The fused expert compute (see the module doc). ``config`` overrides the tile configs
     (``{"gate_up": {...}, "down": {...}}``); ``act`` is an optional ``[NvS, I]`` scratch;
@@ -887,7 +888,10 @@ def expert_ffn_triton(
     int32, the end of each group's rows that may be live (``expert_ffn``): the three launches become
     two (no trim launch), and the one launch reads them instead of scanning. ``zero_tail=False`` (only with
     ``row_ends``): the rows past them, the segments' padding tails, are not written (``expert_ffn``).
-    ``batch_invariant``: the tiles without stream-K (``invariance.py``)."""
+    ``batch_invariant``: the tiles without stream-K (``invariance.py``). ``down_gemm``: another down GEMM
+    (``impl="deepgemm_down"``), called as ``down_gemm(act, ends, out)`` after the gate/up tiles, which then
+    run every tile up to ``ends`` (no skip of weight-0 tiles: each row of ``act`` up to ``ends`` is written;
+    the rows past them are the callee's)."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -917,7 +921,7 @@ def expert_ffn_triton(
     check_tail_args(row_ends, zero_tail, "expert_ffn_triton")
     ends = None if row_ends is None else row_ends.contiguous()  # no copy when it is already
     dot_f32 = interpreting() or x.dtype == torch.float32
-    if cfg.get("fused"):
+    if cfg.get("fused") and down_gemm is None:
         _launch_fused(x, route_w, cu, prep, act, dst, cfg, dot_f32, padded, zero_tail, ends)
         if dst is not out:
             out.copy_(dst)
@@ -927,8 +931,12 @@ def expert_ffn_triton(
     else:
         eff = torch.empty(G, dtype=torch.int32, device=dev)
         _launch_trim(cu, route_w, eff)
-    _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32, padded)
-    _launch_down(act, route_w, cu, eff, prep, dst, cfg["down"], dot_f32, padded, zero_tail)
+    if down_gemm is not None:
+        _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32)
+        down_gemm(act, eff, dst)
+    else:
+        _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32, padded)
+        _launch_down(act, route_w, cu, eff, prep, dst, cfg["down"], dot_f32, padded, zero_tail)
     if dst is not out:
         out.copy_(dst)
     return out
