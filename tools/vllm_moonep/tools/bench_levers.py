@@ -312,7 +312,7 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
                 fns[name] = (_graphed(whole), _graphed(alone))
                 continue
             if name in DEEPGEMM_HALVES:
-                whole, alone = _half_fns(tk, DEEPGEMM_HALVES[name], x, rw, cu, ends, weights, prep, conf, o)
+                whole, alone = _half_fns(tk, DEEPGEMM_HALVES[name], x, rw, cu, ends, weights, prep, conf, o, tokens)
                 whole(True)
                 outs[name] = o[:n].clone()
                 fns[name] = (_graphed(whole), _graphed(alone))
@@ -374,12 +374,12 @@ def _deepgemm_fns(x, rw, cu, weights, out, act):
             lambda: swiglu_route(g, u, rw, act_alone))
 
 
-def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out):
+def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out, tokens):
     """``(whole, gate_up)`` of a compute whose halves run DeepGEMM where ``halves`` (``(gate_up, down)``) says and
     the committed Triton tiles elsewhere, as the layer runs them (``row_ends``; ``whole(zero_tail)``: ``True`` for
-    the check call, every row written) and of its gate/up half alone (with the activation). Its own ``act``,
-    zeroed once: the Triton gate/up tiles leave the padding tails' rows as they were, which DeepGEMM's down
-    GEMM then reads."""
+    the check call, every row written) and of its gate/up half alone (with the activation). The Triton gate/up
+    half before DeepGEMM's down GEMM is ``impl="deepgemm_down"`` itself (``expert_ffn_deepgemm_down``: its
+    ``zero_tails`` launch included); the other keeps its own ``act``."""
     from vllm_moonep.common.grouped_gemm import deepgemm_impl as dgi
 
     why = dgi.deepgemm_unusable(x, weights)
@@ -395,6 +395,9 @@ def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out):
         return tk._launch_gate_up(x, rw, cu, ends, prep, act, conf["gate_up"], False)
 
     def whole(zero_tail=False):
+        if (dg_gu, dg_dn) == (False, True):  # what impl="deepgemm_down" runs, tiles picked by tokens as committed
+            return dgi.expert_ffn_deepgemm_down(x, rw, cu, weights, out=out, tokens=tokens, padded=False,
+                                                row_ends=ends, zero_tail=zero_tail)
         gate_up()
         if dg_dn:
             return dgi.down(act, weights, layout, out)
