@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, interleave_gate_up
-from vllm_moonep.common.grouped_gemm.deepgemm_impl import deepgemm_unusable, expert_ffn_deepgemm
+from vllm_moonep.common.grouped_gemm.deepgemm_impl import (deepgemm_unusable, expert_ffn_deepgemm,
+                                                           expert_ffn_deepgemm_down)
 from vllm_moonep.testing.reference import expert_ffn_float64
 
 pytestmark = pytest.mark.gpu
@@ -115,10 +116,11 @@ def test_deepgemm_replays_from_a_cuda_graph_through_the_dispatcher():
                          ids=["zero-tail-row_ends", "zero-tail-trimmed", "tail-free-row_ends"])  # False needs row_ends
 @pytest.mark.parametrize("counts,H,I", CASES, ids=["decode", "mid", "prefill"])
 def test_deepgemm_down_matches_float64(counts, H, I, zero_tail, given_ends):
-    """impl='deepgemm_down' (the Triton gate/up tiles, then DeepGEMM's down GEMM): the tiles' rows past each live
-    end (stale: NaN here) reaching DeepGEMM's down GEMM (zero_tails missing or short), a weight-0 tile skipped and
-    its stale act rows multiplied, a live row lost to the zeros, or a row left unwritten; through the dispatcher,
-    as the layer calls it (tokens, row_ends, zero_tail) and without row_ends (the trim kernel's ends)."""
+    """impl='deepgemm_down' (the Triton gate/up tiles, then DeepGEMM's down GEMM): the rows of act past each live
+    end, which the tiles do not write (NaN-filled scratch here), reaching DeepGEMM's down GEMM (zero_tails missing
+    or short), a skipped weight-0 tile leaving its act rows stale, a live row lost to the zeros, or a row left
+    unwritten; with row_ends and without (the trim kernel's ends), zero_tail both ways; then the same through the
+    dispatcher, as the layer calls it."""
     _skip_unless_usable()
     x, rw, cu, w = _case(counts, len(counts), H, I, seed=len(counts) + H + 1, w13="interleaved")
     start, live = 0, []
@@ -127,15 +129,23 @@ def test_deepgemm_down_matches_float64(counts, H, I, zero_tail, given_ends):
         start = e
     row_ends = torch.tensor(live, dtype=torch.int32, device=x.device) if given_ends else None
     rw[3] = 0.0  # a weight-0 row inside a segment (a padding token's entry): its output is 0 too
+    if counts[0] >= 128:
+        rw[64:128] = 0.0  # a whole 64-row tile of weight 0 inside the live rows: skipped (padded=True)
+    stale = torch.full((x.shape[0], I), float("nan"), dtype=x.dtype, device=x.device)
     out = torch.full_like(x, float("nan"))
-    expert_ffn(x, rw, cu, w, impl="deepgemm_down", out=out, tokens=sum(counts), padded=True, row_ends=row_ends,
-               zero_tail=zero_tail)
+    expert_ffn_deepgemm_down(x, rw, cu, w, out=out, tokens=sum(counts), padded=True, row_ends=row_ends,
+                             zero_tail=zero_tail, act=stale)
     _check_against_float64(out, x, rw, cu, w)
     end, ok = int(cu[-1]), rw[:int(cu[-1])] != 0
     tri = torch.full_like(x, float("nan"))
     expert_ffn(x, rw, cu, w, impl="triton", out=tri, tokens=sum(counts), row_ends=row_ends)
     e2 = float((out[:end][ok].double() - tri[:end][ok].double()).norm() / tri[:end][ok].double().norm())
     assert e2 < 1e-2, f"relative error {e2:.2e} against impl='triton' (the same gate/up tiles)"
+    via = torch.full_like(x, float("nan"))
+    expert_ffn(x, rw, cu, w, impl="deepgemm_down", out=via, tokens=sum(counts), padded=True, row_ends=row_ends,
+               zero_tail=zero_tail)
+    torch.cuda.synchronize()
+    assert torch.equal(via[:end], out[:end]), "the dispatcher's deepgemm_down differs from the direct call"
 
 
 def test_deepgemm_down_replays_from_a_cuda_graph():

@@ -59,8 +59,10 @@ def test_auto_falls_back_as_the_product_does():
     assert bm.auto_column("NVIDIA H200", None, "kimi-k2", 4096, {"triton"}) == "triton"  # DeepGEMM not timed
     assert bm.auto_column("NVIDIA H100 PCIe", (9, 0), "kimi-k2", 4096, {"triton", "deepgemm"}) == "deepgemm"
     assert bm.auto_column("NVIDIA H100 PCIe", None, "kimi-k2", 4096, {"triton", "deepgemm"}) == "triton"
-    # the H100 80GB HBM3 runs the H200's section by name (tuning.json's same_as), capability or not
-    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, {"triton", "deepgemm"}) == "deepgemm"
+    # the H100 80GB HBM3 runs its own regimes (tuning.json's same_as with auto), capability or not: deepgemm_down
+    # first where DeepGEMM ran, which no column times (None, not DeepGEMM's column); Triton where it did not run
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, {"triton", "deepgemm"}) is None
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", (9, 0), "kimi-k2", 4096, {"triton"}) == "triton"
     # Qwen3 at 4096: quack first where it ran, DeepGEMM after it
     assert bm.auto_column("NVIDIA H200", None, "qwen3-30b-a3b", 4096, {"triton", "quack", "deepgemm"}) == "quack"
     assert bm.auto_column("NVIDIA H200", None, "qwen3-30b-a3b", 4096, {"triton", "deepgemm"}) == "deepgemm"
@@ -84,10 +86,10 @@ def test_runs_that_cannot_share_a_median_are_refused(tmp_path, change, needle):
 def test_command_line(tmp_path, monkeypatch, capsys):
     """The table on stdout, the JSON to $OUT, a refusal as exit status 2 with its reason."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    paths = _write(tmp_path, _runs(device="NVIDIA H100 80GB HBM3"))
+    paths = _write(tmp_path, _runs(device="NVIDIA H200"))
     assert bm.main([*paths, "--capability", "9.0"]) == 0
     out = capsys.readouterr().out
-    assert "medians of 3 runs on NVIDIA H100 80GB HBM3 (clean flush)" in out
+    assert "medians of 3 runs on NVIDIA H200 (clean flush)" in out
     assert "| kimi-k2 | 4096 | balanced | 100.0 (flop) | 110.0 (1.10) | 95.0 (0.95) | 90.0% | deepgemm | 0.95 |" in out
     saved = json.loads((tmp_path / "bench_median.json").read_text())
     assert saved["rows"][0]["auto"] == "deepgemm" and saved["runs"] == paths

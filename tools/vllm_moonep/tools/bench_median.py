@@ -57,11 +57,17 @@ def load_runs(paths: list[str]) -> list[dict]:
     return runs
 
 
+#: ``auto``'s kernels that ``bench_experts`` has no column for, and the column whose library they need
+#: (``deepgemm_down``: the Triton gate/up tiles before DeepGEMM's down GEMM, timed by ``bench_levers``)
+UNTIMED = {"deepgemm_down": "deepgemm"}
+
+
 def auto_column(device: str, capability: tuple[int, int] | None, shape: str, tokens: int,
                 timed: set[str]) -> str | None:
     """The column ``impl="auto"`` runs at the point on ``device`` (the first of ``tuning.json``'s regimes
     covering ``tokens`` whose library the runs timed, else ``triton``); ``None`` for a shape the models
-    do not know."""
+    do not know, and where ``auto`` runs a kernel no column times (``UNTIMED``: its library ran, the
+    kernel was not a column)."""
     try:
         dims = model(shape).dims()
     except (KeyError, ValueError):
@@ -69,6 +75,8 @@ def auto_column(device: str, capability: tuple[int, int] | None, shape: str, tok
     for regime in policy_for(device, capability).regimes_at(dims["H"], dims["I"], tokens):
         if regime.impl in timed:
             return regime.impl
+        if UNTIMED.get(regime.impl) in timed:
+            return None
     return "triton"
 
 

@@ -194,11 +194,12 @@ def expert_ffn_deepgemm_down(
     padded: bool = True,
     row_ends: torch.Tensor | None = None,
     zero_tail: bool = True,
+    act: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton gate/up tiles (``tokens`` picks them, as for ``impl="triton"``), then DeepGEMM's down GEMM (see
     the module doc). Every row up to the last segment's end is written, the padding tails 0 (whatever
-    ``zero_tail``); ``padded`` and ``row_ends`` as ``expert_ffn``'s. Raises ``MoonEPInputError`` where DeepGEMM
-    cannot run (``deepgemm_unusable``)."""
+    ``zero_tail``); ``padded`` and ``row_ends`` as ``expert_ffn``'s; ``act``: an optional ``[NvS, I]`` scratch
+    (``expert_ffn_triton``'s). Raises ``MoonEPInputError`` where DeepGEMM cannot run (``deepgemm_unusable``)."""
     why = deepgemm_unusable(x, weights)
     if why is not None:
         raise MoonEPInputError(f"expert_ffn_deepgemm_down: {why}")
@@ -216,5 +217,5 @@ def expert_ffn_deepgemm_down(
         zero_tails(act, cu, ends)
         down(act, weights, layout_t, dst)
 
-    return expert_ffn_triton(x, route_w, cu, weights, out=out, tokens=tokens, padded=padded, row_ends=row_ends,
-                             zero_tail=zero_tail, down_gemm=down_gemm)
+    return expert_ffn_triton(x, route_w, cu, weights, out=out, act=act, tokens=tokens, padded=padded,
+                             row_ends=row_ends, zero_tail=zero_tail, down_gemm=down_gemm)

@@ -889,9 +889,9 @@ def expert_ffn_triton(
     two (no trim launch), and the one launch reads them instead of scanning. ``zero_tail=False`` (only with
     ``row_ends``): the rows past them, the segments' padding tails, are not written (``expert_ffn``).
     ``batch_invariant``: the tiles without stream-K (``invariance.py``). ``down_gemm``: another down GEMM
-    (``impl="deepgemm_down"``), called as ``down_gemm(act, ends, out)`` after the gate/up tiles, which then
-    run every tile up to ``ends`` (no skip of weight-0 tiles: each row of ``act`` up to ``ends`` is written;
-    the rows past them are the callee's)."""
+    (``impl="deepgemm_down"``), called as ``down_gemm(act, ends, out)`` after the gate/up tiles, which write
+    every row of ``act`` up to ``ends`` (a skipped weight-0 tile writes zeros); the rows past them are the
+    callee's."""
     NvS, H = x.shape
     I = weights.intermediate
     G = int(cu_seqlens.numel())
@@ -931,11 +931,10 @@ def expert_ffn_triton(
     else:
         eff = torch.empty(G, dtype=torch.int32, device=dev)
         _launch_trim(cu, route_w, eff)
+    _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32, padded)
     if down_gemm is not None:
-        _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32)
         down_gemm(act, eff, dst)
     else:
-        _launch_gate_up(x, route_w, cu, eff, prep, act, cfg["gate_up"], dot_f32, padded)
         _launch_down(act, route_w, cu, eff, prep, dst, cfg["down"], dot_f32, padded, zero_tail)
     if dst is not out:
         out.copy_(dst)
