@@ -267,37 +267,6 @@ def test_swiglu_route_kernel_compiles_for_sm90_with_wide_pair_loads(paired):
     assert wide, f"no 16-byte loads of g/u: {sorted(set(loads))}"
 
 
-_ZERO_CHILD = r'''
-import torch
-from vllm_moonep.common.grouped_gemm.deepgemm_act import zero_tails, zero_tails_torch
-g = torch.Generator().manual_seed(4)
-I = 300  # two column blocks, the second partial (ZERO_BLOCK 256)
-cu = torch.tensor([0, 128, 128, 384, 512, 640], dtype=torch.int32)  # an empty first group, an empty middle one
-M = int(cu[-1]) + 7  # rows past the last segment: never touched
-for ends in ([0, 101, 128, 384, 490, 512],   # a tail of 27 rows, none, a whole segment, 22 rows
-             [0, 200, 5, 129, 600, 700]):    # ends outside their segments: clamped into them
-    ends = torch.tensor(ends, dtype=torch.int32)
-    act = torch.randn(M, I, generator=g).bfloat16()
-    got, want = act.clone(), act.clone()
-    zero_tails(got, cu, ends)
-    zero_tails_torch(want, cu, ends)
-    assert torch.equal(got, want), (ends, (got != want).nonzero()[:5])
-    assert torch.equal(got[640:], act[640:]), "a row past the last segment was written"
-    assert not torch.equal(got, act), "nothing was zeroed"
-print("ok")
-'''
-
-
-def test_zero_tails_kernel_matches_its_torch_twin_under_the_interpreter():
-    """deepgemm_down's zeros behind the Triton gate/up tiles starting at the segment's start instead of its live end
-    (a live row lost), stopping a block short (stale rows reaching DeepGEMM's down GEMM), writing past the segment
-    (the next group's rows) or past the last segment, or a live end outside its segment not clamped."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _ZERO_CHILD], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr[-3000:]
-
-
 def test_deepgemm_down_needs_both_the_triton_kernels_and_deepgemm(as_sm90):
     """impl='deepgemm_down' where only one of its two halves can run: refused with that half's reason (DeepGEMM's
     own; the Triton kernels need a CUDA device), never another path; and under batch invariance, as every library

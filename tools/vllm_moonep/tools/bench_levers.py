@@ -377,9 +377,9 @@ def _deepgemm_fns(x, rw, cu, weights, out, act):
 def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out, tokens):
     """``(whole, gate_up)`` of a compute whose halves run DeepGEMM where ``halves`` (``(gate_up, down)``) says and
     the committed Triton tiles elsewhere, as the layer runs them (``row_ends``; ``whole(zero_tail)``: ``True`` for
-    the check call, every row written) and of its gate/up half alone (with the activation). The Triton gate/up
-    half before DeepGEMM's down GEMM is ``impl="deepgemm_down"`` itself (``expert_ffn_deepgemm_down``: its
-    ``zero_tails`` launch included); the other keeps its own ``act``."""
+    the check call, every row written) and of its gate/up half alone (with the activation). The two computes that
+    ship run through their own entry points (``expert_ffn_deepgemm``; ``expert_ffn_deepgemm_down``, its
+    ``zero_tails`` launch included); only DeepGEMM's gate/up before the Triton down tiles is composed here."""
     from vllm_moonep.common.grouped_gemm import deepgemm_impl as dgi
 
     why = dgi.deepgemm_unusable(x, weights)
@@ -395,12 +395,12 @@ def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out, tokens):
         return tk._launch_gate_up(x, rw, cu, ends, prep, act, conf["gate_up"], False)
 
     def whole(zero_tail=False):
-        if (dg_gu, dg_dn) == (False, True):  # what impl="deepgemm_down" runs, tiles picked by tokens as committed
+        if dg_gu and dg_dn:  # what impl="deepgemm" runs
+            return dgi.expert_ffn_deepgemm(x, rw, cu, weights, out=out)
+        if dg_dn:  # what impl="deepgemm_down" runs, tiles picked by tokens as committed
             return dgi.expert_ffn_deepgemm_down(x, rw, cu, weights, out=out, tokens=tokens, padded=False,
                                                 row_ends=ends, zero_tail=zero_tail)
         gate_up()
-        if dg_dn:
-            return dgi.down(act, weights, layout, out)
         return tk._launch_down(act, rw, cu, ends, prep, out, conf["down"], False, zero_tail=zero_tail)
 
     return whole, gate_up
