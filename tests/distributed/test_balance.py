@@ -23,7 +23,7 @@ def _ratio(values) -> float:
     return max(values) / mean
 
 
-def check_rows_independently(rows, ranks, tokens, experts, topk, seed, token_padding=balance.TOKEN_PADDING):
+def check_rows_independently(rows, ranks, tokens, experts, topk, seed, token_padding=balance.DEFAULT_TOKEN_PADDING):
     """Each row's figures from the routing each rank drew, counted and planned here."""
     epn = experts // ranks
     for row in rows:

@@ -288,3 +288,89 @@ def test_deepgemm_down_needs_both_the_triton_kernels_and_deepgemm(as_sm90):
     with pytest.raises(MoonEPInputError, match="batch invariance runs"):
         expert_ffn(x, torch.ones(4), torch.tensor([2, 4], dtype=torch.int32), w, impl="deepgemm_down",
                    batch_invariant=True)
+
+
+def test_deepgemm_paths_refuse_segments_their_alignment_does_not_divide(as_sm90, caplog):
+    """Segments padded to 64 rows (``token_padding=64``) handed to DeepGEMM, whose psum layout starts each group at
+    the previous end rounded up to 128: a group's first 64 rows were never computed (the sentinel below shows it).
+    The dispatcher must refuse both DeepGEMM paths naming the padding and write nothing; auto must pass over a
+    DeepGEMM regime saying why; a padding that 128 divides still runs; a padding that is no positive int is
+    refused as such."""
+    mp, _calls = as_sm90
+    from vllm_moonep.common.grouped_gemm import api
+
+    mp.setattr(api, "triton_unusable", lambda x: None)  # as on a GPU (deepgemm_down's other half)
+    x, rw, cu, w = _case([64, 192, 128], [0, 1, 3], G=4)
+    # what the check prevents: DeepGEMM told nothing of the padding reads group 1's rows 64..127 as no group's
+    out = torch.full_like(x, 7.0)
+    deepgemm_impl.expert_ffn_deepgemm(x, rw, cu, w, out=out)
+    assert (out[64:128] == 7.0).all(), "the stand-in no longer shows what a 64-row padding does to DeepGEMM"
+    out = torch.full_like(x, 7.0)
+    for impl in ("deepgemm", "deepgemm_down"):
+        with pytest.raises(MoonEPInputError, match=rf"impl='{impl}' cannot run here: DeepGEMM's M alignment \(128\) "
+                                                   r"does not divide the segments' padding \(token_padding=64\)"):
+            expert_ffn(x, rw, cu, w, impl=impl, out=out, token_padding=64)
+    assert (out == 7.0).all(), "a refused call wrote its output"
+    pol = policy.DevicePolicy("test", (), (policy.Regime("deepgemm", w.hidden, w.intermediate, 1024),))
+    mp.setattr(policy, "policy_of", lambda x, path=None: pol)
+    with caplog.at_level(logging.INFO, logger="vllm_moonep.common"):
+        assert resolve_impl("auto", x, w, 2048, token_padding=64) == "triton"
+    said = [r.getMessage() for r in caplog.records if "impl=auto" in r.getMessage()]
+    assert len(said) == 1 and "deepgemm was measured faster" in said[0] and "token_padding=64" in said[0], said
+    assert api.auto_regimes(x, w, 64) == [(0, "triton")]
+    assert api.auto_regimes(x, w, 256) == [(0, "triton"), (1024, "deepgemm")]
+    assert resolve_impl("deepgemm", x, w, token_padding=256) == "deepgemm"
+    for bad in (0, -128, 64.0, True):
+        with pytest.raises(MoonEPInputError, match="token_padding must be an int >= 1"):
+            expert_ffn(x, rw, cu, w, impl="reference", out=out, token_padding=bad)
+
+
+@pytest.mark.parametrize("tp", [64, 128])
+def test_moe_step_hands_its_pools_padding_to_the_expert_compute(as_sm90, tp):
+    """A MoE step whose pool pads segments to 64 rows ran impl='deepgemm' as if they were padded to 128 (the step
+    did not pass its padding on): it must refuse naming it; at 128 the step runs DeepGEMM's path (the stand-in)
+    and matches the dense float32 MoE."""
+    from tests.moe_fixtures import check_against_dense, global_weights, rank_inputs
+    from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
+    from vllm_moonep.replicated import ReplicatedWeightLayout
+
+    _mp, calls = as_sm90
+    E, H, I, K, B = 8, 128, 128, 2, 2
+    w13, w2 = global_weights(E, H, I, seed=5)
+    layout = ReplicatedWeightLayout(w13.clone(), w2.clone(), E, B)
+    pool = MoonEPBufferPool(dict(H=H, K=K, E=E, num_ep_ranks=1, B=B, token_padding=tp, device="cpu"), 64,
+                            engine="builtin")
+    try:
+        assert pool.token_padding == tp
+        moe = MoonEPMoE(pool, layout, impl="deepgemm")
+        x, ids, w = rank_inputs(40, E, K, H, sigma=1.0, seed=9, rank=0)
+        if tp == 64:
+            with pytest.raises(MoonEPInputError, match="token_padding=64"):
+                moe.forward(x, ids, w)
+            assert not calls, "DeepGEMM ran on segments it cannot read"
+        else:
+            check_against_dense(moe.forward(x, ids, w), x, ids, w, w13, w2)
+            assert calls, "the step did not run DeepGEMM's path"
+    finally:
+        pool.destroy()
+        layout.destroy()
+
+
+def test_plugin_refuses_impl_deepgemm_with_a_padding_it_cannot_read(as_sm90):
+    """impl='deepgemm' with token_padding=64 passed the worker's check (it probed with the default padding) and
+    failed at the first forward; the start-up line named DeepGEMM for auto's regimes it would pass over."""
+    from vllm_moonep.vllm_plugin import checks
+    from vllm_moonep.vllm_plugin.options import MoonEPOptions
+
+    mp, _calls = as_sm90
+    with pytest.raises(Exception, match=r"impl='deepgemm' cannot run on this worker.*token_padding=64"):
+        checks.check_worker(MoonEPOptions(impl="deepgemm", token_padding=64, engine="builtin"), torch.device("cpu"))
+    checks.check_worker(MoonEPOptions(impl="deepgemm", token_padding=256, engine="builtin"), torch.device("cpu"))
+    pol = policy.DevicePolicy("test", (), (policy.Regime("deepgemm", 128, 128, 1024),))
+    mp.setattr(policy, "policy_of", lambda x, path=None: pol)
+    from vllm_moonep.common.grouped_gemm import api
+
+    mp.setattr(api, "triton_unusable", lambda x: None)
+    dev = torch.device("cpu")
+    assert checks.resolve_kernel("auto", dev, shape=(128, 128)) == "triton below 1024 tokens per rank, deepgemm from 1024"
+    assert checks.resolve_kernel("auto", dev, shape=(128, 128), token_padding=64) == "triton"

@@ -113,8 +113,8 @@ def ensure_workspace() -> None:
     ensure_workspace_on(device())
 
 
-def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, seed: int = 0):
-    """Pool, layout, P/F, experts and the vLLM ``FusedMoEKernel`` for this rank."""
+def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, seed: int = 0, tp: int = 128):
+    """Pool (segments padded to ``tp``), layout, P/F, experts and the vLLM ``FusedMoEKernel`` for this rank."""
     import vllm.model_executor.layers.fused_moe.modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
 
@@ -124,7 +124,7 @@ def build(kind: str, E: int, K: int, H: int, I: int, B: int, max_tokens: int, se
     w13, w2 = global_weights(E, H, I, seed)
     dev = device()  # the global w13 / w2 stay on the CPU for the dense reference
     w13_l, w2_l = local_rows(w13, rank, R).to(dev), local_rows(w2, rank, R).to(dev)
-    pool = make_pool(R, H, K, E, B, max_tokens)
+    pool = make_pool(R, H, K, E, B, max_tokens, tp)
     layouts = make_layouts(kind, w13_l, w2_l, E, B)
     layout = layouts.layouts[0]
     pf = MoonEPPrepareAndFinalize(pool, max_tokens_per_rank=max_tokens, num_dispatchers=R, num_global_experts=E)
@@ -155,6 +155,8 @@ def run_bare(o, x, ids, w, *, apply_on_input: bool = False, wr=None):
     st = pf.last
     assert meta.step_tokens is not None and meta.step_tokens >= x.shape[0], meta
     assert meta.padded == (st.num_tokens < st.capacity), (meta, st)
+    # the segments' padding travels too: without it the DeepGEMM paths would take a pool's 64-row segments for 128s
+    assert meta.token_padding == o["pool"].token_padding, (meta.token_padding, o["pool"].token_padding)
     # dispatch's cu_seqlens travel beside the counts (apply runs no cumsum): a stale or mismatched pair
     # would group the rows wrongly
     cu = meta.cu_seqlens

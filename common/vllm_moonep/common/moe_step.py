@@ -20,6 +20,7 @@ from vllm_moonep.common.padding import pad_and_count
 from vllm_moonep.common.pool import MoonEPBufferPool, as_int
 from vllm_moonep.common.timing import NullTimer
 from vllm_moonep.engine import MoonEPBuffer, MoonEPInputError, MoonEPPlan, default_num_slots
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 
 __all__ = [
     "DispatchState",
@@ -56,6 +57,7 @@ class DispatchState:
     num_tokens: int  # this rank's real tokens (rows of the output)
     topk: int
     cu_seqlens: torch.Tensor
+    token_padding: int = DEFAULT_TOKEN_PADDING  # the multiple each segment starts at (the pool's buffers')
 
     @property
     def padded(self) -> bool:
@@ -171,7 +173,7 @@ def dispatch_and_prefetch(
             x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)
     with t.phase("prefetch"):
         layout.prefetch(buf, plan, rows=(cu, w_nvs))  # slots that hold only padding rows stay unfilled
-    return x_nvsh, w_nvs, cu, DispatchState(buf, plan, cap, s, int(ids.shape[1]), cu)
+    return x_nvsh, w_nvs, cu, DispatchState(buf, plan, cap, s, int(ids.shape[1]), cu, pool.token_padding)
 
 
 def combine_rows(state: DispatchState, y: torch.Tensor) -> torch.Tensor:
@@ -226,7 +228,7 @@ class MoonEPMoE:
         with self.timer.phase("experts"):
             y = expert_ffn(x_nvsh, w_nvs, cu, self.layout.grouped_weights(), impl=self.impl, tokens=n,
                            padded=state.padded, row_ends=state.row_ends, zero_tail=state.tails_read,
-                           batch_invariant=self.batch_invariant)
+                           batch_invariant=self.batch_invariant, token_padding=state.token_padding)
         with self.timer.phase("combine"):
             out = combine_rows(state, y)
         self.last = state.info()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, check_buffer_settings, make_buffer, resolve_device
-from vllm_moonep.engine.defaults import say_once
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING, say_once
 from vllm_moonep.engine.faults.teardown import each
 
 MIN_CAPACITY = 128
@@ -87,6 +87,12 @@ class MoonEPBufferPool:
     def buffer_kwargs(self) -> dict[str, Any]:
         """The ``Buffer`` arguments (except ``S``) every buffer of this pool is made with."""
         return dict(self._kwargs)
+
+    @property
+    def token_padding(self) -> int:
+        """The multiple each group's segment of dispatched rows is padded to (and starts at), in every buffer of
+        this pool: the expert compute's DeepGEMM paths need it."""
+        return int(self._kwargs.get("token_padding", DEFAULT_TOKEN_PADDING))
 
     @property
     def pad_expert(self) -> int:

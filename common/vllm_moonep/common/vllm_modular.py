@@ -48,7 +48,7 @@ from vllm_moonep.common.moe_step import (
     step_token_count,
 )
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, dispatched_rows
-from vllm_moonep.engine.defaults import say_once
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING, say_once
 
 __all__ = [
     "MoonEPExperts",
@@ -70,6 +70,7 @@ class MoonEPTokensMetadata(mk.ExpertTokensMetadata):
     cu_seqlens: torch.Tensor | None = None  # dispatch's [E+B] int32 (our experts need no cumsum)
     row_ends: torch.Tensor | None = None  # where each segment's entries end, if the engine wrote it (no trim launch)
     zero_tail: bool = True  # the engine's combine may read the segments' padding tails: write them as zeros
+    token_padding: int = DEFAULT_TOKEN_PADDING  # the multiple each segment starts at (DeepGEMM's paths need it)
 
 
 def _rows_per_group(plan: object, cu: torch.Tensor) -> torch.Tensor:
@@ -250,7 +251,8 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
         self.last = state.info()
         meta = MoonEPTokensMetadata(expert_num_tokens=_rows_per_group(state.plan, cu), expert_num_tokens_cpu=None,
                                     step_tokens=n, padded=state.padded, cu_seqlens=cu,
-                                    row_ends=state.row_ends, zero_tail=state.tails_read)
+                                    row_ends=state.row_ends, zero_tail=state.tails_read,
+                                    token_padding=state.token_padding)
         # No per-row top-k ids after dispatch; route weights come back in row order.
         return x_nvsh, None, meta, None, w_nvs
 
@@ -432,4 +434,5 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
                    padded=getattr(expert_tokens_meta, "padded", True),
                    row_ends=getattr(expert_tokens_meta, "row_ends", None),
                    zero_tail=getattr(expert_tokens_meta, "zero_tail", True),
-                   batch_invariant=self.batch_invariant)
+                   batch_invariant=self.batch_invariant,
+                   token_padding=getattr(expert_tokens_meta, "token_padding", DEFAULT_TOKEN_PADDING))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from vllm_moonep.engine.defaults import default_num_slots, resolve_device, say_once
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING, default_num_slots, resolve_device, say_once
 from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 from vllm_moonep.engine.nodes import (
@@ -258,7 +258,7 @@ class Buffer:
         E: int,
         num_ep_ranks: int,
         num_sms: int | None = None,
-        token_padding: int = 128,
+        token_padding: int = DEFAULT_TOKEN_PADDING,
         B: int | None = None,
         group: ProcessGroup | None = None,
         *,

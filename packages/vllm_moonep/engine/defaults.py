@@ -6,6 +6,8 @@
   (``group_rank_world``).
 - ``device=None``: the current CUDA device, else the CPU; a bare ``cuda`` gets its index
   (``resolve_device``, ``current_cuda_device``).
+- ``token_padding``: ``DEFAULT_TOKEN_PADDING`` rows (the buffer, the plugin's option, and the expert
+  compute's assumption where its caller does not say).
 - Whatever is chosen for the user is said once at INFO (``say_once``).
 
 The buffer, the collective transport, the heaps, the pool, the layouts and the tools import
@@ -25,10 +27,14 @@ if TYPE_CHECKING:
 
 from vllm_moonep.engine.errors import MoonEPInputError
 
-__all__ = ["current_cuda_device", "default_num_slots", "group_rank_world", "resolve_device", "say_once",
+__all__ = ["DEFAULT_TOKEN_PADDING", "current_cuda_device", "default_num_slots", "group_rank_world", "resolve_device", "say_once",
            "slots_beyond_experts"]
 
 _SAID: set[str] = set()
+
+#: the multiple each group's segment of dispatched rows is padded to (and so starts at): DeepGEMM's grouped
+#: GEMMs need their M alignment (128) to divide it, or one of their row blocks would straddle two groups
+DEFAULT_TOKEN_PADDING = 128
 
 
 def say_once(msg: str, logger: str = "vllm_moonep.engine", level: int = logging.INFO) -> None:

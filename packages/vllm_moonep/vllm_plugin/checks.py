@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from vllm_moonep.engine import MoonEPInputError, MoonEPUnavailableError, resolve_engine
-from vllm_moonep.engine.defaults import say_once, slots_beyond_experts
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING, say_once, slots_beyond_experts
 from vllm_moonep.vllm_plugin.options import (
     CONFIG_KEY,
     ENV_VARS,
@@ -215,11 +215,12 @@ def resolve_heap(opts: MoonEPOptions, device: torch.device) -> tuple[str, str]:
     return kind, why
 
 
-def available_kernels(device: torch.device, dense: bool = True) -> list[str]:
-    """The grouped-GEMM implementations that run on ``device``."""
+def available_kernels(device: torch.device, dense: bool = True, token_padding: int = DEFAULT_TOKEN_PADDING) -> list[str]:
+    """The grouped-GEMM implementations that run on ``device`` (segments padded to ``token_padding``)."""
     from vllm_moonep.common.grouped_gemm import available_impls
 
-    return available_impls(*_dummy_weights(device, dense))
+    x, w = _dummy_weights(device, dense)
+    return available_impls(x, w, token_padding)
 
 
 def check_worker(opts: MoonEPOptions, device: torch.device) -> dict:
@@ -230,11 +231,13 @@ def check_worker(opts: MoonEPOptions, device: torch.device) -> dict:
     if opts.impl != "auto":
         from vllm_moonep.common.grouped_gemm import impl_unusable
 
-        reason = impl_unusable(opts.impl, *_dummy_weights(device, True))
+        x, w = _dummy_weights(device, True)
+        reason = impl_unusable(opts.impl, x, w, opts.token_padding)
         if reason is not None:
             raise MoonEPUnavailableError(
                 f"moonep option impl={opts.impl!r} cannot run on this worker ({device}) ({reason}); available here: "
-                f"{', '.join(available_kernels(device))}; use impl='auto' to take the best of them"
+                f"{', '.join(available_kernels(device, token_padding=opts.token_padding))}; use impl='auto' to take "
+                "the best of them"
             )
     return {"engine": engine, "heap": heap}
 
@@ -255,20 +258,19 @@ def _dummy_weights(device: torch.device, dense: bool, H: int = 128, I: int = 128
 
 
 def resolve_kernel(impl: str, device: torch.device, dense: bool = True, shape: tuple[int, int] | None = None,
-                   batch_invariant: bool = False) -> str:
+                   batch_invariant: bool = False, token_padding: int = DEFAULT_TOKEN_PADDING) -> str:
     """The grouped GEMM ``impl`` runs as on ``device`` (``dense``: the layer's weights are one
-    tensor; ``shape``: its ``(H, I)``). For ``impl="auto"``, where the choice depends on the step's
-    tokens per rank (the GPU's ``auto`` regimes, ``grouped_gemm/policy.py``), each regime: ``"triton below 1024 tokens per
+    tensor; ``shape``: its ``(H, I)``; ``token_padding``: the segments' padding). For ``impl="auto"``, where
+    the choice depends on the step's tokens per rank (the GPU's ``auto`` regimes, ``grouped_gemm/policy.py``), each regime: ``"triton below 1024 tokens per
     rank, quack from 1024"``; ``batch_invariant`` (``VLLM_BATCH_INVARIANT=1``): the one implementation every step runs (no library kernel)."""
     from vllm_moonep.common.grouped_gemm import auto_regimes, resolve_impl
 
-    probe = _dummy_weights(device, dense, *(shape or (128, 128)))
+    x, w = _dummy_weights(device, dense, *(shape or (128, 128)))
     if batch_invariant:
-        x, w = probe
         return f"{resolve_impl(impl, x, w, batch_invariant=True)}, batch invariant"
     if impl != "auto":
-        return resolve_impl(impl, *probe)
-    regimes = auto_regimes(*probe)
+        return resolve_impl(impl, x, w, token_padding=token_padding)
+    regimes = auto_regimes(x, w, token_padding)
     if len(regimes) == 1:
         return regimes[0][1]
     (_, first), *rest = regimes

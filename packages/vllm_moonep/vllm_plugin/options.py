@@ -36,6 +36,7 @@ from typing import Any, Mapping
 
 from vllm_moonep.common.grouped_gemm import IMPLS
 from vllm_moonep.engine import ENGINES, TRANSPORTS, MoonEPInputError
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 from vllm_moonep.engine.heaps import HEAP_KINDS
 
 __all__ = [
@@ -114,7 +115,7 @@ class MoonEPOptions:
     num_prefetch_slots: int = 4
     shared_slot_pool: bool = False
     heap: str = "auto"
-    token_padding: int = 128
+    token_padding: int = DEFAULT_TOKEN_PADDING
     impl: str = "auto"
     step_log_interval: int = 0
     cuda_graphs: str = "auto"

@@ -83,10 +83,10 @@ def _kernel_text(opts: MoonEPOptions, device: torch.device) -> str:
     invariant = bool(envs.VLLM_BATCH_INVARIANT)
     kernels = Counter(resolve_kernel(opts.impl, device, getattr(lay, "dense_weights", True),
                                      (lay.hidden_size, lay.intermediate_size) if hasattr(lay, "hidden_size") else None,
-                                     batch_invariant=invariant)
+                                     batch_invariant=invariant, token_padding=opts.token_padding)
                       for lay in STATE.built_layouts())
     if not kernels:
-        kernels[resolve_kernel(opts.impl, device, batch_invariant=invariant)] = 0
+        kernels[resolve_kernel(opts.impl, device, batch_invariant=invariant, token_padding=opts.token_padding)] = 0
     src = "requested" if opts.impl != "auto" else "impl=auto"
     if len(kernels) == 1:
         return f"kernel={next(iter(kernels))} ({src})"

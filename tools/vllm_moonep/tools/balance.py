@@ -30,13 +30,12 @@ import torch.distributed as dist
 from vllm_moonep.common.grouped_gemm import GroupedWeights, expert_ffn, interleave_gate_up, resolve_impl
 from vllm_moonep.common.layout import WEIGHT_TILE
 from vllm_moonep.engine import Buffer, current_cuda_device
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 from vllm_moonep.testing.launch import (add_launch_arguments, finish_launched_group, is_driver, launched_world_size,
                                         resolve_launch, run_on_ranks, shutdown_pools)
 from vllm_moonep.testing.routing import maxvio, route, sigma_for_maxvio
 from vllm_moonep.tools.cli import positive
 
-#: the engine's padding of every expert segment (vLLM's proof of concept uses the same)
-TOKEN_PADDING = 128
 #: untimed runs of each expert compute before the timed ones
 WARMUP_RUNS = 3
 
@@ -77,7 +76,7 @@ def time_expert_compute(x: torch.Tensor, route_w: torch.Tensor, cu: torch.Tensor
 def _rank_balance(S, H, I, K, E, B, sigma, seed, device_kind="cpu", repeats=10):
     r, R = dist.get_rank(), dist.get_world_size()
     dev = current_cuda_device() if device_kind == "cuda" else torch.device("cpu")
-    buf = Buffer(S, H, K, E, R, B=B, token_padding=TOKEN_PADDING, device=dev)
+    buf = Buffer(S, H, K, E, R, B=B, token_padding=DEFAULT_TOKEN_PADDING, device=dev)
     ids, w = route(S, E, K, sigma=sigma, seed=seed, rank=r)
     g = torch.Generator().manual_seed(seed * 7919 + r)
     x = torch.randn(S, H, generator=g).to(torch.bfloat16)
@@ -94,7 +93,7 @@ def _rank_balance(S, H, I, K, E, B, sigma, seed, device_kind="cpu", repeats=10):
                       for shape in ((I, H), (I, H), (H, I)))
     weights = GroupedWeights.of_w13(interleave_gate_up(gate, up), down, interleaved=True)
     del gate, up
-    cu_home = home_rows_cu(tpe_all, r, B, TOKEN_PADDING).to(dev)
+    cu_home = home_rows_cu(tpe_all, r, B, DEFAULT_TOKEN_PADDING).to(dev)
     n_home = int(cu_home[-1])
     x_home = torch.randn(n_home, H, generator=g).to(torch.bfloat16).to(dev)
     w_home = torch.rand(n_home, generator=g).to(dev)

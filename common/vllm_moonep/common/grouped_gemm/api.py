@@ -24,7 +24,7 @@ from vllm_moonep.common.grouped_gemm.quack_impl import expert_ffn_quack, quack_u
 from vllm_moonep.common.grouped_gemm.reference import expert_ffn_reference
 from vllm_moonep.common.grouped_gemm.torch_grouped_mm import expert_ffn_grouped_mm, grouped_mm_unusable
 from vllm_moonep.common.grouped_gemm.weights import GroupedWeights, check_tail_args
-from vllm_moonep.engine.defaults import say_once
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING, say_once
 from vllm_moonep.engine.errors import MoonEPInputError
 
 IMPLS = ("auto", "reference", "grouped_mm", "triton", "quack", "deepgemm", "deepgemm_down")
@@ -42,8 +42,9 @@ def triton_unusable(x: torch.Tensor) -> str | None:
     return None
 
 
-def impl_unusable(impl: str, x: torch.Tensor, w: GroupedWeights) -> str | None:
-    """Why the implementation ``impl`` (not ``auto``) cannot run on ``x`` and ``w``; ``None``: it can."""
+def impl_unusable(impl: str, x: torch.Tensor, w: GroupedWeights, token_padding: int = DEFAULT_TOKEN_PADDING) -> str | None:
+    """Why the implementation ``impl`` (not ``auto``) cannot run on ``x`` and ``w`` whose segments start at
+    multiples of ``token_padding``; ``None``: it can."""
     if impl == "reference":
         return None
     if impl == "grouped_mm":
@@ -53,14 +54,14 @@ def impl_unusable(impl: str, x: torch.Tensor, w: GroupedWeights) -> str | None:
     if impl == "quack":
         return quack_unusable(x, w)
     if impl == "deepgemm":
-        return deepgemm_unusable(x, w)
+        return deepgemm_unusable(x, w, token_padding)
     if impl == "deepgemm_down":  # the Triton gate/up tiles, then DeepGEMM's down GEMM
-        return triton_unusable(x) or deepgemm_unusable(x, w)
+        return triton_unusable(x) or deepgemm_unusable(x, w, token_padding)
     raise MoonEPInputError(f"expert_ffn: impl must be one of {IMPLS}, got {impl!r}")
 
 
-def available_impls(x: torch.Tensor, w: GroupedWeights) -> list[str]:
-    return [i for i in IMPLS if i != "auto" and impl_unusable(i, x, w) is None]
+def available_impls(x: torch.Tensor, w: GroupedWeights, token_padding: int = DEFAULT_TOKEN_PADDING) -> list[str]:
+    return [i for i in IMPLS if i != "auto" and impl_unusable(i, x, w, token_padding) is None]
 
 
 #: Why ``auto`` takes the reference path on every CPU, even where torch runs ``_grouped_mm`` there: a
@@ -71,13 +72,14 @@ _CPU_AUTO_WHY = ("on CPU the float32 reference path, the same on every CPU: torc
                  "matmuls, 5-8x slower than float32 ones on CPUs without bf16 instructions")
 
 
-def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None) -> tuple[str, str]:
+def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None,
+                  token_padding: int = DEFAULT_TOKEN_PADDING) -> tuple[str, str]:
     """``(impl, why)`` of ``impl="auto"``: the library kernel of the GPU's measured regime for this shape
     and step size (``policy.py``; where it runs here), else triton, else grouped_mm (on CUDA), else
     reference."""
     note = ""
     for regime in policy.policy_of(x).regimes_at(w.hidden, w.intermediate, tokens):
-        why_not = impl_unusable(regime.impl, x, w)
+        why_not = impl_unusable(regime.impl, x, w, token_padding)
         if why_not is None:
             return regime.impl, (f"{regime.impl} was measured faster than the Triton kernels at H={w.hidden}, "
                                  f"I={w.intermediate} from {regime.from_tokens}"
@@ -95,17 +97,17 @@ def _resolve_auto(x: torch.Tensor, w: GroupedWeights, tokens: int | None) -> tup
     return "reference", why_not_triton + "; torch._grouped_mm cannot take these rows or weights" + note
 
 
-def auto_regimes(x: torch.Tensor, w: GroupedWeights) -> list[tuple[int, str]]:
+def auto_regimes(x: torch.Tensor, w: GroupedWeights, token_padding: int = DEFAULT_TOKEN_PADDING) -> list[tuple[int, str]]:
     """What ``impl="auto"`` runs for these rows and weights by the step's tokens per rank:
     ``[(from_tokens, impl), ...]`` ascending from 0 (a step whose tokens are unknown runs the
     first). Says nothing (``resolve_impl`` says what a real call took)."""
-    base, _ = _resolve_auto(x, w, None)
+    base, _ = _resolve_auto(x, w, None, token_padding)
     out = [(0, base)]
     for r in policy.policy_of(x).regimes_for(w.hidden, w.intermediate):
         for start in (r.from_tokens, None if r.to_tokens is None else r.to_tokens + 1):
             if start is None:
                 continue
-            took, _ = _resolve_auto(x, w, start)
+            took, _ = _resolve_auto(x, w, start, token_padding)
             if start == 0:
                 out = [(0, took)]
             elif took != out[-1][1]:
@@ -124,23 +126,24 @@ def _resolve_invariant(x: torch.Tensor) -> tuple[str, str]:
 
 
 def resolve_impl(impl: str, x: torch.Tensor, w: GroupedWeights, tokens: int | None = None,
-                 batch_invariant: bool = False) -> str:
+                 batch_invariant: bool = False, token_padding: int = DEFAULT_TOKEN_PADDING) -> str:
     """The implementation ``impl`` runs as (``tokens``: the step's tokens per rank, where known;
-    ``batch_invariant``: only one of ``invariance.IMPLS``). ``auto`` says once per process (per distinct
+    ``batch_invariant``: only one of ``invariance.IMPLS``; ``token_padding``: the multiple each segment
+    starts at). ``auto`` says once per process (per distinct
     outcome) which one it took and why; an explicit ``impl`` that cannot run raises ``MoonEPInputError``
     with the reason (the import error, the device, batch invariance), never falls back to another."""
     if impl not in IMPLS:
         raise MoonEPInputError(f"expert_ffn: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        cand, why = _resolve_invariant(x) if batch_invariant else _resolve_auto(x, w, tokens)
+        cand, why = _resolve_invariant(x) if batch_invariant else _resolve_auto(x, w, tokens, token_padding)
         say_once(f"MoonEP expert compute: impl=auto -> {cand} on {x.device.type} ({why})", "vllm_moonep.common")
         return cand
     if batch_invariant:
         invariance.check_impl(impl, "expert_ffn: batch_invariant=True")
-    reason = impl_unusable(impl, x, w)
+    reason = impl_unusable(impl, x, w, token_padding)
     if reason is not None:
         raise MoonEPInputError(
-            f"expert_ffn: impl={impl!r} cannot run here: {reason} (available: {available_impls(x, w)})")
+            f"expert_ffn: impl={impl!r} cannot run here: {reason} (available: {available_impls(x, w, token_padding)})")
     return impl
 
 
@@ -175,6 +178,7 @@ def expert_ffn(
     row_ends: torch.Tensor | None = None,
     zero_tail: bool = True,
     batch_invariant: bool = False,
+    token_padding: int = DEFAULT_TOKEN_PADDING,
 ) -> torch.Tensor:
     """The MoonEP expert compute: ``[NvS, H]`` rows in, ``[NvS, H]`` rows out (see the package doc).
     ``tokens``: the step's tokens per rank (before padding), where the caller knows it: the Triton
@@ -192,7 +196,9 @@ def expert_ffn(
     engine's: 2-80 MB less to write per step, 1-4% of the compute at decode); every entry row, weight 0
     or not, is written as with ``True``. ``batch_invariant=True``: each row's output is the same bits
     whatever the other rows, their number and ``tokens`` (``invariance.py``: the Triton tiles without
-    stream-K, or fixed-size reference matmuls; the library paths are refused)."""
+    stream-K, or fixed-size reference matmuls; the library paths are refused). ``token_padding``: the
+    multiple each group's segment starts at (the engine's setting): the DeepGEMM paths run only where their
+    M alignment divides it (``auto`` passes over them elsewhere, saying why)."""
     if not isinstance(weights, GroupedWeights):
         raise MoonEPInputError(f"expert_ffn: weights must be a GroupedWeights, got {type(weights).__name__}")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != weights.hidden:
@@ -220,12 +226,15 @@ def expert_ffn(
         raise MoonEPInputError(f"expert_ffn: row_ends must be [{weights.num_groups}] int32 on {x.device}, got "
                                f"{list(row_ends.shape)} {row_ends.dtype} on {row_ends.device}")
     check_tail_args(row_ends, zero_tail, "expert_ffn")
+    if isinstance(token_padding, bool) or not isinstance(token_padding, int) or token_padding < 1:
+        raise MoonEPInputError(f"expert_ffn: token_padding must be an int >= 1 (the multiple each segment starts at), "
+                               f"got {token_padding!r}")
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise MoonEPInputError(f"expert_ffn: out must be {list(x.shape)} {x.dtype} on {x.device}, got "
                                f"{list(out.shape)} {out.dtype} on {out.device}")
-    which = resolve_impl(impl, x, weights, tokens, batch_invariant)
+    which = resolve_impl(impl, x, weights, tokens, batch_invariant, token_padding)
     if which == "reference":
         return expert_ffn_reference(x, route_w, cu_seqlens, weights, out=out,
                                     row_block=invariance.ROW_BLOCK if batch_invariant else None)
@@ -234,10 +243,10 @@ def expert_ffn(
     if which == "quack":
         return expert_ffn_quack(x, route_w, cu_seqlens, weights, out=out)
     if which == "deepgemm":
-        return expert_ffn_deepgemm(x, route_w, cu_seqlens, weights, out=out)
+        return expert_ffn_deepgemm(x, route_w, cu_seqlens, weights, out=out, token_padding=token_padding)
     if which == "deepgemm_down":
         return expert_ffn_deepgemm_down(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded,
-                                        row_ends=row_ends, zero_tail=zero_tail)
+                                        row_ends=row_ends, zero_tail=zero_tail, token_padding=token_padding)
     from vllm_moonep.common.grouped_gemm.triton_kernels import expert_ffn_triton
 
     return expert_ffn_triton(x, route_w, cu_seqlens, weights, out=out, tokens=tokens, padded=padded,

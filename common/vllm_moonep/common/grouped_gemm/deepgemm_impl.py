@@ -5,8 +5,9 @@ on an sm_90 or sm_100 GPU; DeepGEMM compiles each kernel with the CUDA toolkit a
 Like ``grouped_mm`` and ``quack`` it takes the weights only when the used groups are the rows of one
 dense tensor (``GroupedWeights.dense_groups``: pool 0 row ``j`` serves group ``dense_groups[j]``,
 every other group empty), in ascending group order. MoonEP's segments are already DeepGEMM's
-"contiguous" layout: each group's rows start at a multiple of the padding (128), which DeepGEMM's
-M alignment divides. Data flow (``G0`` = rows of pool 0)::
+"contiguous" layout: each group's rows start at a multiple of the engine's ``token_padding`` (128 by
+default), which DeepGEMM's M alignment (128) must divide: with a padding it does not divide, a row block
+would straddle two groups, and the path refuses (``deepgemm_unusable``). Data flow (``G0`` = rows of pool 0)::
 
     ends = cu_seqlens[dense_groups]                       int32 [G0]: group j's rows end there
     x [NvS, H] --m_grouped_bf16_gemm_nt_contiguous--> h [NvS, 2I] bf16   (w13 [G0, 2I, H], one operand)
@@ -39,6 +40,7 @@ import torch
 
 from vllm_moonep.common.grouped_gemm import probes
 from vllm_moonep.common.grouped_gemm.weights import GroupedWeights
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 from vllm_moonep.engine.errors import MoonEPInputError
 
 __all__ = ["DEEPGEMM_MODULES", "ROW_LAYOUT", "deep_gemm", "deepgemm_unusable", "down", "expert_ffn_deepgemm",
@@ -49,11 +51,6 @@ DEEPGEMM_MODULES = ("vllm.third_party.deep_gemm", "deep_gemm")
 
 #: the grouped layout handed to DeepGEMM (see the module doc)
 ROW_LAYOUT = "psum"
-
-#: the padding MoonEP's engine pads each segment to by default (``token_padding``): DeepGEMM's M
-#: alignment must divide it, or a group's first rows would be read as the previous group's
-SEGMENT_ALIGN = 128
-
 
 def deep_gemm():
     """The DeepGEMM module (the first of ``DEEPGEMM_MODULES`` that imports); raises
@@ -81,9 +78,10 @@ def _ascending(w: GroupedWeights) -> bool:
     return cache[_ASCENDING_KEY]
 
 
-def deepgemm_unusable(x: torch.Tensor, w: GroupedWeights) -> str | None:
-    """Why ``impl="deepgemm"`` cannot run on ``x`` and ``w`` (``None``: it can). Imports DeepGEMM only
-    on a GPU it supports (vLLM's copy imports vLLM's package: seconds, once)."""
+def deepgemm_unusable(x: torch.Tensor, w: GroupedWeights, token_padding: int = DEFAULT_TOKEN_PADDING) -> str | None:
+    """Why ``impl="deepgemm"`` cannot run on ``x`` and ``w`` whose segments start at multiples of
+    ``token_padding`` (``None``: it can). Imports DeepGEMM only on a GPU it supports (vLLM's copy imports
+    vLLM's package: seconds, once)."""
     cap = probes.cuda_capability(x)
     if cap is None:
         return f"DeepGEMM's GEMMs need a CUDA GPU (sm_90 or sm_100), the rows are on {x.device}"
@@ -103,9 +101,9 @@ def deepgemm_unusable(x: torch.Tensor, w: GroupedWeights) -> str | None:
     except MoonEPInputError as exc:
         return str(exc)
     align = int(dg.get_mk_alignment_for_contiguous_layout())
-    if SEGMENT_ALIGN % align:
-        return (f"DeepGEMM's M alignment ({align}) does not divide MoonEP's segment padding ({SEGMENT_ALIGN}): "
-                "its blocks would straddle two groups")
+    if token_padding % align:
+        return (f"DeepGEMM's M alignment ({align}) does not divide the segments' padding (token_padding="
+                f"{token_padding}): its row blocks would straddle two groups (use a multiple of {align})")
     return None
 
 
@@ -164,12 +162,13 @@ def expert_ffn_deepgemm(
     *,
     out: torch.Tensor | None = None,
     layout: str = ROW_LAYOUT,
+    token_padding: int = DEFAULT_TOKEN_PADDING,
 ) -> torch.Tensor:
     """The expert compute through DeepGEMM's contiguous grouped GEMMs (see the module doc; ``layout``:
-    the grouped layout handed to DeepGEMM, ``"psum"`` or ``"rows"``). Raises
-    ``MoonEPInputError`` where it cannot run (``deepgemm_unusable``); DeepGEMM's compile and launch
-    errors propagate."""
-    why = deepgemm_unusable(x, weights)
+    the grouped layout handed to DeepGEMM, ``"psum"`` or ``"rows"``; ``token_padding``: the multiple each
+    segment starts at). Raises ``MoonEPInputError`` where it cannot run (``deepgemm_unusable``); DeepGEMM's
+    compile and launch errors propagate."""
+    why = deepgemm_unusable(x, weights, token_padding)
     if why is not None:
         raise MoonEPInputError(f"expert_ffn_deepgemm: {why}")
     if out is None:
@@ -195,12 +194,14 @@ def expert_ffn_deepgemm_down(
     row_ends: torch.Tensor | None = None,
     zero_tail: bool = True,
     act: torch.Tensor | None = None,
+    token_padding: int = DEFAULT_TOKEN_PADDING,
 ) -> torch.Tensor:
     """The Triton gate/up tiles (``tokens`` picks them, as for ``impl="triton"``), then DeepGEMM's down GEMM (see
     the module doc). Every row up to the last segment's end is written, the padding tails 0 (whatever
-    ``zero_tail``); ``padded`` and ``row_ends`` as ``expert_ffn``'s; ``act``: an optional ``[NvS, I]`` scratch
-    (``expert_ffn_triton``'s). Raises ``MoonEPInputError`` where DeepGEMM cannot run (``deepgemm_unusable``)."""
-    why = deepgemm_unusable(x, weights)
+    ``zero_tail``); ``padded``, ``row_ends`` and ``token_padding`` as ``expert_ffn``'s; ``act``: an optional
+    ``[NvS, I]`` scratch (``expert_ffn_triton``'s). Raises ``MoonEPInputError`` where DeepGEMM cannot run
+    (``deepgemm_unusable``)."""
+    why = deepgemm_unusable(x, weights, token_padding)
     if why is not None:
         raise MoonEPInputError(f"expert_ffn_deepgemm_down: {why}")
     from vllm_moonep.common.grouped_gemm.deepgemm_act import zero_tails

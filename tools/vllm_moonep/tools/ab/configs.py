@@ -22,6 +22,7 @@ import torch.distributed as dist
 from vllm_moonep.common import MoonEPBufferPool, MoonEPMoE
 from vllm_moonep.common.memory import MemoryReport, expert_bytes, replicated_accounting
 from vllm_moonep.engine import default_num_slots
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 from vllm_moonep.engine.heaps import SymmetricHeap
 from vllm_moonep.layouts import LAYOUT_KINDS, build_layouts
 from vllm_moonep.testing.models import MODELS, ModelShape
@@ -164,7 +165,7 @@ def build_ours(cfg: str, shape: dict, local: list, device: torch.device, impl: s
     As the vLLM plugin does, the symmetric layouts adopt the framework's parameters (``local``) as
     their heap's home rows (their own storage is released), so the home experts are held once."""
     R, E, B = dist.get_world_size(), shape["experts"], shape["slots"]
-    pool = MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=E, num_ep_ranks=R, B=B, token_padding=128,
+    pool = MoonEPBufferPool(dict(H=shape["hidden"], K=shape["topk"], E=E, num_ep_ranks=R, B=B, token_padding=DEFAULT_TOKEN_PADDING,
                                  device=device, transport=shape.get("transport", "auto")),
                             max_tokens_per_rank=shape["max_tokens"], engine="builtin")
     heap_options = {"heap_kind": heap_kind, "adopt_parameters": True} if cfg != "replicated" else {}
