@@ -55,18 +55,53 @@ def test_medians_ratios_spread_and_the_column_auto_runs():
 
 def test_auto_falls_back_as_the_product_does():
     """Auto taken as a library the runs did not time, a GPU without a section credited with another's
-    regimes without its capability, or a shape the models do not know given a column."""
+    regimes without its capability, a shape the models do not know given a column, or runs made before a
+    regime's column existed credited with the next regime's library."""
     assert bm.auto_column("NVIDIA H200", None, "kimi-k2", 4096, {"triton"}) == "triton"  # DeepGEMM not timed
     assert bm.auto_column("NVIDIA H100 PCIe", (9, 0), "kimi-k2", 4096, {"triton", "deepgemm"}) == "deepgemm"
     assert bm.auto_column("NVIDIA H100 PCIe", None, "kimi-k2", 4096, {"triton", "deepgemm"}) == "triton"
     # the H100 80GB HBM3 runs its own regimes (tuning.json's same_as with auto), capability or not: deepgemm_down
-    # first where DeepGEMM ran, which no column times (None, not DeepGEMM's column); Triton where it did not run
-    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, {"triton", "deepgemm"}) is None
+    # first, DeepGEMM's whole compute where only that column was timed, Triton where DeepGEMM did not run
+    timed = {"triton", "deepgemm_down", "deepgemm"}
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, timed) == "deepgemm_down"
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", (9, 0), "qwen3-30b-a3b", 4096, timed) == "deepgemm_down"
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, {"triton", "deepgemm"}) == "deepgemm"
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 1024, timed) == "triton"
     assert bm.auto_column("NVIDIA H100 80GB HBM3", (9, 0), "kimi-k2", 4096, {"triton"}) == "triton"
     # Qwen3 at 4096: quack first where it ran, DeepGEMM after it
     assert bm.auto_column("NVIDIA H200", None, "qwen3-30b-a3b", 4096, {"triton", "quack", "deepgemm"}) == "quack"
     assert bm.auto_column("NVIDIA H200", None, "qwen3-30b-a3b", 4096, {"triton", "deepgemm"}) == "deepgemm"
     assert bm.auto_column("NVIDIA H200", None, "no-such-model", 4096, {"triton"}) is None
+    # rows with no deepgemm_down_us key at all (a run made before the column): whether auto ran it is unknown
+    old = {"triton", "deepgemm"}
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, old, known=old) is None
+    assert bm.auto_column("NVIDIA H100 80GB HBM3", None, "kimi-k2", 4096, old, known=old | {"deepgemm_down"}) == "deepgemm"
+
+
+def test_deepgemm_down_column_is_medianed_and_named_where_auto_runs_it(tmp_path, monkeypatch, capsys):
+    """bench_experts' deepgemm_down column left out of the medians and the table, or auto on the H100 (whose regimes
+    list deepgemm_down before DeepGEMM at 4096 tokens) credited with DeepGEMM's whole compute, or with nothing."""
+    down = (99.0, 93.0, 180.0)  # median 99, mean 124
+    runs = _runs(device="NVIDIA H100 80GB HBM3")
+    for run, t in zip(runs, down, strict=True):
+        run["rows"][0]["deepgemm_down_us"] = t
+        run["rows"][1]["deepgemm_down_us"] = None  # not timed at this point in every run: no median
+    top, ridge = bm.median_rows(runs)
+    assert top["us"] == {"triton": 110.0, "deepgemm": 95.0, "deepgemm_down": 99.0}
+    assert top["x_floor"]["deepgemm_down"] == pytest.approx(0.99)
+    assert top["auto"] == "deepgemm_down" and top["auto_us"] == 99.0  # not DeepGEMM's faster 95: auto's first regime
+    assert top["auto_tflops_useful"] == pytest.approx(KIMI_FLOP / 99e-6 / 1e12)
+    assert "deepgemm_down" not in ridge["us"] and ridge["auto"] == "triton"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bm.main(_write(tmp_path, runs)) == 0
+    out = capsys.readouterr().out
+    assert "| shape | tokens | routing | floor us | triton | deepgemm | deepgemm_down | Triton spread | auto |" in out
+    assert ("| kimi-k2 | 4096 | balanced | 100.0 (flop) | 110.0 (1.10) | 95.0 (0.95) | 99.0 (0.99) | 90.0% | "
+            "deepgemm_down | 0.99 |") in out
+    assert "| kimi-k2 | 1024 | skewed | 40.0 (flop) | 51.0 (1.27) | 45.0 (1.12) | - | 4.0% | triton | 1.27 |" in out
+    # the same runs made before the column existed: auto at 4096 is not credited with DeepGEMM's whole compute
+    before = _runs(device="NVIDIA H100 80GB HBM3")
+    assert [r["auto"] for r in bm.median_rows(before)] == [None, "triton"]
 
 
 @pytest.mark.parametrize("change, needle", [

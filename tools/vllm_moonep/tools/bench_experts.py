@@ -38,6 +38,12 @@ margins the library regimes are chosen on:
   point's rows copied into those blocks before timing (what MoonEP's contiguous segments would have to
   be copied into: the copy is not in the time). Where DeepGEMM cannot run the columns read ``-`` and
   the reason is printed;
+- ``deepgemm_down``: ``expert_ffn_deepgemm_down`` (``impl="deepgemm_down"``, which ``auto`` takes at some points:
+  the Triton gate/up tiles, ``zero_tails``, then DeepGEMM's down GEMM), given what the ``triton`` column is given
+  (the point's ``tokens``, ``row_ends``, ``zero_tail=False``, ``padded=False``): the gate/up tiles of the same
+  tile entry, which ``tokens`` picks from the table in use (the tuning passes' tiles go to the ``triton`` column
+  alone; at a one-launch entry the ``triton`` column runs them fused with its down tiles). It runs where DeepGEMM
+  does, and writes every row up to the last segment's end whatever ``zero_tail``: the timed call is the checked one;
 - ``vllm``: vLLM 0.33's own ``fused_experts`` (its Triton fused-MoE path: what a user gets without
   our backend; ``vllm_moonep.testing.vllm_fused.vllm_fused_experts`` says how it is called), on the
   same rows and weights: the point's real rows as top-1 tokens (``topk_ids`` = the row's group,
@@ -79,7 +85,8 @@ markdown table; writes ``bench_experts.json`` to ``$OUT`` if set.
 After the table it names, per library and shape ``(H, I)``, the runs of measured tokens per rank where
 the library beat Triton at both routings by more than the point's control band (CUDA-graph times): the
 ``auto`` regimes of this GPU's section of ``tuning.json`` (``vllm_moonep.common.grouped_gemm.policy``;
-``impl=auto`` then takes the library there, for callers that pass the step's tokens).
+``impl=auto`` then takes the library there, for callers that pass the step's tokens), in ``auto_entries``' order:
+quack, ``deepgemm_down``, DeepGEMM (``auto`` takes the first that runs).
 """
 
 from __future__ import annotations
@@ -388,7 +395,7 @@ def set_floor(row: dict, ceil: dict) -> None:
         row["quack_over_floor"] = row["quack_us"] / row["floor_us"]
     if row.get("vllm_us") is not None:
         row["vllm_over_floor"] = row["vllm_us"] / row["floor_us"]
-    for name in ("deepgemm", "deepgemm_masked"):
+    for name in ("deepgemm", "deepgemm_down", "deepgemm_masked"):
         if row.get(f"{name}_us") is not None:
             row[f"{name}_over_floor"] = row[f"{name}_us"] / row["floor_us"]
 
@@ -413,6 +420,28 @@ def _deepgemm_point(x, rw, cu, weights, out_p, n, args, replays):
         "deepgemm_unwritten": int(torch.isnan(out_d[:n]).sum()),
         "err_deepgemm_vs_poc": relative_error(out_d[:n], out_p[:n]),
         **_column_graph("deepgemm", f_d, args, replays),
+    }, None
+
+
+def _deepgemm_down_point(x, rw, cu, ends, tokens, weights, out_p, n, args, replays):
+    """``impl="deepgemm_down"`` at one point, through its entry with the Triton column's arguments (the same tile
+    entry's gate/up tiles): ``(fields, error)`` as ``_quack_point``."""
+    from vllm_moonep.common.grouped_gemm.deepgemm_impl import expert_ffn_deepgemm_down
+
+    out_dd = torch.full_like(x, float("nan"))
+    act = torch.empty(x.shape[0], weights.intermediate, device=x.device, dtype=x.dtype)
+
+    def f_dd():
+        return expert_ffn_deepgemm_down(x, rw, cu, weights, out=out_dd, tokens=tokens, padded=False, row_ends=ends,
+                                        zero_tail=False, act=act)
+
+    _, err = _first_call(f_dd)
+    if err:
+        return {"deepgemm_down_us": None}, err
+    return {
+        "deepgemm_down_unwritten": int(torch.isnan(out_dd[:n]).sum()),
+        "err_deepgemm_down_vs_poc": relative_error(out_dd[:n], out_p[:n]),
+        **_column_graph("deepgemm_down", f_dd, args, replays),
     }, None
 
 
@@ -602,8 +631,11 @@ def faster_regimes(rows: list, column: str, margin: float = KEEP_MARGIN) -> dict
     return out
 
 
-def auto_entries(rows: list, columns=("quack", "deepgemm")) -> list:
-    """The ``auto`` regimes of a policy section from a sweep's rows (``faster_regimes`` per library)."""
+def auto_entries(rows: list, columns=("quack", "deepgemm_down", "deepgemm")) -> list:
+    """The ``auto`` regimes of a policy section from a sweep's rows (``faster_regimes`` per library), library
+    by library in ``columns``' order: ``auto`` takes the first regime covering a step that can run there, so where
+    both DeepGEMM columns won it takes ``deepgemm_down``, as the H100's section does (measured faster there than
+    DeepGEMM's whole compute)."""
     return [{"H": H, "I": I, "impl": col, "from_tokens": lo, "to_tokens": hi}
             for col in columns for (H, I), runs in sorted(faster_regimes(rows, col).items()) for lo, hi in runs]
 
@@ -662,6 +694,37 @@ def _vllm_note(row: dict) -> str:
     return _column_note(row, "vllm", f" x{row.get('vllm_over_floor', 0):.2f} err {row.get('err_vllm_vs_triton', 0):.1e}")
 
 
+def markdown_table(rows: list) -> list[str]:
+    """The table's lines: a header, then one line per row, a cell under every header (``-`` where a row has no
+    time for a column)."""
+    head = ["shape", "tokens/rank", "routing", "rows (real)", "busy groups", "Triton us", "three launches us", "PoC us",
+            "quack us", "DeepGEMM us", "DeepGEMM down us", "DeepGEMM masked us", "vLLM us", "floor us", "read us",
+            "phased read us", "Triton/floor", "Triton/(floor+launch)", "Triton/read", "Triton/phased read", "PoC/floor",
+            "quack/floor", "DeepGEMM/floor", "down/floor", "masked/floor", "vLLM/floor", "DeepGEMM/Triton",
+            "down/Triton", "vLLM/Triton", "control/Triton", "useful TFLOP/s", "weight GB/s"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---|" + "---:|" * (len(head) - 3)]
+
+    def over_triton(r, name):
+        return None if r.get(f"{name}_us") is None else r[f"{name}_us"] / r["triton_us"]
+
+    for r in rows:
+        cells = [
+            r["shape"], str(r["tokens"]), r["routing"], f"{r['rows']} ({r['real_rows']})", str(r["busy_groups"]),
+            f"{r['triton_us']:.1f}", _us(r.get("triton_three_launches_us")), f"{r['poc_us']:.1f}",
+            _us(r.get("quack_us")), _us(r.get("deepgemm_us")), _us(r.get("deepgemm_down_us")),
+            _us(r.get("deepgemm_masked_us")), _us(r.get("vllm_us")), f"{r['floor_us']:.1f} ({r['floor_kind']})",
+            f"{r['read_us']:.1f}", f"{r['read_phased_us']:.1f}", f"{r['triton_over_floor']:.2f}",
+            f"{r['triton_over_floor_launch']:.2f}", f"{r['triton_over_read']:.2f}",
+            f"{r['triton_over_read_phased']:.2f}", f"{r['poc_over_floor']:.2f}", _ratio(r.get("quack_over_floor")),
+            _ratio(r.get("deepgemm_over_floor")), _ratio(r.get("deepgemm_down_over_floor")),
+            _ratio(r.get("deepgemm_masked_over_floor")), _ratio(r.get("vllm_over_floor")),
+            _ratio(over_triton(r, "deepgemm")), _ratio(over_triton(r, "deepgemm_down")), _ratio(over_triton(r, "vllm")),
+            _ratio(r.get("control_ratio"), ".3f"), f"{r['triton_tflops_useful']:.0f}", f"{r['triton_weight_gbs']:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _deepgemm_version() -> str | None:
     from vllm_moonep.common.grouped_gemm.deepgemm_impl import deep_gemm
 
@@ -678,6 +741,12 @@ def _deepgemm_note(row: dict) -> str:
         note += (f"; masked {row['deepgemm_masked_us']:.1f} us x{row.get('deepgemm_masked_over_floor', 0):.2f} err "
                  f"{row.get('err_deepgemm_masked_vs_poc', 0):.1e}")
     return note
+
+
+def _deepgemm_down_note(row: dict) -> str:
+    return _column_note(row, "deepgemm_down", f" x{row.get('deepgemm_down_over_floor', 0):.2f} err "
+                                              f"{row.get('err_deepgemm_down_vs_poc', 0):.1e} "
+                                              f"unw {row.get('deepgemm_down_unwritten')}")
 
 
 def _quack_version() -> str | None:
@@ -797,9 +866,9 @@ def main(argv=None) -> int:
     resources = {}
     quack_absent: dict[str, str] = {}  # shape -> why the quack column is empty
     quack_error = None  # the first error quack raised: no further quack runs
-    deepgemm_absent: dict[str, str] = {}  # shape (or "masked") -> why the DeepGEMM column is empty
+    deepgemm_absent: dict[str, str] = {}  # shape (or "masked", "down") -> why the DeepGEMM column is empty
     deepgemm_error = "left out (--no-deepgemm)" if args.no_deepgemm else None
-    masked_error = deepgemm_error
+    masked_error = down_error = deepgemm_error
     tokens_list = [int(t) for t in args.tokens.split(",")]
     for sname in args.shapes.split(","):
         shp = SHAPES[sname]
@@ -1040,13 +1109,20 @@ def main(argv=None) -> int:
                     read_cfg[col], replays[col], _ = fastest(lambda c: _graphed(make(c)),  # noqa: B023
                                                              lambda g: _bench(g[0], rep=args.rep))
                 del reader, make  # views of the weights: not held past the point (the graphs keep theirs)
-                drow: dict = {"deepgemm_us": None, "deepgemm_masked_us": None}
+                drow: dict = {"deepgemm_us": None, "deepgemm_down_us": None, "deepgemm_masked_us": None}
                 if why_d is None and deepgemm_error is None:
                     dfields, deepgemm_error = _deepgemm_point(x, rw, cu, weights, out_p, n, args, replays)
                     drow.update(dfields)
                     if deepgemm_error is not None:
                         deepgemm_absent[sname] = deepgemm_error
                         print(f"# deepgemm: - ({deepgemm_error}); no further DeepGEMM runs", flush=True)
+                if why_d is None and down_error is None:
+                    dfields, down_error = _deepgemm_down_point(x, rw, cu, ends, tokens, weights, out_p, n, args,
+                                                               replays)
+                    drow.update(dfields)
+                    if down_error is not None:
+                        deepgemm_absent["down"] = down_error
+                        print(f"# deepgemm down: - ({down_error}); no further deepgemm_down runs", flush=True)
                 if why_d is None and masked_error is None and tokens <= MASKED_MAX_TOKENS:
                     mfields, masked_error = _deepgemm_masked_point(x, rw, cu_h, real, w13i, w_down, out_p, args,
                                                                    replays)
@@ -1069,7 +1145,8 @@ def main(argv=None) -> int:
                 del replays
                 med = {k: statistics.median(v) for k, v in times.items()}
                 t_tri, t_poc, t_three = med["triton"], med["poc"], med.get("three")
-                for lib, fields in (("deepgemm", drow), ("deepgemm_masked", drow), ("quack", qrow), ("vllm", vrow)):
+                for lib, fields in (("deepgemm", drow), ("deepgemm_down", drow), ("deepgemm_masked", drow),
+                                    ("quack", qrow), ("vllm", vrow)):
                     if lib in med:
                         fields[f"{lib}_us"] = med[lib]
                 row = {
@@ -1100,6 +1177,7 @@ def main(argv=None) -> int:
                     f" / x{row['triton_over_read_phased']:.2f})  "
                     f"{row['triton_tflops_useful']:.0f} TF/s  err {err_tp:.1e} unw {unwritten}  "
                     f"quack {_us(row['quack_us'])} us{_quack_note(row)}  deepgemm {_us(row['deepgemm_us'])} us{_deepgemm_note(row)}  "
+                    f"deepgemm_down {_us(row['deepgemm_down_us'])} us{_deepgemm_down_note(row)}  "
                     f"vllm {_us(row['vllm_us'])} us{_vllm_note(row)}",
                     flush=True,
                 )
@@ -1147,23 +1225,10 @@ def main(argv=None) -> int:
     print("vLLM us: vLLM's own fused_experts on the same real rows and weights (rows as top-1 tokens; its time includes "
           "its grouping of rows by expert and the K-sum).")
     print()
-    print("| shape | tokens/rank | routing | rows (real) | busy groups | Triton us | three launches us | PoC us | quack us | DeepGEMM us | DeepGEMM masked us | vLLM us | floor us | read us | phased read us | Triton/floor | Triton/(floor+launch) | Triton/read | Triton/phased read | PoC/floor | quack/floor | DeepGEMM/floor | masked/floor | vLLM/floor | DeepGEMM/Triton | vLLM/Triton | control/Triton | useful TFLOP/s | weight GB/s |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        v_t = None if r.get("vllm_us") is None else r["vllm_us"] / r["triton_us"]
-        d_t = None if r.get("deepgemm_us") is None else r["deepgemm_us"] / r["triton_us"]
-        print(
-            f"| {r['shape']} | {r['tokens']} | {r['routing']} | {r['rows']} ({r['real_rows']}) | {r['busy_groups']} | "
-            f"{r['triton_us']:.1f} | {_us(r.get('triton_three_launches_us'))} | {r['poc_us']:.1f} | {_us(r['quack_us'])} | "
-            f"{_us(r.get('deepgemm_us'))} | {_us(r.get('deepgemm_masked_us'))} | "
-            f"{_us(r.get('vllm_us'))} | {r['floor_us']:.1f} ({r['floor_kind']}) | {r['read_us']:.1f} | "
-            f"{r['read_phased_us']:.1f} | {r['triton_over_floor']:.2f} | {r['triton_over_floor_launch']:.2f} | "
-            f"{r['triton_over_read']:.2f} | {r['triton_over_read_phased']:.2f} | {r['poc_over_floor']:.2f} | "
-            f"{_ratio(r.get('quack_over_floor'))} | {_ratio(r.get('deepgemm_over_floor'))} | "
-            f"{_ratio(r.get('deepgemm_masked_over_floor'))} | {_ratio(r.get('vllm_over_floor'))} | {_ratio(d_t)} | "
-            f"{_ratio(v_t)} | {_ratio(r.get('control_ratio'), '.3f')} | {r['triton_tflops_useful']:.0f} | "
-            f"{r['triton_weight_gbs']:.0f} |"
-        )
+    print("DeepGEMM down us: impl=\"deepgemm_down\" given the Triton column's arguments: the gate/up tiles of the "
+          "point's tile entry, zero_tails, then DeepGEMM's down GEMM.")
+    print()
+    print("\n".join(markdown_table(rows)))
     print()
     if vllm_error is not None:
         print(f"# vllm column: - ({vllm_error})")

@@ -5,7 +5,7 @@ since a point moves by a few percent between calls (power, clocks, the DRAM's st
         -> per (shape, tokens, routing): each column's median time over the runs, its ratio to the
            median floor, the Triton times' spread (slowest / fastest - 1)
         -> "auto": the column that ``impl="auto"`` runs at the point on that GPU (``tuning.json``'s
-           regimes, where the runs timed that library), its time, ratio and useful TFLOP/s
+           regimes, where the runs timed that column), its time, ratio and useful TFLOP/s
 
 ``python -m vllm_moonep.tools.bench_median RUN.json RUN.json RUN.json [--capability 9.0]``: a markdown
 table on stdout, ``bench_median.json`` to ``$OUT`` if set. ``--capability`` stands in for the GPU's compute
@@ -27,7 +27,7 @@ from vllm_moonep.testing.models import model
 __all__ = ["COLUMNS", "auto_column", "load_runs", "median_rows"]
 
 #: the timed columns a run may hold (``<name>_us`` in its rows), in the order they are printed
-COLUMNS = ("triton", "deepgemm", "quack", "vllm", "poc", "read", "read_phased")
+COLUMNS = ("triton", "deepgemm", "deepgemm_down", "quack", "vllm", "poc", "read", "read_phased")
 #: the runs' fields that must agree
 SAME = ("device", "flush")
 
@@ -57,17 +57,12 @@ def load_runs(paths: list[str]) -> list[dict]:
     return runs
 
 
-#: ``auto``'s kernels that ``bench_experts`` has no column for, and the column whose library they need
-#: (``deepgemm_down``: the Triton gate/up tiles before DeepGEMM's down GEMM, timed by ``bench_levers``)
-UNTIMED = {"deepgemm_down": "deepgemm"}
-
-
 def auto_column(device: str, capability: tuple[int, int] | None, shape: str, tokens: int,
-                timed: set[str]) -> str | None:
+                timed: set[str], known: set[str] | None = None) -> str | None:
     """The column ``impl="auto"`` runs at the point on ``device`` (the first of ``tuning.json``'s regimes
-    covering ``tokens`` whose library the runs timed, else ``triton``); ``None`` for a shape the models
-    do not know, and where ``auto`` runs a kernel no column times (``UNTIMED``: its library ran, the
-    kernel was not a column)."""
+    covering ``tokens`` whose column the runs timed, else ``triton``); ``None`` for a shape the models
+    do not know, and where a covering regime's column is not in ``known`` (the columns the runs' rows have,
+    timed or not: a run made before the column existed cannot tell whether ``auto`` ran it)."""
     try:
         dims = model(shape).dims()
     except (KeyError, ValueError):
@@ -75,7 +70,7 @@ def auto_column(device: str, capability: tuple[int, int] | None, shape: str, tok
     for regime in policy_for(device, capability).regimes_at(dims["H"], dims["I"], tokens):
         if regime.impl in timed:
             return regime.impl
-        if UNTIMED.get(regime.impl) in timed:
+        if known is not None and regime.impl not in known:
             return None
     return "triton"
 
@@ -91,12 +86,13 @@ def median_rows(runs: list[dict], capability: tuple[int, int] | None = None) -> 
         same = [b[_key(row)] for b in by_run]
         floor = statistics.median(r["floor_us"] for r in same)
         med = {}
+        known = {c for c in COLUMNS if all(f"{c}_us" in r for r in same)}
         for c in COLUMNS:
             times = [r.get(f"{c}_us") for r in same]
             if all(isinstance(t, (int, float)) for t in times):
                 med[c] = statistics.median(times)
         tri = [r["triton_us"] for r in same]
-        auto = auto_column(device, cap, row["shape"], row["tokens"], set(med))
+        auto = auto_column(device, cap, row["shape"], row["tokens"], set(med), known)
         entry = {
             "shape": row["shape"], "tokens": row["tokens"], "routing": row["routing"], "runs": len(same),
             "floor_us": floor, "floor_kind": row["floor_kind"], "us": med,
