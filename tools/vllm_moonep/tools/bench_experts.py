@@ -413,14 +413,7 @@ def _deepgemm_point(x, rw, cu, weights, out_p, n, args, replays):
     def f_d():
         return expert_ffn_deepgemm(x, rw, cu, weights, out=out_d, layout=args.deepgemm_layout)
 
-    _, err = _first_call(f_d)
-    if err:
-        return {"deepgemm_us": None}, err
-    return {
-        "deepgemm_unwritten": int(torch.isnan(out_d[:n]).sum()),
-        "err_deepgemm_vs_poc": relative_error(out_d[:n], out_p[:n]),
-        **_column_graph("deepgemm", f_d, args, replays),
-    }, None
+    return _checked_column("deepgemm", f_d, out_d, out_p, n, args, replays)
 
 
 def _deepgemm_down_point(x, rw, cu, ends, tokens, weights, out_p, n, args, replays):
@@ -435,14 +428,7 @@ def _deepgemm_down_point(x, rw, cu, ends, tokens, weights, out_p, n, args, repla
         return expert_ffn_deepgemm_down(x, rw, cu, weights, out=out_dd, tokens=tokens, padded=False, row_ends=ends,
                                         zero_tail=False, act=act)
 
-    _, err = _first_call(f_dd)
-    if err:
-        return {"deepgemm_down_us": None}, err
-    return {
-        "deepgemm_down_unwritten": int(torch.isnan(out_dd[:n]).sum()),
-        "err_deepgemm_down_vs_poc": relative_error(out_dd[:n], out_p[:n]),
-        **_column_graph("deepgemm_down", f_dd, args, replays),
-    }, None
+    return _checked_column("deepgemm_down", f_dd, out_dd, out_p, n, args, replays)
 
 
 def _deepgemm_masked_point(x, rw, cu_h, real, w13, w_down, out_p, args, replays):
@@ -501,15 +487,22 @@ def _quack_point(expert_ffn_quack, x, rw, cu, weights, out_p, n, args, replays):
     def f_q():
         return expert_ffn_quack(x, rw, cu, weights, out=out_q, tuned=args.quack_tuned)
 
-    _, err = _first_call(f_q)
+    return _checked_column("quack", f_q, out_q, out_p, n, args, replays)
+
+
+def _checked_column(name: str, f, out: torch.Tensor, out_p: torch.Tensor, n: int, args, replays: dict):
+    """A library column at one point, ``f`` writing ``out`` (NaN-filled before): ``(fields, None)`` with its
+    unwritten count and error against the PoC's output over the first ``n`` rows (the first call, which
+    compiles, is the checked one) and its timings (``_column_graph``); ``({<name>_us: None}, why)`` where
+    the first call failed."""
+    _, err = _first_call(f)
     if err:
-        return {"quack_us": None}, err
-    fields = {
-        "quack_unwritten": int(torch.isnan(out_q[:n]).sum()),
-        "err_quack_vs_poc": relative_error(out_q[:n], out_p[:n]),
-        **_column_graph("quack", f_q, args, replays),
-    }
-    return fields, None
+        return {f"{name}_us": None}, err
+    return {
+        f"{name}_unwritten": int(torch.isnan(out[:n]).sum()),
+        f"err_{name}_vs_poc": relative_error(out[:n], out_p[:n]),
+        **_column_graph(name, f, args, replays),
+    }, None
 
 
 def _first_call(f):
