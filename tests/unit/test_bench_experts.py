@@ -82,8 +82,9 @@ def no_gpu_timing(monkeypatch):
 
 def test_deepgemm_down_column_runs_the_product_entry_as_the_triton_column_runs(monkeypatch, no_gpu_timing):
     """The column timed with other arguments than the Triton column (the tails zeroed, a trim launch, padded tiles,
-    or tiles for the buffer's rows rather than the step's tokens), on an output that was not NaN first (rows the call
-    never wrote read as written), or a first call that raised timed on."""
+    or tiles for the buffer's rows rather than the step's tokens; the cases' padding not handed to DeepGEMM's check),
+    on an output that was not NaN first (rows the call never wrote read as written), or a first call that raised
+    timed on."""
     calls = []
     n, H, I = 6, 4, 3
     x, rw = torch.randn(8, H), torch.rand(8)
@@ -102,7 +103,8 @@ def test_deepgemm_down_column_runs_the_product_entry_as_the_triton_column_runs(m
     replays: dict = {}
     fields, err = be._deepgemm_down_point(x, rw, cu, ends, 4096, weights, out_p, n, None, replays)
     assert err is None and replays == {"deepgemm_down": "graph"}
-    assert calls[0] == {"tokens": 4096, "padded": False, "row_ends": ends, "zero_tail": False} and len(calls) == 2
+    assert calls[0] == {"tokens": 4096, "padded": False, "row_ends": ends, "zero_tail": False,
+                        "token_padding": be.PAD} and len(calls) == 2
     assert fields["deepgemm_down_unwritten"] == H  # the row's elements, as the other columns count them
     assert fields["deepgemm_down_eager_us"] == 1.0 and fields["deepgemm_down_us"] is None
 

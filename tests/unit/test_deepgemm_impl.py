@@ -54,7 +54,7 @@ def _stand_in(calls: list, align: int = ALIGN) -> types.ModuleType:
 
 
 def _case(lens, groups_used, G, I=128, H=128, seed=0, w13=True):
-    """Segments of ``lens`` rows (multiples of ALIGN) for the groups ``groups_used`` of ``G`` (others empty);
+    """Segments of ``lens`` rows (multiples of the padding, ALIGN unless a test says) for the groups ``groups_used`` of ``G`` (others empty);
     pool 0 holds one row per used group, as the symmetric layout's ``[home ; slots]``; padding rows hold NaN
     (stale memory) with weight 0."""
     g = torch.Generator().manual_seed(seed)
@@ -323,6 +323,7 @@ def test_deepgemm_paths_refuse_segments_their_alignment_does_not_divide(as_sm90,
     for bad in (0, -128, 64.0, True):
         with pytest.raises(MoonEPInputError, match="token_padding must be an int >= 1"):
             expert_ffn(x, rw, cu, w, impl="reference", out=out, token_padding=bad)
+        assert "must be an int >= 1" in deepgemm_impl.deepgemm_unusable(x, w, bad)  # 0 % 128 == 0 passed it
 
 
 @pytest.mark.parametrize("tp", [64, 128])
@@ -359,12 +360,15 @@ def test_moe_step_hands_its_pools_padding_to_the_expert_compute(as_sm90, tp):
 def test_plugin_refuses_impl_deepgemm_with_a_padding_it_cannot_read(as_sm90):
     """impl='deepgemm' with token_padding=64 passed the worker's check (it probed with the default padding) and
     failed at the first forward; the start-up line named DeepGEMM for auto's regimes it would pass over."""
+    from vllm_moonep.engine import MoonEPUnavailableError
     from vllm_moonep.vllm_plugin import checks
     from vllm_moonep.vllm_plugin.options import MoonEPOptions
 
     mp, _calls = as_sm90
-    with pytest.raises(Exception, match=r"impl='deepgemm' cannot run on this worker.*token_padding=64"):
+    with pytest.raises(MoonEPUnavailableError, match=r"impl='deepgemm' cannot run on this worker.*token_padding=64") as e:
         checks.check_worker(MoonEPOptions(impl="deepgemm", token_padding=64, engine="builtin"), torch.device("cpu"))
+    offered = str(e.value).split("available here: ")[1]
+    assert "deepgemm" not in offered and "reference" in offered, offered  # the list at the same padding
     checks.check_worker(MoonEPOptions(impl="deepgemm", token_padding=256, engine="builtin"), torch.device("cpu"))
     pol = policy.DevicePolicy("test", (), (policy.Regime("deepgemm", 128, 128, 1024),))
     mp.setattr(policy, "policy_of", lambda x, path=None: pol)

@@ -49,7 +49,17 @@ def rk_top1(kind, m, H, I, seed):
     x, ids, w = W.tokens(m, H, E, 1, sigma=SKEW, seed=seed, rank=rank)
     w = w * 0.5 + 0.25  # top-1 weights of a sigmoid-style router (not 1)
     ref = W.dense_ref(o, x, ids, w, apply_on_input=True)
-    W.close(W.run_bare(o, x, ids, w, apply_on_input=True), ref, "top-1 bare")
+    # apply hands the metadata's padding to the expert compute (a spy around the real call): dropped, the DeepGEMM
+    # paths would take these 64-row segments for 128s
+    from vllm_moonep.common import vllm_modular
+
+    seen, real = [], vllm_modular.expert_ffn
+    vllm_modular.expert_ffn = lambda *a, **k: (seen.append(k.get("token_padding")), real(*a, **k))[1]
+    try:
+        W.close(W.run_bare(o, x, ids, w, apply_on_input=True), ref, "top-1 bare")
+    finally:
+        vllm_modular.expert_ffn = real
+    assert seen and set(seen) == {64}, seen
     W.close(W.run_kernel(o, x, ids, w, apply_on_input=True), ref, "top-1 kernel")
     # the weight must really matter: without folding it the output differs
     plain = W.dense_ref(o, x, ids, torch.ones_like(w))

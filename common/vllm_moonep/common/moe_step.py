@@ -57,7 +57,7 @@ class DispatchState:
     num_tokens: int  # this rank's real tokens (rows of the output)
     topk: int
     cu_seqlens: torch.Tensor
-    token_padding: int = DEFAULT_TOKEN_PADDING  # the multiple each segment starts at (the pool's buffers')
+    token_padding: int = DEFAULT_TOKEN_PADDING  # the multiple each segment starts at (the buffer's)
 
     @property
     def padded(self) -> bool:
@@ -173,7 +173,8 @@ def dispatch_and_prefetch(
             x_nvsh, w_nvs, cu, plan = buf.dispatch(x, w, ids, tpe)
     with t.phase("prefetch"):
         layout.prefetch(buf, plan, rows=(cu, w_nvs))  # slots that hold only padding rows stay unfilled
-    return x_nvsh, w_nvs, cu, DispatchState(buf, plan, cap, s, int(ids.shape[1]), cu, pool.token_padding)
+    return x_nvsh, w_nvs, cu, DispatchState(buf, plan, cap, s, int(ids.shape[1]), cu,
+                                         int(getattr(buf, "token_padding", pool.token_padding)))
 
 
 def combine_rows(state: DispatchState, y: torch.Tensor) -> torch.Tensor:

@@ -435,4 +435,6 @@ class MoonEPExperts(mk.FusedMoEExpertsModular):
                    row_ends=getattr(expert_tokens_meta, "row_ends", None),
                    zero_tail=getattr(expert_tokens_meta, "zero_tail", True),
                    batch_invariant=self.batch_invariant,
+                   # another prepare's metadata has no padding: the one that gets here is vLLM's own MoonEP
+                   # prepare, whose buffer pads to the same default
                    token_padding=getattr(expert_tokens_meta, "token_padding", DEFAULT_TOKEN_PADDING))

@@ -267,7 +267,7 @@ def resolve_kernel(impl: str, device: torch.device, dense: bool = True, shape: t
 
     x, w = _dummy_weights(device, dense, *(shape or (128, 128)))
     if batch_invariant:
-        return f"{resolve_impl(impl, x, w, batch_invariant=True)}, batch invariant"
+        return f"{resolve_impl(impl, x, w, batch_invariant=True, token_padding=token_padding)}, batch invariant"
     if impl != "auto":
         return resolve_impl(impl, x, w, token_padding=token_padding)
     regimes = auto_regimes(x, w, token_padding)

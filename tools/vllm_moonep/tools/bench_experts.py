@@ -104,6 +104,7 @@ import sys
 import torch
 
 from vllm_moonep.engine import default_num_slots
+from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 from vllm_moonep.testing.models import model
 from vllm_moonep.testing.reference import relative_error
 from vllm_moonep.tools.timing import ROUNDS, capture_graph, flushed_median_ms, rotated_times
@@ -111,7 +112,8 @@ from vllm_moonep.tools.timing import ROUNDS, capture_graph, flushed_median_ms, r
 #: the shapes it sweeps by default (vllm_moonep.testing.models)
 SHAPES = {key: model(key).dims() for key in ("qwen3-30b-a3b", "kimi-k2")}
 R = 8
-PAD = 128
+#: the segments' padding of the rank-0 cases (the engine's default), handed to the DeepGEMM paths' checks
+PAD = DEFAULT_TOKEN_PADDING
 SKEW_SIGMA = 1.0
 
 GU_CANDIDATES = [
@@ -411,7 +413,7 @@ def _deepgemm_point(x, rw, cu, weights, out_p, n, args, replays):
     out_d = torch.full_like(x, float("nan"))
 
     def f_d():
-        return expert_ffn_deepgemm(x, rw, cu, weights, out=out_d, layout=args.deepgemm_layout)
+        return expert_ffn_deepgemm(x, rw, cu, weights, out=out_d, layout=args.deepgemm_layout, token_padding=PAD)
 
     return _checked_column("deepgemm", f_d, out_d, out_p, n, args, replays)
 
@@ -426,7 +428,7 @@ def _deepgemm_down_point(x, rw, cu, ends, tokens, weights, out_p, n, args, repla
 
     def f_dd():
         return expert_ffn_deepgemm_down(x, rw, cu, weights, out=out_dd, tokens=tokens, padded=False, row_ends=ends,
-                                        zero_tail=False, act=act)
+                                        zero_tail=False, act=act, token_padding=PAD)
 
     return _checked_column("deepgemm_down", f_dd, out_dd, out_p, n, args, replays)
 
@@ -881,7 +883,7 @@ def main(argv=None) -> int:
         weights = GroupedWeights.of_w13(w13i, w_down, interleaved=True)
         prep = tk.prepare_weights(weights, dev)
         why_q = quack_error or quack_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights)
-        why_d = deepgemm_error or deepgemm_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights)
+        why_d = deepgemm_error or deepgemm_unusable(torch.zeros(1, H, device=dev, dtype=torch.bfloat16), weights, PAD)
         if why_d is not None:
             deepgemm_absent[sname] = why_d
             print(f"# deepgemm: - ({why_d})", flush=True)

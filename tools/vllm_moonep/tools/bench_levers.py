@@ -94,9 +94,9 @@ import torch
 
 from vllm_moonep.engine import default_num_slots
 from vllm_moonep.testing.reference import relative_error
-from vllm_moonep.tools.bench_experts import (R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed, add_flush_option,
-                                             entry_ends, make_inputs, make_weights, measure_ceilings, rank0_case,
-                                             tile_text, use_flush)
+from vllm_moonep.tools.bench_experts import (PAD, R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed,
+                                             add_flush_option, entry_ends, make_inputs, make_weights,
+                                             measure_ceilings, rank0_case, tile_text, use_flush)
 from vllm_moonep.tools.timing import ROUNDS, rotated_times
 
 #: the points of the A/B by default: where the GEMMs are compute-bound enough for the levers to matter
@@ -370,7 +370,7 @@ def _deepgemm_fns(x, rw, cu, weights, out, act):
     h = torch.zeros(x.shape[0], 2 * I, device=x.device, dtype=x.dtype)
     g, u = (h[:, 0::2], h[:, 1::2]) if weights.interleaved else (h[:, :I], h[:, I:])
     act_alone = torch.empty_like(act)
-    return (lambda: expert_ffn_deepgemm(x, rw, cu, weights, out=out),
+    return (lambda: expert_ffn_deepgemm(x, rw, cu, weights, out=out, token_padding=PAD),
             lambda: swiglu_route(g, u, rw, act_alone))
 
 
@@ -382,7 +382,7 @@ def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out, tokens):
     ``zero_tails`` launch included); only DeepGEMM's gate/up before the Triton down tiles is composed here."""
     from vllm_moonep.common.grouped_gemm import deepgemm_impl as dgi
 
-    why = dgi.deepgemm_unusable(x, weights)
+    why = dgi.deepgemm_unusable(x, weights, PAD)
     if why is not None:
         raise RuntimeError(why)
     dg_gu, dg_dn = halves
@@ -396,10 +396,10 @@ def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out, tokens):
 
     def whole(zero_tail=False):
         if dg_gu and dg_dn:  # what impl="deepgemm" runs
-            return dgi.expert_ffn_deepgemm(x, rw, cu, weights, out=out)
+            return dgi.expert_ffn_deepgemm(x, rw, cu, weights, out=out, token_padding=PAD)
         if dg_dn:  # what impl="deepgemm_down" runs, tiles picked by tokens as committed
             return dgi.expert_ffn_deepgemm_down(x, rw, cu, weights, out=out, tokens=tokens, padded=False,
-                                                row_ends=ends, zero_tail=zero_tail)
+                                                row_ends=ends, zero_tail=zero_tail, token_padding=PAD)
         gate_up()
         return tk._launch_down(act, rw, cu, ends, prep, out, conf["down"], False, zero_tail=zero_tail)
 

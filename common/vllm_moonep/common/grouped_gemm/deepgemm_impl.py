@@ -96,6 +96,8 @@ def deepgemm_unusable(x: torch.Tensor, w: GroupedWeights, token_padding: int = D
         return "the DeepGEMM path needs the dense rows to serve groups in ascending order (GroupedWeights.dense_groups)"
     if w.hidden % 128 or w.intermediate % 128:
         return f"the DeepGEMM path needs H and I multiples of 128, got H={w.hidden}, I={w.intermediate}"
+    if isinstance(token_padding, bool) or not isinstance(token_padding, int) or token_padding < 1:
+        return f"the segments' padding must be an int >= 1, got token_padding={token_padding!r}"
     try:
         dg = deep_gemm()
     except MoonEPInputError as exc:
