@@ -104,6 +104,18 @@ def test_deepgemm_down_column_is_medianed_and_named_where_auto_runs_it(tmp_path,
     assert [r["auto"] for r in bm.median_rows(before)] == [None, "triton"]
 
 
+@pytest.mark.parametrize("why, auto", [("left out (--no-deepgemm)", None), ("DeepGEMM does not import (...)", "triton")])
+def test_auto_column_tells_a_library_left_out_from_one_that_cannot_run(why, auto):
+    """Runs made with --no-deepgemm (DeepGEMM's columns None, the reason 'left out') credited Triton with the
+    H200's 4096-token points, which auto hands to DeepGEMM; where DeepGEMM cannot run, Triton is what auto runs."""
+    runs = _runs()
+    for run in runs:
+        run["deepgemm"] = {"absent": {"kimi-k2": why}}
+        for row in run["rows"]:
+            row["deepgemm_us"] = row["deepgemm_down_us"] = None
+    assert [r["auto"] for r in bm.median_rows(runs)] == [auto, "triton"]
+
+
 @pytest.mark.parametrize("change, needle", [
     (lambda runs: runs[1].update(device="NVIDIA H100 80GB HBM3"), "differ in device"),
     (lambda runs: runs[2].update(flush="dirty"), "differ in flush"),

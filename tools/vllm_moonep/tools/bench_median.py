@@ -24,7 +24,7 @@ import sys
 from vllm_moonep.common.grouped_gemm.policy import policy_for
 from vllm_moonep.testing.models import model
 
-__all__ = ["COLUMNS", "auto_column", "load_runs", "median_rows"]
+__all__ = ["COLUMNS", "auto_column", "left_out", "load_runs", "median_rows"]
 
 #: the timed columns a run may hold (``<name>_us`` in its rows), in the order they are printed
 COLUMNS = ("triton", "deepgemm", "deepgemm_down", "quack", "vllm", "poc", "read", "read_phased")
@@ -75,18 +75,26 @@ def auto_column(device: str, capability: tuple[int, int] | None, shape: str, tok
     return "triton"
 
 
+def left_out(run: dict) -> set[str]:
+    """The columns a flag left out of a run (``bench_experts --no-deepgemm``: its DeepGEMM columns read ``None``
+    with the reason ``left out``): unlike a library that cannot run there, they say nothing of what ``auto`` runs."""
+    absent = (run.get("deepgemm") or {}).get("absent") or {}
+    return {"deepgemm", "deepgemm_down"} if any(str(v).startswith("left out") for v in absent.values()) else set()
+
+
 def median_rows(runs: list[dict], capability: tuple[int, int] | None = None) -> list[dict]:
     """Per point (in the first run's order): the median of each column every run timed, its ratio to the
     median floor, the Triton times' spread, and the column ``impl="auto"`` runs."""
     device = runs[0]["device"]
     cap = capability or (tuple(runs[0]["capability"]) if runs[0].get("capability") else None)
     by_run = [{_key(row): row for row in r["rows"]} for r in runs]
+    skipped = set().union(*(left_out(r) for r in runs))
     out = []
     for row in runs[0]["rows"]:
         same = [b[_key(row)] for b in by_run]
         floor = statistics.median(r["floor_us"] for r in same)
         med = {}
-        known = {c for c in COLUMNS if all(f"{c}_us" in r for r in same)}
+        known = {c for c in COLUMNS if all(f"{c}_us" in r for r in same)} - skipped
         for c in COLUMNS:
             times = [r.get(f"{c}_us") for r in same]
             if all(isinstance(t, (int, float)) for t in times):
