@@ -11,10 +11,11 @@ plus written, and a plain read's GB/s), then for each shape, tokens per rank and
 padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM runs the
 layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed and left
 clean before each run (``timing.flushed_median_ms``). A point's columns are captured first, each in its own
-graph and buffers, then timed in ``--rounds`` alternated rounds, each round's order rotated
-(``timing.rotated_times``); each time is the median of the rounds. At the power-bound points a
-kernel's place in a fixed order alone moved its time 4-10% (docs/PERFORMANCE.md), more than the
-margins the library regimes are chosen on:
+graph and buffers, then timed in ``--rounds`` alternated rounds, each round's order from a Williams
+design (``timing.rotated_times``: every column in every place and after every other column as evenly as the
+rounds allow); each time is the median of the rounds. At the power-bound points a kernel's place in a
+fixed order alone moved its time 4-10%, and the column timed before it 3-10% (docs/PERFORMANCE.md), more
+than the margins the library regimes are chosen on:
 
 - ``control``: the Triton call again, as a column of its own: ``control/Triton`` is the point's noise
   band, and a library is named faster only where it wins by more than that (``noise_band``);
@@ -519,7 +520,7 @@ def _first_call(f):
 
 def _column_graph(name: str, f, args, replays: dict) -> dict:
     """A column at one point: ``<name>_eager_us`` timed now, and ``f`` captured as a CUDA graph into
-    ``replays[name]`` (its ``<name>_us`` is timed later, in the point's rotated rounds with every other
+    ``replays[name]`` (its ``<name>_us`` is timed later, in the point's alternated rounds with every other
     column); where the capture fails, ``<name>_us`` stays ``None`` with ``<name>_graph_error`` (the eager
     time stays)."""
     fields = {f"{name}_eager_us": _bench(f, rep=args.rep) * 1e3, f"{name}_us": None}
@@ -797,7 +798,8 @@ def main(argv=None) -> int:
     add_flush_option(ap)
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="alternated rounds in which a point's columns (and --tune's final A/B) are timed, each "
-                         "round's order rotated; each time is the median of the rounds (default: %(default)s)")
+                         "round's order from a Williams design (timing.round_orders); each time is the median of "
+                         "the rounds (default: %(default)s)")
     ap.add_argument("--quack-tuned", action="store_true",
                     help="quack column: quack's autotuner (compiles and times its config space per new shape: minutes)")
     ap.add_argument("--no-deepgemm", action="store_true", help="leave out the DeepGEMM columns")
@@ -956,7 +958,7 @@ def main(argv=None) -> int:
 
             def rotated_whole(confs: dict) -> dict:
                 """The whole compute with each of ``confs`` (name -> tiles), per routing (ms): the median of
-                ``--rounds`` alternated rounds in rotated order, every config in its own graph and buffers
+                ``--rounds`` alternated rounds (timing.round_orders), every config in its own graph and buffers
                 (``inf`` where one cannot run)."""
                 got: dict = {k: [] for k in confs}
                 for case in cases:
@@ -1207,7 +1209,7 @@ def main(argv=None) -> int:
     print(_ceiling_line(ceil, f"{props.name}, best before/after the sweep"))
     print()
     print(f"Times: CUDA-graph replay, median of {args.rounds} alternated rounds of every column, each round's order "
-          "rotated (eager launches in the JSON); control = the Triton call timed again as a column of its own: a "
+          "from a Williams design (eager launches in the JSON); control = the Triton call timed again as a column of its own: a "
           f"ratio between columns no farther from 1 than control/Triton is noise. L2 flushed before each timing "
           f"({'written, then read back: left clean' if CLEAN_FLUSH else 'written only (--flush dirty): its write-back is in each time'}).")
     print()

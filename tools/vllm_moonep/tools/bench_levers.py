@@ -68,9 +68,9 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
 
 each as the whole expert compute, as the layer calls it (``row_ends``, ``zero_tail=False``, ``padded=False``,
 as ``bench_experts``), and as the kernel the lever changes alone (``_launch_gate_up`` or ``_launch_down``).
-The variants are timed in alternation, ``--rounds`` times, each round's order rotated
+The variants are timed in alternation, ``--rounds`` times, each round's order from a Williams design
 (``timing.rotated_times``: at the power-bound 4096-token points the same tiles read up to 10% apart by
-their place in a round), and each time is the median of the rounds. Each
+their place in a round, or by the variant timed before them), and each time is the median of the rounds. Each
 variant's output (untimed call, every row written) is checked against the committed one: relative
 error. Prints the ceilings (``bench_experts.measure_ceilings``) and a markdown table; writes
 ``bench_levers.json`` to ``$OUT`` if set. A variant that cannot run (compile error, out of shared memory)
@@ -155,7 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rep", type=int, default=DEFAULT_REP,
                     help="ms of timed calls per timing (timing.flushed_median_ms; default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
-                    help="alternated rounds of timings per variant, each round's order rotated (default: %(default)s)")
+                    help="alternated rounds of timings per variant, each round's order from a Williams design "
+                         "(timing.round_orders; default: %(default)s)")
     ap.add_argument("--impl", choices=IMPLS, default="triton",
                     help="the expert compute the variants run (deepgemm: --lever w13i only; default: %(default)s)")
     add_flush_option(ap)
@@ -337,7 +338,7 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
         (r_whole, _g1), (r_alone, _g2) = fns[name]
         return _bench(r_whole, rep=rep) * 1e3, _bench(r_alone, rep=rep) * 1e3
 
-    # alternated and rotated: drift and place in a round land on every variant alike
+    # alternated, each round in the design's order: drift, place and the call before land on every variant alike
     per_round = rotated_times(list(fns), both, rounds)
     times = {k: {"whole": [w for w, _ in v], "kernel": [g for _, g in v]} for k, v in per_round.items()}
     del fns

@@ -1,10 +1,11 @@
 """What the benchmarks share to time a call: barrier-aligned medians across ranks, the median of a call
 timed after an L2 flush that leaves L2 clean, a call captured in a CUDA graph (warm-up on a side stream
-first, as capture requires), and alternated rounds whose order rotates (an A/B of several candidates on
-one GPU, fair to each one's place in a round)."""
+first, as capture requires), and alternated rounds whose orders follow a Williams design (an A/B of several
+candidates on one GPU, fair to each one's place in a round and to the call timed before it)."""
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -12,9 +13,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["FLUSH_BYTES", "ROUNDS", "capture_graph", "flushed_median_ms", "on_side_stream", "round_order",
-           "rotated_times", "sync_device", "timed_median"]
+           "round_orders", "rotated_times", "sync_device", "timed_median"]
 
 #: rounds of an alternated A/B by default (``rotated_times``): with four candidates each takes each place once
+#: and follows each other candidate once
 ROUNDS = 4
 
 #: bytes the L2 flush before each timed call writes and reads back (``flushed_median_ms``; as triton.testing.do_bench's)
@@ -123,23 +125,77 @@ def capture_graph(fn, warm_calls: int = 1) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def _williams_rows(n: int) -> list[tuple[int, ...]]:
+    """The rows of a Williams design over ``n`` places, relabelled so that row 0 is ``0, 1, ..., n-1``: the sequence
+    ``0, 1, n-1, 2, n-2, ...`` shifted by each ``k`` (a Latin square in which, for an even ``n``, every symbol
+    follows every other exactly once), and for an odd ``n`` the same rows reversed as well (no single square
+    balances the neighbours then; the pair does)."""
+    seq = [0]
+    lo, hi = 1, n - 1
+    while len(seq) < n:
+        seq.append(lo)
+        lo += 1
+        if len(seq) < n:
+            seq.append(hi)
+            hi -= 1
+    label = {sym: i for i, sym in enumerate(seq)}  # relabel: row 0 becomes the identity
+    rows = [tuple(label[(sym + k) % n] for sym in seq) for k in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
+
+
+@functools.lru_cache(maxsize=256)
+def round_orders(n: int, rounds: int) -> tuple[tuple[int, ...], ...]:
+    """The order of ``n`` candidates in each of ``rounds`` rounds, as indices: round 0 in the given order, and each
+    later round the row of the Williams design (``_williams_rows``) that, against the rounds before it, gives the
+    first place to a candidate that has not led yet, then repeats the fewest (predecessor, candidate) pairs, then
+    the fewest (place, candidate) pairs; ties to the row nearest ``r * rows // rounds`` (the rows spread over the
+    design). For an even ``n`` and up to ``n`` rounds that is the Williams square's rows spread evenly: no
+    candidate in the same place twice or after the same one twice. For an odd ``n`` the neighbours stay distinct
+    up to a few rounds fewer than ``n`` while some places repeat."""
+    if n < 0 or rounds < 1:
+        raise ValueError(f"round_orders: need n >= 0 candidates and rounds >= 1, got n={n}, rounds={rounds}")
+    if n == 0:
+        return ((),) * rounds
+    rows = _williams_rows(n)
+    after: dict = {}  # (predecessor, candidate) -> times seen
+    place: dict = {}  # (place, candidate) -> times seen
+    chosen: list[tuple[int, ...]] = []
+    for r in range(rounds):
+        start = r * len(rows) // rounds
+
+        def cost(j: int) -> tuple[int, int, int, int]:
+            row = rows[j]
+            return (place.get((0, row[0]), 0), sum(after.get((a, b), 0) for a, b in zip(row, row[1:])),
+                    sum(place.get((i, c), 0) for i, c in enumerate(row)), (j - start) % len(rows))
+
+        row = rows[min(range(len(rows)), key=cost)]
+        chosen.append(row)
+        for a, b in zip(row, row[1:]):
+            after[(a, b)] = after.get((a, b), 0) + 1
+        for i, c in enumerate(row):
+            place[(i, c)] = place.get((i, c), 0) + 1
+    return tuple(chosen)
+
+
 def round_order(names: list, r: int, rounds: int | None = None) -> list:
-    """Round ``r``'s order of ``names``: the list rotated, so that no candidate always runs first (right after
-    a point's setup, on a cooler GPU) or always right after the same neighbour. Over ``rounds`` rounds the
-    rotations are spread evenly over the list (round ``r`` starts at ``r * len(names) // rounds``): with as many
-    rounds as names each one takes each place once. Without ``rounds``, round ``r`` rotates by ``r``."""
+    """Round ``r``'s order of ``names`` among ``rounds`` rounds (``round_orders``; without ``rounds``, as many
+    rounds as names, ``r`` taken modulo that): no candidate always runs first (right after a point's setup, on a
+    cooler GPU) or always right after the same neighbour (after a heavier or a lighter kernel: a power-bound GPU's
+    clock carries one call's load into the next). A rotated list kept every candidate after the same neighbour in
+    every round but the one it led."""
     n = len(names)
     if n == 0:
         return []
-    k = (r if not rounds else r * n // rounds) % n
-    return list(names[k:]) + list(names[:k])
+    total = rounds if rounds else n
+    return [names[i] for i in round_orders(n, total)[r % total]]
 
 
 def rotated_times(names: list, time_one, rounds: int = ROUNDS) -> dict:
     """``{name: [time_one(name) per round]}``: every name timed once per round, ``rounds`` rounds in
     alternation, each round in ``round_order``. At power-bound points an H100 read the same kernel up to 10%
-    apart by its place in a round of several (docs/PERFORMANCE.md, "How the figures are taken"); alternation
-    spreads drift over every name, and the rotation spreads the place."""
+    apart by its place in a round of several, and 3-10% apart where one copy of it always ran right after the
+    PoC's column (docs/PERFORMANCE.md, "How the figures are taken"); alternation spreads drift over every name,
+    and the rounds' orders spread the place and the call before it."""
     if rounds < 1:
         raise ValueError(f"rotated_times: rounds must be at least 1, got {rounds}")
     out: dict = {name: [] for name in names}
