@@ -150,8 +150,8 @@ def round_orders(n: int, rounds: int) -> tuple[tuple[int, ...], ...]:
     first place to a candidate that has not led yet, then repeats the fewest (predecessor, candidate) pairs, then
     the fewest (place, candidate) pairs; ties to the row nearest ``r * rows // rounds`` (the rows spread over the
     design). For an even ``n`` and up to ``n`` rounds that is the Williams square's rows spread evenly: no
-    candidate in the same place twice or after the same one twice. For an odd ``n`` the neighbours stay distinct
-    up to a few rounds fewer than ``n`` while some places repeat."""
+    candidate in the same place twice or after the same one twice. For an odd ``n`` and fewer than ``n`` rounds,
+    no candidate after the same one twice nor leading twice, while some places repeat."""
     if n < 0 or rounds < 1:
         raise ValueError(f"round_orders: need n >= 0 candidates and rounds >= 1, got n={n}, rounds={rounds}")
     if n == 0:
