@@ -4,6 +4,7 @@ runs there, from synthetic runs whose medians are known (each differs from the r
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -30,6 +31,7 @@ def _runs(**kw):
 
 
 def _write(tmp_path, runs):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, r in enumerate(runs):
         p = tmp_path / f"run{i}.json"
@@ -144,3 +146,53 @@ def test_command_line(tmp_path, monkeypatch, capsys):
     assert "two runs or more" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bm.main([*paths, "--capability", "nine"])
+
+
+def _timed(run_rounds: list[dict]) -> list[dict]:
+    """Runs of one Kimi-K2 4096-token point whose rows keep their round timings (``times_us``) as given."""
+    return [_run(device="NVIDIA H100 80GB HBM3",
+                 rows=[{**_row("kimi-k2", 4096, "balanced", statistics.median(t["triton"])), "times_us": t}])
+            for t in run_rounds]
+
+
+def test_pooled_ratios_set_every_round_against_triton_and_its_control():
+    """At a power-bound point one run's four-round median moves by several percent: a library judged by the median
+    of run medians, against Triton's timings alone, read a lucky Triton run as the library's loss. The pooled ratio
+    is the median of the library's timings over every run against that of Triton's and the control's together."""
+    rows = _timed([
+        {"triton": [100.0, 104.0], "control": [110.0, 120.0], "deepgemm_down": [98.0, 99.0],
+         "deepgemm": [90.0, float("inf")]},
+        {"triton": [102.0, 130.0], "control": [101.0, 103.0], "deepgemm_down": [97.0, 140.0],
+         "deepgemm": [91.0, 92.0]},
+    ])
+    pooled = bm.median_rows(rows)[0]["pooled"]
+    base = statistics.median([100.0, 104.0, 102.0, 130.0, 110.0, 120.0, 101.0, 103.0])  # 103.5
+    assert pooled["deepgemm_down"] == pytest.approx(statistics.median([98.0, 99.0, 97.0, 140.0]) / base)
+    assert pooled["control"] == pytest.approx(statistics.median([110.0, 120.0, 101.0, 103.0]) / 103.0)
+    assert pooled["timings"] == 4
+    assert "deepgemm" not in pooled  # a round it could not run: no ratio rather than one over the rounds it ran
+    assert "quack" not in pooled and "poc" not in pooled  # not a candidate column
+    # runs made before alternated rounds kept no round timings: nothing pooled
+    assert bm.median_rows(_runs())[0]["pooled"] is None
+
+
+def test_common_points_pools_a_full_table_with_runs_of_its_power_bound_points(tmp_path, capsys):
+    """Runs of the 4096-token points alone (more rounds where a point is noisy) refused beside a full table, or taken
+    with the full table's other points medianed over fewer runs than the table says."""
+    full = _runs(device="NVIDIA H100 80GB HBM3")
+    part = _runs(device="NVIDIA H100 80GB HBM3")[:2]
+    for run in part:
+        run["rows"] = run["rows"][:1]
+    paths = _write(tmp_path, full + part)
+    with pytest.raises(ValueError, match="other points"):
+        bm.load_runs(paths)
+    runs = bm.load_runs(paths, common=True)
+    assert [[bm._key(r) for r in run["rows"]] for run in runs] == [[("kimi-k2", 4096, "balanced")]] * 5
+    other = _runs()[0]
+    other["device"] = "NVIDIA H100 80GB HBM3"
+    other["rows"] = other["rows"][1:]  # only the 1024-token point: none shared with the parts
+    with pytest.raises(ValueError, match="share no point"):
+        bm.load_runs(_write(tmp_path / "other", part + [other]), common=True)
+    assert bm.main([*paths, "--common-points"]) == 0
+    out = capsys.readouterr().out
+    assert "medians of 5 runs" in out and "| kimi-k2 | 1024 |" not in out
