@@ -48,6 +48,7 @@ def test_even_counts_repeat_neither_a_neighbour_nor_a_place(n):
     always the list's first four)."""
     for rounds in range(1, n + 1):
         orders = round_orders(n, rounds)
+        assert orders[0] == tuple(range(n)), "round 0 is not the caller's order"
         assert all(sorted(o) == list(range(n)) for o in orders)
         assert _repeats(orders) == (0, 0), (rounds, orders)
         assert len({o[0] for o in orders}) == rounds
@@ -59,6 +60,7 @@ def test_odd_counts_keep_leaders_and_neighbours_distinct(n):
     candidate the same predecessor twice, and up to n rounds never lets a candidate lead twice."""
     for rounds in range(1, n + 1):
         orders = round_orders(n, rounds)
+        assert orders[0] == tuple(range(n)), "round 0 is not the caller's order"
         assert all(sorted(o) == list(range(n)) for o in orders)
         assert len({o[0] for o in orders}) == rounds, (rounds, orders)
         if rounds < n:
@@ -66,8 +68,12 @@ def test_odd_counts_keep_leaders_and_neighbours_distinct(n):
 
 
 def test_round_orders_refuses_no_rounds():
+    """Zero rounds read as 'as many rounds as names' by one entry and refused by the other."""
     with pytest.raises(ValueError, match="rounds >= 1"):
         round_orders(4, 0)
+    with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
+        round_order(NAMES, 0, 0)
+    assert round_order(NAMES, 5, 4) == round_order(NAMES, 1, 4)  # past the last round: wraps round
     assert round_orders(0, 2) == ((), ())
 
 

@@ -76,7 +76,7 @@ also timed cut by stream-K (``"streamk"``) and kept cut where faster at both rou
 quick pass of the one-launch step alone: the shipped entry as it runs against one launch of its tiles and of
 ``FUSED_TILES``, one launch kept where faster at both routings. The candidates of these sweeps are timed one
 after another; what a sweep would put in the table in place of the shipped entry is then timed against it
-in a rotated A/B (``--rounds`` rounds, the shipped tiles twice: the second is the control), and replaces it
+in an alternated A/B (``--rounds`` rounds, the shipped tiles twice: the second is the control), and replaces it
 only where faster at both routings by more than the control's band. Each writes
 ``tuning.json`` (to ``$OUT`` if set, else the current directory; a GPU without a section of its own gets one,
 starting from the tiles and ``auto`` regimes it borrowed) and uses it for the table. A point the table runs
@@ -580,7 +580,7 @@ def noise_band(control_ratio: float | None, margin: float = KEEP_MARGIN) -> floa
 
 
 def tuned_wins(tuned: list, shipped: list, control: list, margin: float = KEEP_MARGIN) -> bool:
-    """Whether a tuning pass may replace the shipped entry: from a rotated A/B's times per routing (the
+    """Whether a tuning pass may replace the shipped entry: from an alternated A/B's times per routing (the
     tuned tiles, the shipped ones, the shipped ones again as the control), the tuned tiles run and are
     faster at every routing by more than ``noise_band`` of that routing's control; where the shipped tiles
     cannot run (``inf``), tuned tiles that run win."""
@@ -976,7 +976,7 @@ def main(argv=None) -> int:
                 return got
 
             def confirmed(label, tuned, shipped):
-                """``tuned`` where a rotated A/B (``rotated_whole``) finds it faster than ``shipped`` at every
+                """``tuned`` where an alternated A/B (``rotated_whole``) finds it faster than ``shipped`` at every
                 routing by more than ``noise_band`` (the shipped tiles are timed twice: the second is the
                 control), else ``shipped``: the sweep timed its candidates one after another, and at the
                 power-bound points a place in that order alone moved a time 4-10%; the table must not change
@@ -989,7 +989,7 @@ def main(argv=None) -> int:
                     print(f"#   {label} {sname} t={tokens}: the shipped tiles cannot run here; tuned "
                           + ("taken" if won else "cannot either: shipped kept"), flush=True)
                     return tuned if won else shipped
-                print(f"#   {label} {sname} t={tokens} rotated A/B ({args.rounds} rounds): tuned "
+                print(f"#   {label} {sname} t={tokens} alternated A/B ({args.rounds} rounds): tuned "
                       f"{' / '.join(f'{v*1e3:.1f}' for v in t['tuned'])} us, shipped "
                       f"{' / '.join(f'{v*1e3:.1f}' for v in t['shipped'])}, control x"
                       f"{' / '.join(f'{c / s_:.3f}' for c, s_ in zip(t['control'], t['shipped']))}: "
@@ -1050,7 +1050,7 @@ def main(argv=None) -> int:
                 print(f"#   tune-fused {sname} t={tokens}: shipped ({'one launch' if shipped.get('fused') else 'three launches'}) "
                       f"{' / '.join(f'{v*1e3:.1f}' for v in now)} us; "
                       + ("kept" if won is None else f"one launch {_tiles_note(won)} {won_t*1e3:.1f} us over both routings"
-                         + ("" if cfg is won else "; not confirmed by the rotated A/B: shipped kept")),
+                         + ("" if cfg is won else "; not confirmed by the alternated A/B: shipped kept")),
                       flush=True)
             elif args.tune_streamk:
                 # the shipped tiles, each kernel cut by stream-K where that is faster at every routing
@@ -1062,7 +1062,7 @@ def main(argv=None) -> int:
                                                                    for kind in ("gate_up", "down")}}, shipped)
                     print(f"#   tune-streamk {sname} t={tokens}: gate_up {'cut' if cfg['gate_up'].get('streamk') else 'whole'},"
                           f" down {'cut' if cfg['down'].get('streamk') else 'whole'}", flush=True)
-            if cfg is not None:  # what a tuning pass settled on (the rotated A/B's choice): the entry it writes
+            if cfg is not None:  # what a tuning pass settled on (the alternated A/B's choice): the entry it writes
                 tuned_entries.append(tile_entry(sname, H, I, nvs, tokens, cfg))
             for routing, cu_h, cu, real, nvs_, mv, x, rw, ends in cases:
                 n = int(cu_h[-1])
@@ -1084,7 +1084,7 @@ def main(argv=None) -> int:
                 f_poc = lambda: poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)  # noqa: E731
                 t_tri_eager = _bench(f_tri, rep=args.rep) * 1e3
                 t_poc_eager = _bench(f_poc, rep=args.rep) * 1e3
-                # every column's graph, captured now and timed below in rotated rounds (timing.rotated_times);
+                # every column's graph, captured now and timed below in alternated rounds (timing.rotated_times);
                 # each graph holds its buffers until then (capture_graph)
                 replays: dict = {"triton": _graphed(f_tri), "poc": _graphed(f_poc)}
                 out_c = torch.empty_like(x)  # the control: the Triton call again, its own graph and buffers
