@@ -90,6 +90,8 @@ def _row(tokens, half, lever="w13i", **fields):
                     f"{k}_err": None if k == "committed" else 1e-4})
         if k != "committed":
             row.update({f"{k}_ratio": 0.95, f"{k}_kernel_ratio": 0.9})
+        if k not in ("committed", "control"):  # the control is one of the pooled ratio's two baselines
+            row[f"{k}_pooled_ratio"] = 0.96
     row.update(fields)
     return row
 
@@ -102,15 +104,15 @@ def test_table_reads_every_row_kind():
                  absent={"w13i": "OutOfResources: shared memory"}),
             _row(4096, False, w13i_err=0.5)]
     for r in rows[2:3]:
-        del r["w13i_ratio"], r["w13i_kernel_ratio"]
+        del r["w13i_ratio"], r["w13i_kernel_ratio"], r["w13i_pooled_ratio"]
     lines = bench_levers.table(rows)
     assert len(lines) == 2 + 4 + 2, lines
     assert lines[0].startswith("| shape | tokens | routing | committed gate/up tile | committed us | w13i us |")
-    assert "w13i_bn_half us" in lines[0] and lines[0].endswith("| control us | ratio | gate/up ratio | err |")
-    assert ("| 64x256x64 tma | 100.0 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 "
-            "| 0.950 | 0.900 | 1.0e-04 |") in lines[2]
-    assert "| 1.0e-04 | - | - | - | - | 100.0 | 0.950 |" in lines[3], "a row without BN/2 must read - there"
-    assert "| - | - | - | - |" in lines[4]
+    assert "w13i_bn_half us" in lines[0] and lines[0].endswith("| control us | ratio | pooled | gate/up ratio | err |")
+    assert ("| 64x256x64 tma | 100.0 | 100.0 | 0.950 | 0.960 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.960 | 0.900 "
+            "| 1.0e-04 | 100.0 | 0.950 | - | 0.900 | 1.0e-04 |") in lines[2]
+    assert "| 1.0e-04 | - | - | - | - | - | 100.0 | 0.950 |" in lines[3], "a row without BN/2 must read - there"
+    assert "| - | - | - | - | - |" in lines[4]
     assert bench_levers.wrong(rows) == [("kimi-k2", 4096, "balanced", "w13i")]
     assert "WRONG OUTPUTS" in lines[6] and "OutOfResources" in lines[7]
 
@@ -137,10 +139,12 @@ def test_flat_lever_toggles_the_down_tiles_only():
     with pytest.raises(ValueError, match="unknown lever 'tma'"):
         bench_levers.variants({"gate_up": gu, "down": on}, "tma")
     lines = bench_levers.table([_row(4096, True, "flat"), _row(1024, False, "flat")])
-    assert lines[0] == ("| shape | tokens | routing | committed down tile | committed us | flat_off us | ratio | down ratio "
-                        "| err | control us | ratio | down ratio | err | flat_on us | ratio | down ratio | err |"), lines[0]
-    assert lines[2].startswith("| kimi-k2 | 4096 | balanced | 128x256x64 flat | 100.0 | 100.0 | 0.950 |")
-    assert lines[3].endswith("| - | - | - | - | 100.0 | 0.950 | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.900 | 1.0e-04 |")
+    assert lines[0] == ("| shape | tokens | routing | committed down tile | committed us | flat_off us | ratio | pooled "
+                        "| down ratio | err | control us | ratio | pooled | down ratio | err | flat_on us | ratio | pooled "
+                        "| down ratio | err |"), lines[0]
+    assert lines[2].startswith("| kimi-k2 | 4096 | balanced | 128x256x64 flat | 100.0 | 100.0 | 0.950 | 0.960 |")
+    assert lines[3].endswith("| - | - | - | - | - | 100.0 | 0.950 | - | 0.900 | 1.0e-04 | 100.0 | 0.950 | 0.960 | 0.900 "
+                             "| 1.0e-04 |")
 
 
 @pytest.mark.parametrize("lever", ["mix", "streamk"])

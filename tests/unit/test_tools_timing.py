@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from vllm_moonep.tools.timing import ROUNDS, round_order, round_orders, rotated_times
+from vllm_moonep.tools.timing import ROUNDS, pooled_ratio, round_order, round_orders, rotated_times
 
 NAMES = ["committed", "w13i", "w13i_bn_half", "control"]
 #: bench_experts' columns at a 4096-token point, in the order it builds them (the PoC's heavy column second)
@@ -143,3 +143,15 @@ def test_rotated_times_passes_whatever_time_one_returns_and_refuses_no_rounds():
     assert got == {"a": [("a", 1.0)] * 3, "b": [("b", 1.0)] * 3}
     with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
         rotated_times(["a"], lambda k: 1.0, 0)
+
+
+def test_pooled_ratio_sets_the_candidate_against_incumbent_and_control_together():
+    """One unlucky incumbent column (its four rounds all slow: 0.88 of its control at an H100's Kimi-K2 4096 point)
+    read a candidate 12% faster against it alone; against the incumbent's and the control's timings together it
+    reads the middle of the two."""
+    incumbent, control, candidate = [112.0, 110.0, 114.0, 111.0], [98.0, 100.0, 99.0, 101.0], [100.0, 101.0, 99.0, 100.0]
+    assert statistics.median(candidate) / statistics.median(incumbent) == pytest.approx(100.0 / 111.5)
+    assert pooled_ratio(candidate, incumbent, control) == pytest.approx(100.0 / statistics.median(incumbent + control))
+    assert pooled_ratio(candidate, incumbent, control) == pytest.approx(100.0 / 105.5)
+    with pytest.raises(ValueError, match="at least one timing"):
+        pooled_ratio([], incumbent, control)

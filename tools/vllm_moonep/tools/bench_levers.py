@@ -97,7 +97,7 @@ from vllm_moonep.testing.reference import relative_error
 from vllm_moonep.tools.bench_experts import (PAD, R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed,
                                              add_flush_option, entry_ends, make_inputs, make_weights,
                                              measure_ceilings, rank0_case, tile_text, use_flush)
-from vllm_moonep.tools.timing import ROUNDS, rotated_times
+from vllm_moonep.tools.timing import ROUNDS, pooled_ratio, rotated_times
 
 #: the points of the A/B by default: where the GEMMs are compute-bound enough for the levers to matter
 DEFAULT_TOKENS = (256, 1024, 4096)
@@ -357,6 +357,9 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
         if name != "committed" and m is not None and "committed" in med:
             row[f"{name}_ratio"] = m["whole"] / med["committed"]["whole"]
             row[f"{name}_kernel_ratio"] = m["kernel"] / med["committed"]["kernel"]
+            if name != "control" and "control" in times:  # the steadier figure where a point is noisy
+                row[f"{name}_pooled_ratio"] = pooled_ratio(times[name]["whole"], times["committed"]["whole"],
+                                                           times["control"]["whole"])
     return row
 
 
@@ -409,7 +412,8 @@ def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out, tokens):
 
 def table(rows: list[dict]) -> list[str]:
     """The markdown table of ``point`` rows (a column group per variant but the committed one: time, its ratio to
-    the committed tiles for the whole compute and for the lever's kernel, its output's error; ``-`` where a row
+    the committed tiles for the whole compute, pooled (``timing.pooled_ratio``) and for the lever's kernel, its
+    output's error; ``-`` where a row
     has no such variant), then a line naming any variant with wrong outputs (rows left unwritten, or relative
     error >= 1e-2 against the committed tiles) and one per variant that could not run."""
     names: list[str] = []
@@ -418,15 +422,16 @@ def table(rows: list[dict]) -> list[str]:
     kernel = (rows[0].get("kernel") if rows else None) or "kernel"
     label = kernel.replace("_", "/")
     lines = [f"| shape | tokens | routing | committed {label} tile | committed us |"
-             + "".join(f" {k} us | ratio | {label} ratio | err |" for k in names),
-             "|---|---:|---|---|---:|" + "---:|---:|---:|---:|" * len(names)]
+             + "".join(f" {k} us | ratio | pooled | {label} ratio | err |" for k in names),
+             "|---|---:|---|---|---:|" + "---:|---:|---:|---:|---:|" * len(names)]
     for r in rows:
         tile = "deepgemm" if r.get("impl") == "deepgemm" else tile_text(r["configs"]["committed"][kernel])
         cells = [r["shape"], str(r["tokens"]), r["routing"], tile,
                  _fmt(r["committed_us"])]
         for k in names:
-            cells += ([_fmt(r.get(f"{k}_us")), _fmt(r.get(f"{k}_ratio"), ".3f"), _fmt(r.get(f"{k}_kernel_ratio"), ".3f"),
-                       _fmt(r.get(f"{k}_err"), ".1e")] if k in r["configs"] else ["-"] * 4)
+            cells += ([_fmt(r.get(f"{k}_us")), _fmt(r.get(f"{k}_ratio"), ".3f"), _fmt(r.get(f"{k}_pooled_ratio"), ".3f"),
+                       _fmt(r.get(f"{k}_kernel_ratio"), ".3f"), _fmt(r.get(f"{k}_err"), ".1e")]
+                      if k in r["configs"] else ["-"] * 5)
         lines.append("| " + " | ".join(cells) + " |")
     bad = wrong(rows)
     if bad:
@@ -488,7 +493,9 @@ def main(argv=None) -> int:
                 print(f"# {sname:14s} t={tokens:5d} {routing:8s} committed {_fmt(row['committed_us'])} us "
                       f"({row['kernel']} {_fmt(row['committed_kernel_us'])})"
                       + "".join(f"  {k} {_fmt(row[f'{k}_us'])} us ({row['kernel']} {_fmt(row[f'{k}_kernel_us'])}) "
-                                f"x{_fmt(row.get(f'{k}_ratio'), '.3f')} err {_fmt(row[f'{k}_err'], '.1e')}"
+                                f"x{_fmt(row.get(f'{k}_ratio'), '.3f')}"
+                                + (f" (pooled x{row[f'{k}_pooled_ratio']:.3f})" if f"{k}_pooled_ratio" in row else "")
+                                + f" err {_fmt(row[f'{k}_err'], '.1e')}"
                                 for k in row["configs"] if k != "committed"), flush=True)
         del weights, stored
         tk._CACHE.clear()
@@ -499,7 +506,8 @@ def main(argv=None) -> int:
     print("Times: CUDA-graph replay, median of the alternated rounds; whole = the expert compute as the layer runs it, "
           f"{args.lever} changes the {'activation' if args.impl == 'deepgemm' else LEVER_KERNEL[args.lever]} kernel, "
           "timed alone too; ratio = variant / committed "
-          "(below 1: the lever is faster); err = the "
+          "(below 1: the lever is faster); pooled = the variant's timings against the committed tiles' and the "
+          "control's together (timing.pooled_ratio); err = the "
           "variant's output against the committed one (relative); control = the committed tiles timed again as a "
           "variant: a lever ratio no farther from 1 than the control's is noise.")
     print()

@@ -28,6 +28,7 @@ import sys
 
 from vllm_moonep.common.grouped_gemm.policy import policy_for
 from vllm_moonep.testing.models import model
+from vllm_moonep.tools.timing import pooled_ratio
 
 __all__ = ["COLUMNS", "POOLED", "auto_column", "left_out", "load_runs", "median_rows", "pooled_ratios"]
 
@@ -115,12 +116,11 @@ def pooled_ratios(rows: list[dict]) -> dict | None:
     tri, ctl = _timings(rows, "triton"), _timings(rows, "control")
     if tri is None or ctl is None:
         return None
-    base = statistics.median(tri + ctl)
     out = {"control": statistics.median(ctl) / statistics.median(tri), "timings": len(tri)}
     for c in POOLED:
         got = _timings(rows, c)
         if got is not None:
-            out[c] = statistics.median(got) / base
+            out[c] = pooled_ratio(got, tri, ctl)
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["FLUSH_BYTES", "ROUNDS", "capture_graph", "flushed_median_ms", "on_side_stream", "round_order",
-           "round_orders", "rotated_times", "sync_device", "timed_median"]
+           "pooled_ratio", "round_orders", "rotated_times", "sync_device", "timed_median"]
 
 #: rounds of an alternated A/B by default (``rotated_times``): with four candidates each takes each place once
 #: and follows each other candidate once
@@ -190,6 +190,16 @@ def round_order(names: list, r: int, rounds: int | None = None) -> list:
         return []
     total = rounds if rounds is not None else n
     return [names[i] for i in round_orders(n, total)[r % total]]
+
+
+def pooled_ratio(candidate: list, incumbent: list, control: list) -> float:
+    """A candidate's round timings against the incumbent's: the median of the candidate's over the median of the
+    incumbent's and its control's together (the same call timed as two columns). At a power-bound point one
+    column's few rounds move its median by several percent, the incumbent's as much as the candidate's; pooling
+    the incumbent with its control halves what one unlucky column can move the ratio."""
+    if not candidate or not incumbent or not control:
+        raise ValueError("pooled_ratio: every column needs at least one timing")
+    return statistics.median(candidate) / statistics.median(list(incumbent) + list(control))
 
 
 def rotated_times(names: list, time_one, rounds: int = ROUNDS) -> dict:
