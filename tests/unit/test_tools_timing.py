@@ -1,4 +1,4 @@
-"""``tools.timing``'s alternated rounds (``round_orders``, ``round_order``, ``rotated_times``): the order in which an
+"""``tools.timing``'s alternated rounds (``round_orders``, ``round_order``, ``alternated_times``): the order in which an
 A/B's candidates are timed. Nothing is timed here: ``time_one`` is a clock that charges each call by its place in
 the round, or by the call timed just before it, the two effects the rounds' orders exist to cancel (an H100 read
 the same tiles 4-10% apart by their place, and the Triton call 3-10% apart where one copy always followed the
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from vllm_moonep.tools.timing import ROUNDS, pooled_ratio, round_order, round_orders, rotated_times
+from vllm_moonep.tools.timing import ROUNDS, pooled_ratio, round_order, round_orders, alternated_times
 
 NAMES = ["committed", "w13i", "w13i_bn_half", "control"]
 #: bench_experts' columns at a 4096-token point, in the order it builds them (the PoC's heavy column second)
@@ -93,12 +93,12 @@ def _clock(place_bias: float = 0.0, after: str | None = None, after_bias: float 
     return time_one, calls, state
 
 
-def test_rotated_times_cancels_a_place_bias():
+def test_alternated_times_cancels_a_place_bias():
     """Identical candidates timed in a fixed order read apart by their place: over ROUNDS rounds of the design their
     means agree exactly, and each round times every name once in round_order."""
     time_one, calls, state = _clock(place_bias=5.0)
     state["round_len"] = len(NAMES)
-    got = rotated_times(NAMES, time_one, ROUNDS)
+    got = alternated_times(NAMES, time_one, ROUNDS)
     assert list(got) == NAMES and all(len(v) == ROUNDS for v in got.values())
     assert len(calls) == ROUNDS * len(NAMES)
     for r in range(ROUNDS):
@@ -115,13 +115,13 @@ def test_rotated_times_cancels_a_place_bias():
     assert statistics.median(fixed[NAMES[-1]]) - statistics.median(fixed[NAMES[0]]) == 15.0
 
 
-def test_rotated_times_cancels_the_load_of_the_call_before():
+def test_alternated_times_cancels_the_load_of_the_call_before():
     """The Triton call and its control are the same call: timed after the PoC's heavy column in at most one round
     each, their medians over ROUNDS rounds agree. A rotated list put the control right after the PoC in every round
     but the one it led, and read it 10% slow (what an H100 showed at Kimi-K2 4096 tokens)."""
     time_one, calls, state = _clock(after="poc", after_bias=10.0)
     state["round_len"] = len(EXPERT_COLUMNS)
-    got = rotated_times(EXPERT_COLUMNS, time_one, ROUNDS)
+    got = alternated_times(EXPERT_COLUMNS, time_one, ROUNDS)
     med = {k: statistics.median(v) for k, v in got.items()}
     assert med["control"] == med["triton"] == 100.0, med
     # the rotated list, as the rounds were ordered before: control after poc in three of four rounds
@@ -136,13 +136,13 @@ def test_rotated_times_cancels_the_load_of_the_call_before():
     assert statistics.median(rotated["control"]) == 110.0
 
 
-def test_rotated_times_passes_whatever_time_one_returns_and_refuses_no_rounds():
+def test_alternated_times_passes_whatever_time_one_returns_and_refuses_no_rounds():
     """bench_levers times two scopes per candidate in one call (a tuple per round); zero rounds gave empty lists
     whose median raised only after minutes of device time."""
-    got = rotated_times(["a", "b"], lambda k: (k, 1.0), 3)
+    got = alternated_times(["a", "b"], lambda k: (k, 1.0), 3)
     assert got == {"a": [("a", 1.0)] * 3, "b": [("b", 1.0)] * 3}
     with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
-        rotated_times(["a"], lambda k: 1.0, 0)
+        alternated_times(["a"], lambda k: 1.0, 0)
 
 
 def test_pooled_ratio_sets_the_candidate_against_incumbent_and_control_together():

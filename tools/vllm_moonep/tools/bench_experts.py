@@ -12,7 +12,7 @@ padding rows zeros (the dispatch contract). Timed as CUDA-graph replays (as vLLM
 layer; eager launches are timed too and kept in the JSON): median, CUDA events, L2 flushed and left
 clean before each run (``timing.flushed_median_ms``). A point's columns are captured first, each in its own
 graph and buffers, then timed in ``--rounds`` alternated rounds, each round's order from a Williams
-design (``timing.rotated_times``: every column in every place and after every other column as evenly as the
+design (``timing.alternated_times``: every column in every place and after every other column as evenly as the
 rounds allow); each time is the median of the rounds. At the power-bound points a kernel's place in a
 fixed order alone moved its time 4-10%, and the column timed before it 3-10% (docs/PERFORMANCE.md), more
 than the margins the library regimes are chosen on:
@@ -108,7 +108,7 @@ from vllm_moonep.engine import default_num_slots
 from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 from vllm_moonep.testing.models import model
 from vllm_moonep.testing.reference import relative_error
-from vllm_moonep.tools.timing import ROUNDS, capture_graph, flushed_median_ms, rotated_times
+from vllm_moonep.tools.timing import ROUNDS, capture_graph, flushed_median_ms, alternated_times
 
 #: the shapes it sweeps by default (vllm_moonep.testing.models)
 SHAPES = {key: model(key).dims() for key in ("qwen3-30b-a3b", "kimi-k2")}
@@ -956,7 +956,7 @@ def main(argv=None) -> int:
             def _whole(conf):  # the whole compute with tiles ``conf``, per routing (ms)
                 return [quick(whole_graph(conf, case)[0]) for case in cases]
 
-            def rotated_whole(confs: dict) -> dict:
+            def alternated_whole(confs: dict) -> dict:
                 """The whole compute with each of ``confs`` (name -> tiles), per routing (ms): the median of
                 ``--rounds`` alternated rounds (timing.round_orders), every config in its own graph and buffers
                 (``inf`` where one cannot run)."""
@@ -969,21 +969,21 @@ def main(argv=None) -> int:
                         except Exception as e:  # out of resources etc.
                             print(f"#   {sname} t={tokens} {k} {_tiles_note(conf)}: skipped "
                                   f"({type(e).__name__}: {str(e)[:80]})")
-                    t = rotated_times(list(graphs), lambda k: quick(graphs[k][0]), args.rounds)
+                    t = alternated_times(list(graphs), lambda k: quick(graphs[k][0]), args.rounds)
                     del graphs
                     for k in confs:
                         got[k].append(statistics.median(t[k]) if k in t else math.inf)
                 return got
 
             def confirmed(label, tuned, shipped):
-                """``tuned`` where an alternated A/B (``rotated_whole``) finds it faster than ``shipped`` at every
+                """``tuned`` where an alternated A/B (``alternated_whole``) finds it faster than ``shipped`` at every
                 routing by more than ``noise_band`` (the shipped tiles are timed twice: the second is the
                 control), else ``shipped``: the sweep timed its candidates one after another, and at the
                 power-bound points a place in that order alone moved a time 4-10%; the table must not change
                 on that."""
                 if tuned == shipped:
                     return tuned
-                t = rotated_whole({"tuned": tuned, "shipped": shipped, "control": {k: dict(v) for k, v in shipped.items()}})
+                t = alternated_whole({"tuned": tuned, "shipped": shipped, "control": {k: dict(v) for k, v in shipped.items()}})
                 won = tuned_wins(t["tuned"], t["shipped"], t["control"])
                 if not all(math.isfinite(v) for v in t["shipped"] + t["control"]):
                     print(f"#   {label} {sname} t={tokens}: the shipped tiles cannot run here; tuned "
@@ -1084,7 +1084,7 @@ def main(argv=None) -> int:
                 f_poc = lambda: poc_experts(x, rw, cu, w_gate, w_up, w_down, out_p)  # noqa: E731
                 t_tri_eager = _bench(f_tri, rep=args.rep) * 1e3
                 t_poc_eager = _bench(f_poc, rep=args.rep) * 1e3
-                # every column's graph, captured now and timed below in alternated rounds (timing.rotated_times);
+                # every column's graph, captured now and timed below in alternated rounds (timing.alternated_times);
                 # each graph holds its buffers until then (capture_graph)
                 replays: dict = {"triton": _graphed(f_tri), "poc": _graphed(f_poc)}
                 out_c = torch.empty_like(x)  # the control: the Triton call again, its own graph and buffers
@@ -1138,7 +1138,7 @@ def main(argv=None) -> int:
                     vrow, vllm_error = _vllm_point(vllm_fn, x, rw, cu_h, real, w13h, w_down, out_t, args, replays)
                     if vllm_error is not None:
                         print(f"# vllm: - ({vllm_error}); no further vLLM runs", flush=True)
-                times = rotated_times(list(replays), lambda k: _bench(replays[k][0], rep=args.rep) * 1e3, args.rounds)
+                times = alternated_times(list(replays), lambda k: _bench(replays[k][0], rep=args.rep) * 1e3, args.rounds)
                 del replays
                 med = {k: statistics.median(v) for k, v in times.items()}
                 t_tri, t_poc, t_three = med["triton"], med["poc"], med.get("three")

@@ -69,7 +69,7 @@ the real planner's ``cu_seqlens`` over ``E+B`` groups, padding 128) and times, a
 each as the whole expert compute, as the layer calls it (``row_ends``, ``zero_tail=False``, ``padded=False``,
 as ``bench_experts``), and as the kernel the lever changes alone (``_launch_gate_up`` or ``_launch_down``).
 The variants are timed in alternation, ``--rounds`` times, each round's order from a Williams design
-(``timing.rotated_times``: at the power-bound 4096-token points the same tiles read up to 10% apart by
+(``timing.alternated_times``: at the power-bound 4096-token points the same tiles read up to 10% apart by
 their place in a round, or by the variant timed before them), and each time is the median of the rounds. Each
 variant's output (untimed call, every row written) is checked against the committed one: relative
 error. Prints the ceilings (``bench_experts.measure_ceilings``) and a markdown table; writes
@@ -97,7 +97,7 @@ from vllm_moonep.testing.reference import relative_error
 from vllm_moonep.tools.bench_experts import (PAD, R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed,
                                              add_flush_option, entry_ends, make_inputs, make_weights,
                                              measure_ceilings, rank0_case, tile_text, use_flush)
-from vllm_moonep.tools.timing import ROUNDS, pooled_ratio, rotated_times
+from vllm_moonep.tools.timing import ROUNDS, pooled_ratio, alternated_times
 
 #: the points of the A/B by default: where the GEMMs are compute-bound enough for the levers to matter
 DEFAULT_TOKENS = (256, 1024, 4096)
@@ -279,7 +279,7 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
           rounds: int = ROUNDS, lever: str = DEFAULT_LEVER, impl: str = "triton") -> dict:
     """One point's row: the lever's variants (``variants``) checked (untimed call, every row written) and timed
     (whole compute and the kernel the lever changes, ``rounds`` alternated rounds of ``_graphed`` replays,
-    ``timing.rotated_times``). ``stored``: ``{"base": (weights, prepared table), "interleaved": ...}``, the same
+    ``timing.alternated_times``). ``stored``: ``{"base": (weights, prepared table), "interleaved": ...}``, the same
     values: ``base`` what every variant runs over but ``INTERLEAVED_VARIANTS`` (``main`` says which order),
     ``interleaved`` only for ``--lever w13i``. ``impl="deepgemm"``: the variants run
     DeepGEMM's compute (no tiles: the BN/2 variant is left out) and the kernel timed alone is the activation."""
@@ -339,7 +339,7 @@ def point(tk, stored: dict, sname: str, shp: dict, tokens: int, routing: str, si
         return _bench(r_whole, rep=rep) * 1e3, _bench(r_alone, rep=rep) * 1e3
 
     # alternated, each round in the design's order: drift, place and the call before land on every variant alike
-    per_round = rotated_times(list(fns), both, rounds)
+    per_round = alternated_times(list(fns), both, rounds)
     times = {k: {"whole": [w for w, _ in v], "kernel": [g for _, g in v]} for k, v in per_round.items()}
     del fns
     med = {k: {s: statistics.median(v) for s, v in t.items()} for k, t in times.items()}

@@ -12,10 +12,10 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["FLUSH_BYTES", "ROUNDS", "capture_graph", "flushed_median_ms", "on_side_stream", "round_order",
-           "pooled_ratio", "round_orders", "rotated_times", "sync_device", "timed_median"]
+__all__ = ["FLUSH_BYTES", "ROUNDS", "alternated_times", "capture_graph", "flushed_median_ms", "on_side_stream",
+           "pooled_ratio", "round_order", "round_orders", "sync_device", "timed_median"]
 
-#: rounds of an alternated A/B by default (``rotated_times``): with four candidates each takes each place once
+#: rounds of an alternated A/B by default (``alternated_times``): with four candidates each takes each place once
 #: and follows each other candidate once
 ROUNDS = 4
 
@@ -202,14 +202,14 @@ def pooled_ratio(candidate: list, incumbent: list, control: list) -> float:
     return statistics.median(candidate) / statistics.median(list(incumbent) + list(control))
 
 
-def rotated_times(names: list, time_one, rounds: int = ROUNDS) -> dict:
+def alternated_times(names: list, time_one, rounds: int = ROUNDS) -> dict:
     """``{name: [time_one(name) per round]}``: every name timed once per round, ``rounds`` rounds in
     alternation, each round in ``round_order``. At power-bound points an H100 read the same kernel up to 10%
     apart by its place in a round of several, and 3-10% apart where one copy of it always ran right after the
     PoC's column (docs/PERFORMANCE.md, "How the figures are taken"); alternation spreads drift over every name,
     and the rounds' orders spread the place and the call before it."""
     if rounds < 1:
-        raise ValueError(f"rotated_times: rounds must be at least 1, got {rounds}")
+        raise ValueError(f"alternated_times: rounds must be at least 1, got {rounds}")
     out: dict = {name: [] for name in names}
     for r in range(rounds):
         for name in round_order(list(names), r, rounds):
