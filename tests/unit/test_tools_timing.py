@@ -8,7 +8,8 @@ import statistics
 
 import pytest
 
-from vllm_moonep.tools.timing import ROUNDS, pooled_ratio, round_order, round_orders, alternated_times
+from vllm_moonep.tools.timing import (MIN_TIMED_CALLS, ROUNDS, alternated_times, pooled_ratio, round_order, round_orders,
+                                      timed_calls)
 
 NAMES = ["committed", "w13i", "w13i_bn_half", "control"]
 #: bench_experts' columns at a 4096-token point, in the order it builds them (the PoC's heavy column second)
@@ -155,3 +156,14 @@ def test_pooled_ratio_sets_the_candidate_against_incumbent_and_control_together(
     assert pooled_ratio(candidate, incumbent, control) == pytest.approx(100.0 / 105.5)
     with pytest.raises(ValueError, match="at least one timing"):
         pooled_ratio([], incumbent, control)
+
+
+def test_a_long_call_is_still_timed_enough_times():
+    """A 5 ms call in a 30 ms budget was six timed calls, and one power-state change inside one of them moved the
+    median 10%; a short call keeps the budget's count (the floor must not shrink it), a bad estimate is refused."""
+    assert timed_calls(30, 5.2) == MIN_TIMED_CALLS, "a long call fell below the fewest timed calls"
+    assert timed_calls(100, 0.05) == 2000, "a short call's count is no longer the budget's"
+    assert timed_calls(100, 10) == MIN_TIMED_CALLS
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="positive time"):
+            timed_calls(30, bad)

@@ -12,8 +12,9 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["FLUSH_BYTES", "ROUNDS", "alternated_times", "capture_graph", "flushed_median_ms", "on_side_stream",
-           "pooled_ratio", "round_order", "round_orders", "sync_device", "timed_median"]
+__all__ = ["FLUSH_BYTES", "MIN_TIMED_CALLS", "ROUNDS", "alternated_times", "capture_graph", "flushed_median_ms", "on_side_stream",
+           "pooled_ratio", "round_order", "round_orders", "sync_device",
+           "timed_calls", "timed_median"]
 
 #: rounds of an alternated A/B by default (``alternated_times``): with four candidates each takes each place once
 #: and follows each other candidate once
@@ -21,6 +22,11 @@ ROUNDS = 4
 
 #: bytes the L2 flush before each timed call writes and reads back (``flushed_median_ms``; as triton.testing.do_bench's)
 FLUSH_BYTES = 256 << 20
+
+#: the fewest timed calls whose median ``flushed_median_ms`` takes, however long a call is: a 5 ms call (Kimi-K2's
+#: experts at 4096 tokens a rank) in a 30 ms budget is six calls, and a power-state change inside one of them moved
+#: the median up to 10% on an H100 (docs/PERFORMANCE.md, "How the figures are taken")
+MIN_TIMED_CALLS = 10
 
 
 def sync_device(dev: torch.device) -> None:
@@ -54,10 +60,18 @@ def timed_median(fn, dev: torch.device, iters: int, warmup: int, barrier: bool =
     return statistics.median(host), (statistics.median(device) if device else None)
 
 
+def timed_calls(rep: float, estimate: float) -> int:
+    """How many calls ``flushed_median_ms`` times: about ``rep`` ms of calls of ``estimate`` ms each (a flush and a
+    call), never fewer than ``MIN_TIMED_CALLS``."""
+    if not estimate > 0:
+        raise ValueError(f"timed_calls: a call's estimate must be a positive time, got {estimate} ms")
+    return max(MIN_TIMED_CALLS, int(rep / estimate))
+
+
 def flushed_median_ms(fn, warmup: float = 25, rep: float = 100, clean: bool = True) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA device, each call between two CUDA events after an L2
     flush; calls for about ``warmup`` ms, then about ``rep`` ms timed (as ``triton.testing.do_bench`` sizes them
-    from five flushed calls).
+    from five flushed calls), at least ``MIN_TIMED_CALLS`` of them (``timed_calls``).
 
     The flush leaves L2 clean: it writes ``FLUSH_BYTES`` and then reads them back. ``do_bench``'s flush only
     writes, so L2 is left full of dirty lines that the timed call's first misses write back to DRAM: on an
@@ -85,7 +99,7 @@ def flushed_median_ms(fn, warmup: float = 25, rep: float = 100, clean: bool = Tr
     for _ in range(max(1, int(warmup / estimate))):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(max(1, int(rep / estimate)))]
+              for _ in range(timed_calls(rep, estimate))]
     for start, end in events:
         flush()
         start.record()
