@@ -159,8 +159,8 @@ def test_pooled_ratio_sets_the_candidate_against_incumbent_and_control_together(
 
 
 def test_a_long_call_is_still_timed_enough_times():
-    """A 5 ms call in a 30 ms budget was six timed calls, and one power-state change inside one of them moved the
-    median 10%; a short call keeps the budget's count (the floor must not shrink it), a bad estimate is refused."""
+    """A 5 ms call in a 30 ms budget was six timed calls, a median one slow call can move; a short call keeps the
+    budget's count (the floor must not shrink it), and a bad estimate is refused rather than timed zero times."""
     assert timed_calls(30, 5.2) == MIN_TIMED_CALLS, "a long call fell below the fewest timed calls"
     assert timed_calls(100, 0.05) == 2000, "a short call's count is no longer the budget's"
     assert timed_calls(100, 10) == MIN_TIMED_CALLS

@@ -12,9 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["FLUSH_BYTES", "MIN_TIMED_CALLS", "ROUNDS", "alternated_times", "capture_graph", "flushed_median_ms", "on_side_stream",
-           "pooled_ratio", "round_order", "round_orders", "sync_device",
-           "timed_calls", "timed_median"]
+__all__ = ["FLUSH_BYTES", "MIN_TIMED_CALLS", "ROUNDS", "alternated_times", "capture_graph", "flushed_median_ms",
+           "on_side_stream", "pooled_ratio", "round_order", "round_orders", "sync_device", "timed_calls", "timed_median"]
 
 #: rounds of an alternated A/B by default (``alternated_times``): with four candidates each takes each place once
 #: and follows each other candidate once
@@ -24,8 +23,9 @@ ROUNDS = 4
 FLUSH_BYTES = 256 << 20
 
 #: the fewest timed calls whose median ``flushed_median_ms`` takes, however long a call is: a 5 ms call (Kimi-K2's
-#: experts at 4096 tokens a rank) in a 30 ms budget is six calls, and a power-state change inside one of them moved
-#: the median up to 10% on an H100 (docs/PERFORMANCE.md, "How the figures are taken")
+#: experts at 4096 tokens a rank) in a 30 ms budget would be six, a median one slow call can move. The spread between
+#: timings at such a point (up to 10% on an H100) is another matter, which only rounds pooled resolve
+#: (docs/PERFORMANCE.md, "How the figures are taken")
 MIN_TIMED_CALLS = 10
 
 
