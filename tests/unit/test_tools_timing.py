@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from vllm_moonep.tools.timing import (MIN_TIMED_CALLS, ROUNDS, alternated_times, pooled_ratio, round_order, round_orders,
-                                      timed_calls)
+from vllm_moonep.tools.timing import (MIN_TIMED_CALLS, ROUNDS, alternated_times, pooled_ratio, round_order,
+                                      round_orders, timed_calls)
 
 NAMES = ["committed", "w13i", "w13i_bn_half", "control"]
 #: bench_experts' columns at a 4096-token point, in the order it builds them (the PoC's heavy column second)

@@ -108,7 +108,7 @@ from vllm_moonep.engine import default_num_slots
 from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 from vllm_moonep.testing.models import model
 from vllm_moonep.testing.reference import relative_error
-from vllm_moonep.tools.timing import ROUNDS, capture_graph, flushed_median_ms, alternated_times
+from vllm_moonep.tools.timing import ROUNDS, alternated_times, capture_graph, flushed_median_ms
 
 #: the shapes it sweeps by default (vllm_moonep.testing.models)
 SHAPES = {key: model(key).dims() for key in ("qwen3-30b-a3b", "kimi-k2")}

@@ -97,7 +97,7 @@ from vllm_moonep.testing.reference import relative_error
 from vllm_moonep.tools.bench_experts import (PAD, R, SHAPES, SKEW_SIGMA, _bench, _ceiling_line, _graphed,
                                              add_flush_option, entry_ends, make_inputs, make_weights,
                                              measure_ceilings, rank0_case, tile_text, use_flush)
-from vllm_moonep.tools.timing import ROUNDS, pooled_ratio, alternated_times
+from vllm_moonep.tools.timing import ROUNDS, alternated_times, pooled_ratio
 
 #: the points of the A/B by default: where the GEMMs are compute-bound enough for the levers to matter
 DEFAULT_TOKENS = (256, 1024, 4096)
@@ -413,9 +413,9 @@ def _half_fns(tk, halves, x, rw, cu, ends, weights, prep, conf, out, tokens):
 def table(rows: list[dict]) -> list[str]:
     """The markdown table of ``point`` rows (a column group per variant but the committed one: time, its ratio to
     the committed tiles for the whole compute, pooled (``timing.pooled_ratio``) and for the lever's kernel, its
-    output's error; ``-`` where a row
-    has no such variant), then a line naming any variant with wrong outputs (rows left unwritten, or relative
-    error >= 1e-2 against the committed tiles) and one per variant that could not run."""
+    output's error; ``-`` where a row has no such variant), then a line naming any variant with wrong outputs
+    (rows left unwritten, or relative error >= 1e-2 against the committed tiles) and one per variant that could
+    not run."""
     names: list[str] = []
     for r in rows:
         names += [k for k in r["configs"] if k != "committed" and k not in names]

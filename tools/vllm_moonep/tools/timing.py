@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["FLUSH_BYTES", "MIN_TIMED_CALLS", "ROUNDS", "alternated_times", "capture_graph", "flushed_median_ms",
-           "on_side_stream", "pooled_ratio", "round_order", "round_orders", "sync_device", "timed_calls", "timed_median"]
+           "on_side_stream", "pooled_ratio", "round_order", "round_orders", "sync_device", "timed_calls",
+           "timed_median"]
 
 #: rounds of an alternated A/B by default (``alternated_times``): with four candidates each takes each place once
 #: and follows each other candidate once
@@ -163,9 +164,9 @@ def round_orders(n: int, rounds: int) -> tuple[tuple[int, ...], ...]:
     later round the row of the Williams design (``_williams_rows``) that, against the rounds before it, gives the
     first place to a candidate that has not led yet, then repeats the fewest (predecessor, candidate) pairs, then
     the fewest (place, candidate) pairs; ties to the first row at or after ``r * rows // rounds``, wrapping round
-    (the rows spread over the design). For an even ``n`` and up to ``n`` rounds that is the Williams square's rows spread evenly: no
-    candidate in the same place twice or after the same one twice. For an odd ``n`` and fewer than ``n`` rounds,
-    no candidate after the same one twice nor leading twice, while some places repeat."""
+    (the rows spread over the design). For an even ``n`` and up to ``n`` rounds that is the Williams square's rows
+    spread evenly: no candidate in the same place twice or after the same one twice. For an odd ``n`` and fewer
+    than ``n`` rounds, no candidate after the same one twice nor leading twice, while some places repeat."""
     if n < 0 or rounds < 1:
         raise ValueError(f"round_orders: need n >= 0 candidates and rounds >= 1, got n={n}, rounds={rounds}")
     if n == 0:
@@ -193,10 +194,10 @@ def round_orders(n: int, rounds: int) -> tuple[tuple[int, ...], ...]:
 
 def round_order(names: list, r: int, rounds: int | None = None) -> list:
     """Round ``r``'s order of ``names`` among ``rounds`` rounds (``round_orders``; without ``rounds``, as many
-    rounds as names; ``r`` past the last round wraps round to the first): no candidate always runs first (right after a point's setup, on a
-    cooler GPU) or always right after the same neighbour (after a heavier or a lighter kernel: a power-bound GPU's
-    clock carries one call's load into the next). A rotated list kept every candidate after the same neighbour in
-    every round but the one it led."""
+    rounds as names; ``r`` past the last round wraps round to the first): no candidate always runs first (right
+    after a point's setup, on a cooler GPU) or always right after the same neighbour (after a heavier or a lighter
+    kernel: a power-bound GPU's clock carries one call's load into the next). A rotated list kept every candidate
+    after the same neighbour in every round but the one it led."""
     if rounds is not None and rounds < 1:
         raise ValueError(f"round_order: rounds must be at least 1, got {rounds}")
     n = len(names)
