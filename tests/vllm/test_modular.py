@@ -153,6 +153,14 @@ def rk_bad_inputs(kind, seed):
            lambda: pf.prepare(x, w, ids, E, None, False, fp8))
     expect("quantized experts", MoonEPInputError, "unquantized",
            lambda: MoonEPExperts(o["experts"].moe_config, fp8))
+    # expert biases (gpt-oss style): refused, not silently dropped from the compute
+    from vllm.model_executor.layers.fused_moe.config import biased_moe_quant_config
+
+    biased = biased_moe_quant_config(torch.zeros(E, 2 * I), torch.zeros(E, H))
+    expect("biased prepare", MoonEPInputError, "w1_bias",
+           lambda: pf.prepare(x, w, ids, E, None, False, biased))
+    expect("biased experts", MoonEPInputError, "bias",
+           lambda: MoonEPExperts(o["experts"].moe_config, biased))
     # more tokens than capacity
     xb, idb, wb = W.tokens(max_tokens + 1, H, E, K, sigma=SKEW, seed=seed, rank=rank)
     expect("over capacity", MoonEPInputError, "capacity", lambda: W.run_kernel(o, xb, idb, wb))
@@ -291,7 +299,8 @@ def test_dp_ranks_different_token_counts():
 def test_bad_inputs_then_valid_step():
     """A bad input to the vLLM classes accepted, or a pending step left behind that breaks the next valid one."""
     names = ranks(2, rk_bad_inputs, "replicated", 8)[0]
-    for want in ("fp16", "quantized prepare", "quantized experts", "over capacity", "prepare twice",
+    for want in ("fp16", "quantized prepare", "quantized experts", "biased prepare", "biased experts",
+                 "over capacity", "prepare twice",
                  "wrong weight-and-reduce", "E % R", "H % 128", "I % 128"):
         assert want in names, names
 

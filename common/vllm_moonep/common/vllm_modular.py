@@ -96,7 +96,11 @@ def dp_max_num_tokens() -> int | None:
 
 
 def check_unquantized(quant_config, where: str) -> None:
-    """Raise ``MoonEPInputError`` for any quantized (or SwiGLU-parameterised) config."""
+    """Raise ``MoonEPInputError`` for any quantized, SwiGLU-parameterised or biased config.
+
+    The expert compute has no bias term: a biased layer accepted here would run with its biases
+    silently dropped.
+    """
     if quant_config is None:
         return
     qd = getattr(quant_config, "quant_dtype", None)
@@ -109,6 +113,12 @@ def check_unquantized(quant_config, where: str) -> None:
         if getattr(quant_config, name, None) is not None:
             raise MoonEPInputError(
                 f"{where}: MoonEP implements plain silu(gate) * up; SwiGLU parameter {name} is not supported"
+            )
+    for name in ("w1_bias", "w2_bias"):
+        if getattr(quant_config, name, None) is not None:
+            raise MoonEPInputError(
+                f"{where}: MoonEP's expert compute has no bias term, got {name}; "
+                "use another --all2all-backend for MoE layers with expert biases"
             )
 
 
