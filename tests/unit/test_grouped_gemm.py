@@ -190,3 +190,35 @@ def test_one_table_per_device_whatever_its_name():
     first = tk.prepare_weights(w, "cpu")
     for name in ("cpu:0", torch.device("cpu", 0), None):
         assert tk.prepare_weights(w, name) is first, f"the table was built again for {name!r}"
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first byte, one past the last)`` of the memory ``t`` can reach."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_pointer_table_points_into_live_memory(which):
+    """A weight pool given with a non-unit last stride (a checkpoint stored ``[G, H, I]`` passed transposed) is copied
+    to contiguous memory; a copy not kept with the table is freed when ``prepare_weights`` returns, and the kernels
+    then read whatever the allocator puts there next (NaN or another tensor's values as weights). Every pointer of
+    the table must lie in a pool the caller holds or in a copy the table keeps. ``which``: the pool given transposed
+    (pool 0 decides the inner strides; a later pool is brought to them)."""
+    tk = pytest.importorskip("vllm_moonep.common.grouped_gemm.triton_kernels")
+    I, H = 16, 32
+    pools = [_weights(3, I, H, s) for s in (20, 21)]
+    gate = [p[0] for p in pools]
+    gate[which] = gate[which].transpose(1, 2).contiguous().transpose(1, 2)  # same values, stride(2) == I
+    assert gate[which].stride(2) != 1
+    gp, gr = torch.tensor([0, 1, 1, 0]), torch.tensor([2, 0, 1, 0])
+    w = GroupedWeights(gate, [p[1] for p in pools], [p[2] for p in pools], gp, gr)
+    with pytest.warns(UserWarning, match="copying"):
+        prep = tk.prepare_weights(w, "cpu")
+    live = [_storage_span(t) for t in (*w.gate, *w.up, *w.down, *prep.keep)]
+    for g, row in enumerate(prep.table.tolist()):
+        for proj, ptr in zip(("gate", "up", "down"), row):
+            assert any(lo <= ptr < hi for lo, hi in live), f"group {g}: the {proj} pointer is in no live tensor"
+    # and the kept copy holds the caller's values
+    kept = [t for t in prep.keep if t.shape == gate[which].shape]
+    assert kept and torch.equal(kept[0], gate[which]), "the kept copy is not the transposed pool's values"

@@ -469,12 +469,14 @@ def _weights_key(w: GroupedWeights, device) -> tuple:
 def _conform(pools, what: str) -> tuple[list[torch.Tensor], tuple[int, int], list[torch.Tensor]]:
     """Make every pool of one projection share the inner strides of pool 0 (copy the others once)."""
     inner = tuple(pools[0].stride()[1:])
+    keep = []
     if inner[1] != 1:
-        # K must be the contiguous dim for fast loads; copy.
+        # K must be the contiguous dim for fast loads; copy (and keep the copy: the table points into it).
         warnings.warn(f"expert_ffn_triton: {what} pool 0 has inner strides {inner}; copying to contiguous", stacklevel=3)
-        pools = [p.contiguous() if i == 0 else p for i, p in enumerate(pools)]
+        pools = [pools[0].contiguous(), *pools[1:]]
+        keep.append(pools[0])
         inner = tuple(pools[0].stride()[1:])
-    out, keep = [], []
+    out = []
     for i, p in enumerate(pools):
         if tuple(p.stride()[1:]) != inner:
             warnings.warn(f"expert_ffn_triton: {what} pool {i} has inner strides {tuple(p.stride()[1:])} != {inner}; copying", stacklevel=3)
