@@ -186,6 +186,25 @@ def test_auto_takes_deepgemm_only_inside_its_measured_regime(as_sm90, caplog):
     assert api.auto_regimes(x, w) == [(0, "triton"), (16, "deepgemm"), (257, "triton")]
 
 
+def test_auto_regimes_list_what_auto_takes_in_token_order(as_sm90):
+    """Regimes that overlap (a bounded one listed before an open-ended one that starts inside it) listed by regime,
+    not by tokens: a start point out of order and one that auto never takes there (what the plugin's start-up line
+    then said). Every start listed must be where auto changes, in ascending order."""
+    mp, calls = as_sm90
+    x, rw, cu, w = _case([128], [0], G=1)
+    pol = policy.DevicePolicy("test", (), (policy.Regime("quack", w.hidden, w.intermediate, 100, 500),
+                                           policy.Regime("deepgemm", w.hidden, w.intermediate, 200)))
+    mp.setattr(policy, "policy_of", lambda x, path=None: pol)
+    from vllm_moonep.common.grouped_gemm import api
+
+    mp.setattr(api, "triton_unusable", lambda x: None)  # as on a GPU
+    mp.setattr(api, "quack_unusable", lambda x, w: None)  # as where quack is installed
+    got = api.auto_regimes(x, w)
+    assert got == [(0, "triton"), (100, "quack"), (501, "deepgemm")], got
+    for t in (0, 99, 100, 200, 500, 501, 4096):  # and each entry is what a call at those tokens resolves to
+        assert resolve_impl("auto", x, w, t) == [impl for start, impl in got if start <= t][-1], t
+
+
 def test_auto_takes_the_next_measured_library_where_the_first_cannot_run(as_sm90, caplog):
     """Where the policy lists quack before DeepGEMM for the same step sizes and quack is not installed, auto fell back
     to Triton (DeepGEMM, also measured faster, never taken), or took DeepGEMM without saying quack could not run."""
@@ -224,13 +243,20 @@ for I in (160, 1152):  # one partial column block; two, the second partial (BLOC
         assert (got[rw == 0] == 0).all()
         d = (got.float() - want.float()).abs().max().item()
         assert d <= 2 ** -6 * want.float().abs().max().item(), (I, d)
+        # the weights as a column of a [T, 2] tensor (stride 2), as vLLM's topk_weights reach it: each row its own
+        # weight, not its neighbour's (a unit-stride read gives row r the weight of row r // 2 or 0)
+        both = torch.stack([rw, torch.full_like(rw, 7.0)], 1)
+        got_s = torch.full((M, I), 9.0).bfloat16()
+        swiglu_route(g_, u_, both[:, 0], got_s)
+        assert torch.equal(got_s, got), ("a strided route_w read at unit stride", I)
 print("ok", d)
 '''
 
 
 def test_swiglu_route_kernel_matches_its_torch_twin_under_the_interpreter():
     """The activation kernel reading up at the wrong offset (a strided half of h) or ignoring a column stride (the
-    even and odd columns of an interleaved w13's h), a row's weight from the wrong row,
+    even and odd columns of an interleaved w13's h), a row's weight from the wrong row (or a strided route_w at unit
+    stride),
     a masked column tail, or NaN of a padding row surviving a weight of 0."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -103,15 +103,18 @@ def auto_regimes(x: torch.Tensor, w: GroupedWeights, token_padding: int = DEFAUL
     first). Says nothing (``resolve_impl`` says what a real call took)."""
     base, _ = _resolve_auto(x, w, None, token_padding)
     out = [(0, base)]
+    # every regime's ends, in token order (regimes may overlap: the first listed wins where they do)
+    starts = {0}
     for r in policy.policy_of(x).regimes_for(w.hidden, w.intermediate):
-        for start in (r.from_tokens, None if r.to_tokens is None else r.to_tokens + 1):
-            if start is None:
-                continue
-            took, _ = _resolve_auto(x, w, start, token_padding)
-            if start == 0:
-                out = [(0, took)]
-            elif took != out[-1][1]:
-                out.append((start, took))
+        starts.add(r.from_tokens)
+        if r.to_tokens is not None:
+            starts.add(r.to_tokens + 1)
+    for start in sorted(starts):
+        took, _ = _resolve_auto(x, w, start, token_padding)
+        if start == 0:
+            out = [(0, took)]
+        elif took != out[-1][1]:
+            out.append((start, took))
     return out
 
 

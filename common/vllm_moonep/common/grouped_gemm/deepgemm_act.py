@@ -108,6 +108,7 @@ def swiglu_route(g: torch.Tensor, u: torch.Tensor, route_w: torch.Tensor, act: t
     # the even and odd columns of one tensor (an interleaved w13's output): read as pairs, 16-byte loads
     paired = (g.stride(1) == u.stride(1) == 2 and g.stride(0) == u.stride(0)
               and u.data_ptr() == g.data_ptr() + g.element_size())
-    swiglu_route_kernel[(M, triton.cdiv(I, blk))](g, u, route_w, act, I, g.stride(0), u.stride(0), act.stride(0),
+    # the kernel reads route_w[r] at unit stride (a column of a [T, K] tensor would scale rows by other rows' weights)
+    swiglu_route_kernel[(M, triton.cdiv(I, blk))](g, u, route_w.contiguous(), act, I, g.stride(0), u.stride(0), act.stride(0),
                                                  g.stride(1), u.stride(1), BLOCK=blk, PAIRED=paired)
     return act
