@@ -4,6 +4,7 @@ route weights come back, prefetch copies, bad input is rejected and the next ste
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from tests.conftest import ranks
 from tests.reference_planner import reference_placement, reference_plan
 from vllm_moonep.engine import Buffer, MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine.nodes import RANKS_PER_NODE_ENV
 from vllm_moonep.testing.routing import route
 
 
@@ -448,14 +450,28 @@ def test_combine_accumulates_in_fp32_and_rounds_once(R, env):
 
 
 def counts_short_on_one_rank():
-    """Rank 0's counts miss S*K (what an id >= E gives on CUDA, where the count drops it)."""
+    """Rank 0's counts miss S*K (what an id >= E gives on CUDA, where the count drops it). On the symmetric
+    transport's host executor rank 1 reads the counts table late (a delay after its wait): rank 0, refusing at
+    once, must not write the next step's counts into that table before rank 1 has read this one."""
+    from vllm_moonep.engine.transports.symmetric import SymmetricTransport
+
     r, R = dist.get_rank(), dist.get_world_size()
     S, H, K, E = 16, 8, 2, 8
-    buf = Buffer(S, H, K, E, R, B=4, token_padding=4, device="cpu", check_inputs=False)
+    buf = Buffer(S, H, K, E, R, B=4, token_padding=4, device="cpu", check_inputs=False, transport=_transport(),
+                 timeout_s=20)
     x, w, ids, tpe = _inputs(S, E, K, H, 1.0, 5, r, torch.bfloat16)
     bad = tpe.clone()
     if r == 0:
         bad[int(ids[0, 0])] -= 1
+    if r == 1 and isinstance(buf.transport, SymmetricTransport):
+        wait = buf.transport._wait_host
+
+        def slow_reader(phase):
+            wait(phase)
+            if phase == "counts":
+                time.sleep(0.5)
+
+        buf.transport._wait_host = slow_reader
     with pytest.raises(MoonEPInputError, match=r"rank\(s\) \[0\] does not sum to S\*K"):
         buf.dispatch(x, w, ids, bad)
     xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)  # the next valid step on the same buffer
@@ -466,8 +482,53 @@ def counts_short_on_one_rank():
     return ok
 
 
-def test_counts_that_miss_s_times_k_are_refused_on_every_rank():
+@pytest.mark.parametrize("env", [None, SYM_ENV], ids=["collective", "host-heap"])
+def test_counts_that_miss_s_times_k_are_refused_on_every_rank(env):
     """Without host input checks (the GPU default), a count missing rows (ids outside [0, E)) planned
-    an impossible step (out-of-bounds placement) on the collective transport; now every rank refuses
-    it together before any row moves, and the next step is right."""
-    assert ranks(2, counts_short_on_one_rank) == [True, True]
+    an impossible step (out-of-bounds placement, or an IndexError on one rank and a peer left waiting); every
+    rank must refuse it together before any row moves, and the next step be right (on the host heap: a rank
+    that refused could overwrite a slower peer's counts table with the next step's, which the peer then planned
+    from and waited on forever)."""
+    assert ranks(2, counts_short_on_one_rank, env=env) == [True, True]
+
+
+def one_rank_refuses(transport):
+    """Rank 0 alone passes each bad input (the Buffer's checks); then every rank makes the same valid step. Its
+    peers are already in the call's first exchange: they must refuse it with rank 0, naming it, not complete it
+    with rank 0's next call (on one buffer shared by the layers, the next layer's rows)."""
+    r, R = dist.get_rank(), dist.get_world_size()
+    S, H, K, E = 16, 8, 2, 4 * R
+    buf = Buffer(S, H, K, E, R, B=2, token_padding=4, device="cpu", dtype=torch.float32, transport=transport,
+                 timeout_s=20)
+    x, w, ids, tpe = _inputs(S, E, K, H, 1.0, 11, r, torch.float32)
+    bad = {"nan weight": ((x, torch.full_like(w, float("nan")), ids, tpe), {}),
+           "id out of range": ((x, w, torch.where(ids == ids[0, 0], E, ids), tpe), {}),
+           "fp64 weights": ((x, w.double(), ids, tpe), {}),
+           "num_tokens": ((x, w, ids, tpe), {"num_tokens": S + 1})}
+    seen = []
+    for name, (args, kw) in bad.items():
+        if r == 0:
+            with pytest.raises(MoonEPInputError) as ei:
+                buf.dispatch(*args, **kw)
+            assert "refused their input" not in str(ei.value), (name, str(ei.value))
+        else:
+            with pytest.raises(MoonEPInputError, match=r"dispatch: rank\(s\) \[0\] refused their input to this "
+                                                       r"dispatch \(their own error says why\), so every rank refuses "
+                                                       "it: nothing moved"):
+                buf.dispatch(x, w, ids, tpe)
+        xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)  # the next step, the same on every rank
+        out, rw, _ = buf.combine(plan, xn * 2, wn)
+        seen.append(bool(torch.equal(out, 2 * K * x) and torch.equal(rw, w)))
+    buf.destroy()
+    return seen
+
+
+@pytest.mark.parametrize("transport,R,env", [("collective", 2, None), ("collective", 3, None),
+                                             ("hybrid", 4, {RANKS_PER_NODE_ENV: "2"})],
+                         ids=["collective-R2", "collective-R3", "hybrid-R4-2-nodes"])
+def test_one_rank_refusing_its_input_is_refused_by_every_rank(transport, R, env):
+    """A rank that refused its own input raised before the counts all-gather its peers were already in, so their
+    call completed with that rank's next one (two calls mixed: with one buffer shared by the layers, rows of
+    another layer, silently; or a timeout one call later naming the wrong step). The transports that plan on the
+    host send a refusal frame in its place: every rank refuses the call and the next step is right."""
+    assert ranks(R, one_rank_refuses, transport, env=env) == [[True] * 4] * R

@@ -9,7 +9,8 @@ killed rank or a failed collective leaves a process group unusable):
   (idempotent, before the process group, local: the symmetric layout's heap too), rebuilds the process group and a fresh set of
   buffers/pools/layouts in the same process, and gets bitwise the same output as before;
 - a peer that never loads its weights: the replicated layout's load-time all-gather is bounded;
-- a rank that rejects its input: its peers time out naming it (no hang, no partial output);
+- a rank that rejects its input: its peers time out naming it (no hang, no partial output), where nothing
+  carries the refusal to them (the MoE step's own checks; the symmetric transport);
 - the store's host (rank 0) exits: the survivor still raises promptly, saying why it cannot name it.
 """
 
@@ -319,6 +320,43 @@ def test_load_time_and_bad_input_faults_then_recreate():
     assert o["type"] == "MoonEPCollectiveTimeout" and o["missing"] == [1], o
     # the bad ids are caught before the step's first collective (the capacity's buffer construction)
     assert o["op"] == "Buffer.__init__ (config check)" and o["step"] is None, o
+
+
+def symmetric_peer_refuses():
+    """The symmetric transport on the host heap: rank 1 alone refuses its input (a NaN weight) and makes no further
+    call; rank 0's dispatch waits for its counts."""
+    from vllm_moonep.engine import Buffer
+
+    r = dist.get_rank()
+    buf = Buffer(16, H, K, E, 2, B=B, token_padding=TP, device="cpu", dtype=torch.float32, transport="symmetric",
+                 heap="host", group=dist.group.WORLD)
+    x, ids, w = rank_inputs(16, E, K, H, sigma=1.0, seed=31, rank=r)
+    ids32 = ids.to(torch.int32)
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+    if r == 1:
+        w = torch.full_like(w, float("nan"))
+    exc, el = _timed(buf.dispatch, x.float().contiguous(), w.float().contiguous(), ids32.contiguous(), tpe)
+    out = {"dispatch": _describe(exc, el)}
+    # rank 0's group failed (its destroy is local); rank 1's heap frees are collective and find no peer: a bounded
+    # wait, after which the group is failed there too and a second destroy is local
+    exc, el = _timed(buf.destroy)
+    out["destroy"] = _describe(exc, el)
+    buf.destroy()
+    return out
+
+
+def test_a_peer_refusing_alone_on_the_symmetric_transport_is_named():
+    """The symmetric transport has no frame to carry a refusal (docs/VALIDATION.md): a rank that refused its input
+    alone must leave its peers a bounded wait that names it, not a hang or a step planned without its counts."""
+    res = _fresh(2, symmetric_peer_refuses)
+    assert not any(isinstance(x, RankFailure) for x in res), res
+    assert res[1]["dispatch"]["type"] == "MoonEPInputError" and "non-finite" in res[1]["dispatch"]["msg"], res[1]
+    o = res[0]["dispatch"]
+    assert o["type"] == "MoonEPCollectiveTimeout" and o["missing"] == [1], o
+    assert "token counts" in o["msg"] and o["elapsed"] < TIMEOUT_S + SLACK_S, o
+    assert res[0]["destroy"]["type"] is None, res[0]["destroy"]
+    d = res[1]["destroy"]
+    assert d["type"] in (None, "MoonEPCollectiveTimeout") and d["elapsed"] < TIMEOUT_S + SLACK_S, d
 
 
 # ------------------------------------------------------------------------------ the store's host dies

@@ -471,11 +471,17 @@ class Buffer:
         for those tokens are unspecified. A decode step padded from 1 token to 128 then moves 8
         rows, not 1024. Other transports move every row (same results on the real tokens)."""
         self._alive("Buffer.dispatch")
-        self._check_dispatch_inputs(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)
-        if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
-                                       or not 0 <= num_tokens <= self.S):
-            raise MoonEPInputError(f"dispatch: num_tokens must be an int in [0, S={self.S}], got {num_tokens!r}")
         t = self.transport
+        try:
+            self._check_dispatch_inputs(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert)
+            if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                           or not 0 <= num_tokens <= self.S):
+                raise MoonEPInputError(f"dispatch: num_tokens must be an int in [0, S={self.S}], got {num_tokens!r}")
+        except MoonEPInputError:
+            # the peers are already in this call's first exchange: where the transport can tell them, they refuse
+            # it too (else they would pair with this rank's next call, another layer's rows)
+            t.refuse(self._step)
+            raise
         try:
             gp_host = t.plan(tokens_per_expert, self._step)
             d = t.dispatch(hidden_sh, route_weights_sk, topk_experts_sk, tokens_per_expert, gp_host, num_tokens,

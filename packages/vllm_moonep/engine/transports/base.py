@@ -2,7 +2,9 @@
 
 A transport moves one step's rows for one ``Buffer`` (its capacity ``S`` fixes every size)::
 
-    Buffer.dispatch: checks inputs ─► transport.plan(tpe, step)
+    Buffer.dispatch: checks inputs ─► (refused: transport.refuse(step), the peers refuse it too where
+                                        the transport can tell them)
+                                   ─► transport.plan(tpe, step)
                                         the plan made on the host before any row moves
                                         (collective, hybrid), or None (symmetric: planned
                                         inside its dispatch launch)
@@ -31,10 +33,12 @@ import torch
 
 from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout
+from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 from vllm_moonep.engine.launch import Launcher, interpreting
+from vllm_moonep.engine.planning.host_plan import DISPATCH_GATHER_OP, plan_on_host, refuse_framed
 from vllm_moonep.engine.planning.planner import GlobalPlan
 
-__all__ = ["Dispatched", "Transport", "sum_entries"]
+__all__ = ["Dispatched", "HostPlannedTransport", "Transport", "sum_entries"]
 
 
 def sum_entries(rows: torch.Tensor, S: int, K: int, dtype: torch.dtype) -> torch.Tensor:
@@ -124,6 +128,12 @@ class Transport(ABC):
         dispatch. ``step``: the buffer's dispatch count, named by errors."""
         return None
 
+    def refuse(self, step: int) -> None:
+        """This rank refused the step's input (the ``Buffer``'s checks, before ``plan``): end the peers' half of
+        the call with it where the transport can, so that they refuse it too rather than pair with this rank's
+        next call. The default does nothing: a transport that exchanges nothing through a collective before
+        moving rows (symmetric) leaves its peers waiting, and they time out naming this rank."""
+
     @abstractmethod
     def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
                  plan: GlobalPlan | None, num_tokens: int | None, step: int) -> Dispatched:
@@ -157,3 +167,27 @@ class Transport(ABC):
         """A device-side wait that gave up and was recorded, not raised yet (it makes the group
         unusable); ``None`` when there is none."""
         return None
+
+
+class HostPlannedTransport(Transport):
+    """A transport that plans on the host from every rank's counts, all-gathered in one frame
+    (``planning/host_plan.py``): the collective and hybrid ones. A subclass sets ``coll`` (the buffer's
+    bounded collectives over the EP group), the buffer's ``S, K, E, B``, ``tp`` (its token padding) and
+    ``device``."""
+
+    coll: BoundedCollectives
+    S: int
+    K: int
+    E: int
+    B: int
+    tp: int
+    device: torch.device
+
+    def plan(self, tpe: torch.Tensor, step: int) -> GlobalPlan:
+        self.coll.step = step
+        return plan_on_host(self.coll, tpe, self.S, self.K, self.E, self.B, self.tp)
+
+    def refuse(self, step: int) -> None:
+        """The refusal frame in place of this rank's counts: the peers' all-gather completes and they refuse."""
+        self.coll.step = step
+        refuse_framed(self.coll, self.S, self.E, self.device, DISPATCH_GATHER_OP)

@@ -24,9 +24,8 @@ import torch
 
 from vllm_moonep.engine.errors import MoonEPStateError
 from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
-from vllm_moonep.engine.planning.host_plan import plan_on_host
 from vllm_moonep.engine.planning.planner import GlobalPlan, place_entries
-from vllm_moonep.engine.transports.base import Dispatched, Transport, sum_entries
+from vllm_moonep.engine.transports.base import Dispatched, HostPlannedTransport, sum_entries
 
 __all__ = ["CollectiveStep", "CollectiveTransport"]
 
@@ -42,7 +41,7 @@ class CollectiveStep:
     recv_rows: torch.Tensor  # shard row of each received entry
 
 
-class CollectiveTransport(Transport):
+class CollectiveTransport(HostPlannedTransport):
     """Rows of one ``Buffer`` by all-to-all over its ``collectives`` (see the module doc).
 
     Args: ``collectives`` (the buffer's bounded collectives over the EP group), the buffer's shape
@@ -57,10 +56,6 @@ class CollectiveTransport(Transport):
         self.rank = collectives.rank
         self.S, self.K, self.E, self.B, self.H, self.NvS, self.tp = S, K, E, B, H, NvS, token_padding
         self.dtype, self.device = dtype, device
-
-    def plan(self, tpe: torch.Tensor, step: int) -> GlobalPlan:
-        self.coll.step = step
-        return plan_on_host(self.coll, tpe, self.S, self.K, self.E, self.B, self.tp)
 
     def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
                  plan: GlobalPlan | None, num_tokens: int | None, step: int) -> Dispatched:

@@ -76,9 +76,8 @@ from vllm_moonep.engine.errors import (
 from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, describe_failure
 from vllm_moonep.engine.nodes import NodeMap, acquire_node_subgroup, release_node_subgroup
-from vllm_moonep.engine.planning.host_plan import plan_on_host
 from vllm_moonep.engine.planning.planner import GlobalPlan, padding_rows, place_entries
-from vllm_moonep.engine.transports.base import Dispatched, Transport, sum_entries
+from vllm_moonep.engine.transports.base import Dispatched, HostPlannedTransport, sum_entries
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -130,7 +129,7 @@ class HybridStep:
     recv_splits: list[int]
 
 
-class HybridTransport(Transport):
+class HybridTransport(HostPlannedTransport):
     """Buffers, node heap and signals of one engine ``Buffer`` (see the module doc).
 
     Args: ``coll`` (the buffer's bounded collectives over the EP group), ``nodes`` (the group's
@@ -291,10 +290,6 @@ class HybridTransport(Transport):
             timeout_s=self.coll.timeout_s, seq=target)
 
     # ------------------------------------------------------------------ dispatch
-    def plan(self, tpe: torch.Tensor, step: int) -> GlobalPlan:
-        self.coll.step = step
-        return plan_on_host(self.coll, tpe, self.S, self.K, self.E, self.B, self.tp)
-
     def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
                  plan: GlobalPlan | None, num_tokens: int | None, step: int) -> Dispatched:
         """Move this step's rows (``plan``: the plan on the host, the same on every rank; every

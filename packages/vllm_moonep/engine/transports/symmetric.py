@@ -59,10 +59,12 @@ except ImportError:  # CPU-only installs: the host executor needs no Triton
     triton = None
 
 import vllm_moonep.engine.heaps as heaps
-from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPStateError, MoonEPUnavailableError
+from vllm_moonep.engine.errors import (MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError,
+                                      MoonEPUnavailableError)
 from vllm_moonep.engine.faults.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
 from vllm_moonep.engine.heaps.base import SymmetricHeap
 from vllm_moonep.engine.launch import Launcher, sm_count
+from vllm_moonep.engine.planning.host_plan import refuse_short_counts
 from vllm_moonep.engine.planning.planner import GlobalPlan, padding_rows, place_entries, plan_global
 from vllm_moonep.engine.transports.base import Dispatched, Transport, sum_entries
 from vllm_moonep.engine.transports.eager_graphs import EAGER_GRAPH_MAX_TOKENS, EAGER_GRAPHS, GraphCache
@@ -380,7 +382,18 @@ class SymmetricTransport(Transport):
             self.peer["counts"][d][rank].copy_(tpe)
         self._signal_host("counts", range(R))
         self._wait_host("counts")
-        gp = plan_global(b["counts"].to(torch.int64), S, K, self.B, self.tp)
+        tpe_all = b["counts"].to(torch.int64)
+        # every rank reads the same table, so all refuse together, before any row moves (an id outside [0, E)
+        # dropped from a count would otherwise be placed out of bounds). The rows phase's signal, with no rows,
+        # then says each has read it: a rank that left at once could write the next step's counts into the
+        # table of a peer that has not read this one yet
+        try:
+            refuse_short_counts(tpe_all, S, K, self.E)
+        except MoonEPInputError:
+            self._signal_host("dispatch", range(R))
+            self._wait_host("dispatch")
+            raise
+        gp = plan_global(tpe_all, S, K, self.B, self.tp)
         dest, row = place_entries(gp, rank, ids)
         n = S * K
         flat = torch.arange(n)
