@@ -131,7 +131,8 @@ def test_prefetch_weight_rejects():
 
 
 def test_combine_rejects_and_calling_order():
-    """combine accepting bad rows or route weights, another buffer's plan, no plan or a stale one."""
+    """combine accepting bad rows or route weights, another buffer's plan, no plan, a stale one or one combined
+    already."""
     buf, other = _buf(), _buf()
     x, w, ids, tpe = _inputs()
     xn, wn, cu, plan = buf.dispatch(x, w, ids, tpe)
@@ -157,6 +158,11 @@ def test_combine_rejects_and_calling_order():
     with pytest.raises(MoonEPStateError, match="dispatched since"):  # combine_stale_plan
         buf.combine(plan, xn)
     buf.combine(plan2, xn)
+    # combine_twice: on the GPU symmetric transport the first combine returns the rows to padding, so a second
+    # sent nothing and returned the first one's sums, whatever its rows (here and on the other transports it
+    # recomputed them): refused on every transport
+    with pytest.raises(MoonEPStateError, match="combined already"):
+        buf.combine(plan2, xn)
     # destroy: idempotent; every later call is a state error
     buf.destroy()
     buf.destroy()

@@ -172,6 +172,9 @@ class Plan:
     # padding tail), where the transport wrote them (the GPU symmetric transport's row kernel): the
     # expert kernels then need not find them (``expert_ffn(row_ends=...)``); None elsewhere
     live_ends: torch.Tensor | None = field(default=None, repr=False)
+    # set by the plan's combine: a second one is refused (the GPU symmetric transport's combine returns every
+    # moved row to padding, so a second would send nothing and return the first one's sums)
+    combined: bool = field(default=False, repr=False)
 
     @property
     def slots_used(self) -> int:
@@ -540,6 +543,9 @@ class Buffer:
     ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
         """Expert outputs back to their tokens; returns ``(hidden_sh [S,H], route_weights_sk or None, None)``."""
         mine = self.check_plan(plan, "Buffer.combine")
+        if mine.combined:
+            raise MoonEPStateError(f"Buffer.combine: the plan of dispatch #{mine.step} was combined already; a plan is "
+                                   "combined once (dispatch again for another step)")
         if not isinstance(hidden_nvsh, torch.Tensor) or hidden_nvsh.dim() != 2 or hidden_nvsh.shape[1] != self.H or hidden_nvsh.shape[0] < self.NvS:
             shape = list(hidden_nvsh.shape) if isinstance(hidden_nvsh, torch.Tensor) else type(hidden_nvsh).__name__
             raise MoonEPInputError(f"combine: hidden_nvsh must be [NvS={self.NvS}, H={self.H}], got {shape}")
@@ -564,6 +570,7 @@ class Buffer:
         except BaseException:
             self._mark_if_recorded()
             raise
+        mine.combined = True
         return out, rw, None
 
     def destroy(self) -> None:

@@ -90,8 +90,9 @@ class ErrorBoard:
         code, peer, epoch = w[CODE], w[PEER], w[EPOCH]
         if code == CODE_BAD_ID:
             return MoonEPInputError(
-                f"{self.what}: an expert id outside [0, E) reached dispatch on rank {self.rank} (the "
-                "device-side check skipped its row, so this step's output is wrong); sanitize invalid ids first. "
+                f"{self.what}: an expert id outside [0, E) reached dispatch on rank {self.rank}, or an entry beyond "
+                "its expert's count in tokens_per_expert (the device-side check skipped its row, so this step's "
+                "output is wrong); sanitize invalid ids first and count them with their bincount. "
                 "Rebuild the buffer: the ranks' step counts may no longer agree."
             )
         op = WAIT_OPS.get(code, f"wait #{code}")

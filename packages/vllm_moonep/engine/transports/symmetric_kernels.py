@@ -95,8 +95,10 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
         else:
             d = tl.load(dest + i, mask=im, other=0)
             r = tl.load(row + i, mask=im, other=0)
-        ok = im & (d >= 0)
-        if tl.sum((im & (d < 0)).to(tl.int32), axis=0) > 0:
+        # a destination outside [0, R): an id outside [0, E) (-1), or an entry past its expert's count (R: counts
+        # that are not the ids' bincount); either would index the peers' address table out of bounds
+        ok = im & (d >= 0) & (d < R)
+        if tl.sum((im & ((d < 0) | (d >= R))).to(tl.int32), axis=0) > 0:
             report(board, C_BAD_ID, -1, 0, 0, t0, 0)
         dd = tl.where(ok, d, 0)
         tok = (i // K).to(tl.int64)
