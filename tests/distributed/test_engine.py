@@ -498,7 +498,7 @@ def one_rank_refuses(transport):
     with rank 0's next call (on one buffer shared by the layers, the next layer's rows)."""
     r, R = dist.get_rank(), dist.get_world_size()
     S, H, K, E = 16, 8, 2, 4 * R
-    buf = Buffer(S, H, K, E, R, B=2, token_padding=4, device="cpu", dtype=torch.float32, transport=transport,
+    buf = Buffer(S, H, K, E, R, B=2, token_padding=4, device=_device(), dtype=torch.float32, transport=transport,
                  timeout_s=20)
     x, w, ids, tpe = _inputs(S, E, K, H, 1.0, 11, r, torch.float32)
     bad = {"nan weight": ((x, torch.full_like(w, float("nan")), ids, tpe), {}),

@@ -120,7 +120,6 @@ def plan_on_host(collectives: BoundedCollectives, tokens_per_expert: torch.Tenso
     return plan_global(tpe_host, S, K, B, token_padding)
 
 
-
 def refuse_short_counts(tpe_host: torch.Tensor, S: int, K: int, E: int) -> None:
     """``MoonEPInputError`` where a rank's counts in the all-ranks table ``tpe_host [R, E]`` do not sum to
     ``S*K``. Every rank sees the same table, so all refuse together (nothing moved yet): such counts mean
