@@ -9,8 +9,8 @@ killed rank or a failed collective leaves a process group unusable):
   (idempotent, before the process group, local: the symmetric layout's heap too), rebuilds the process group and a fresh set of
   buffers/pools/layouts in the same process, and gets bitwise the same output as before;
 - a peer that never loads its weights: the replicated layout's load-time all-gather is bounded;
-- a rank that rejects its input: its peers time out naming it (no hang, no partial output), where nothing
-  carries the refusal to them (the MoE step's own checks; the symmetric transport);
+- a rank that rejects its input: its peers refuse the step with it (the MoE step's routing checks, through the
+  step's buffer), or time out naming it where nothing carries the refusal (the symmetric transport);
 - the store's host (rank 0) exits: the survivor still raises promptly, saying why it cannot name it.
 """
 
@@ -288,15 +288,22 @@ def load_and_input_faults(port1, port2):
     else:
         time.sleep(2.0 + 1.0)
     _rebuild_group(port1)
-    # 2) rank 1 passes ids out of range: it raises MoonEPInputError before any collective, and
-    #    rank 0 times out naming it, instead of hanging
+    # 2) rank 1 passes ids out of range: it raises MoonEPInputError before any row moves and tells rank 0
+    #    (the step's buffer carries its refusal), which refuses the step too, naming it, instead of hanging;
+    #    the next step is right on both, in the same group
     moe, w13, w2 = _build()
     x, ids, w = _step_inputs(0)
+    bad = ids.clone()
     if r == 1:
-        ids = ids.clone()
-        ids[0, 0] = E
-    exc, el = _timed(moe.forward, x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+        bad[0, 0] = E
+    exc, el = _timed(moe.forward, x, bad, w, num_tokens_across_dp=MAX_TOKENS)
     out["input"] = _describe(exc, el)
+    check_against_dense(moe.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS), x, ids, w, w13, w2)
+    out["next_step_right"] = True
+    # 3) rank 1's hidden states are refused before the step's buffer is known: nothing can tell rank 0, which
+    #    waits out the bound naming it (the group is then unusable: rebuilt below)
+    exc, el = _timed(moe.forward, x[:, :-1] if r == 1 else x, ids, w, num_tokens_across_dp=MAX_TOKENS)
+    out["hidden"] = _describe(exc, el)
     _teardown(moe)
     _rebuild_group(port2)
     moe, w13, w2 = _build()
@@ -307,8 +314,9 @@ def load_and_input_faults(port1, port2):
 
 
 def test_load_time_and_bad_input_faults_then_recreate():
-    """A peer missing at weight load, or one that rejected its input and skipped the step, leaving the others hanging
-    without naming it."""
+    """A peer missing at weight load leaving the others hanging without naming it; a MoE step whose routing one rank
+    refused left its peer waiting out the bound (and the group unusable) instead of refusing the step with it; hidden
+    states refused before the step's buffer is known must still leave the peer a bounded wait naming the rank."""
     res = _fresh(2, load_and_input_faults, _free_port(), _free_port())
     assert not any(isinstance(x, RankFailure) for x in res), res
     load = res[0]["load"]
@@ -317,9 +325,13 @@ def test_load_time_and_bad_input_faults_then_recreate():
     assert 1.8 <= load["elapsed"] < 2.0 + SLACK_S, load
     assert res[1]["input"]["type"] == "MoonEPInputError" and "topk_ids must be in [0, 12)" in res[1]["input"]["msg"], res[1]
     o = res[0]["input"]
+    assert o["type"] == "MoonEPInputError" and "rank(s) [1] refused their input" in o["msg"], o
+    assert o["elapsed"] < TIMEOUT_S, o  # told, not timed out
+    assert all(x["next_step_right"] for x in res), res
+    assert res[1]["hidden"]["type"] == "MoonEPInputError", res[1]
+    o = res[0]["hidden"]
     assert o["type"] == "MoonEPCollectiveTimeout" and o["missing"] == [1], o
-    # the bad ids are caught before the step's first collective (the capacity's buffer construction)
-    assert o["op"] == "Buffer.__init__ (config check)" and o["step"] is None, o
+    assert o["op"] == "dispatch: all_gather(tokens_per_expert)" and o["elapsed"] < TIMEOUT_S + SLACK_S, o
 
 
 def symmetric_peer_refuses():

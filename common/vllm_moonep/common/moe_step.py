@@ -19,7 +19,7 @@ from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.common.padding import pad_and_count
 from vllm_moonep.common.pool import MoonEPBufferPool, as_int
 from vllm_moonep.common.timing import NullTimer
-from vllm_moonep.engine import MoonEPBuffer, MoonEPInputError, MoonEPPlan, default_num_slots
+from vllm_moonep.engine import MoonEPBuffer, MoonEPInputError, MoonEPPlan, default_num_slots, refuse_step
 from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 
 __all__ = [
@@ -156,15 +156,22 @@ def dispatch_and_prefetch(
     """Pick the buffer for ``num_tokens`` (same on every rank), pad, dispatch, fill the slots.
 
     Returns ``(hidden_nvsh [NvS,H], route_weights_nvs [NvS], cu_seqlens [E+B], state)``.
-    Every check that can fail on bad input runs before the first collective.
+    Every check that can fail on bad input runs before the first collective; a refused routing then tells the
+    peers through the step's buffer (``refuse_step``), so that they refuse the step too.
     """
     t = timer or _NULL
     with t.phase("pad"):
         cap = pool.capacity_for(num_tokens)  # raises on capacity overflow, before any collective
         check_layout_matches_pool(pool, layout)
         # on CUDA one kernel pads and counts into the pool's staging tensors (common/pad_kernel.py)
-        x, ids, w, tpe, s = pad_and_count(hidden, topk_ids, topk_weights, cap, layout.num_experts, pool.pad_expert,
-                                          pool.staging(cap, hidden))
+        try:
+            x, ids, w, tpe, s = pad_and_count(hidden, topk_ids, topk_weights, cap, layout.num_experts,
+                                              pool.pad_expert, pool.staging(cap, hidden))
+        except MoonEPInputError:
+            # this rank's routing or hidden states refused: its peers are in the step's dispatch (their capacity is
+            # this one, num_tokens being the same on every rank): they refuse it too where the engine can say so
+            refuse_step(pool.get(num_tokens)[1])
+            raise
         cap, buf = pool.get(num_tokens)
     with t.phase("dispatch"):
         if buf.accepts_num_tokens:  # the built-in engine: padding tokens' rows stay put (MoonEPBuffer)

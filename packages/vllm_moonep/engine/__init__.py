@@ -20,7 +20,7 @@ from vllm_moonep.engine.errors import (
     MoonEPUnavailableError,
 )
 from vllm_moonep.engine.planning.planner import GlobalPlan, place_entries, plan_global
-from vllm_moonep.engine.protocol import MoonEPBuffer, MoonEPPlan, check_plan, dispatched_rows
+from vllm_moonep.engine.protocol import MoonEPBuffer, MoonEPPlan, check_plan, dispatched_rows, refuse_step
 from vllm_moonep.engine.select import ENGINES, make_buffer, real_moonep_status, resolve_engine
 from vllm_moonep.engine.transports import TRANSPORTS, resolve_transport
 
@@ -48,6 +48,7 @@ __all__ = [
     "place_entries",
     "plan_global",
     "real_moonep_status",
+    "refuse_step",
     "resolve_device",
     "resolve_engine",
     "resolve_transport",

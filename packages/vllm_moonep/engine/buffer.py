@@ -481,9 +481,7 @@ class Buffer:
                                            or not 0 <= num_tokens <= self.S):
                 raise MoonEPInputError(f"dispatch: num_tokens must be an int in [0, S={self.S}], got {num_tokens!r}")
         except MoonEPInputError:
-            # the peers are already in this call's first exchange: where the transport can tell them, they refuse
-            # it too (else they would pair with this rank's next call, another layer's rows)
-            t.refuse(self._step)
+            self.refuse_step()
             raise
         try:
             gp_host = t.plan(tokens_per_expert, self._step)
@@ -496,6 +494,15 @@ class Buffer:
                     transport_state=d.state, cu_seqlens=d.cu_seqlens, rows=d.rows, live_ends=d.live_ends)
         self._step += 1
         return d.hidden_nvsh, d.route_weights_nvs, d.cu_seqlens, plan
+
+    def refuse_step(self) -> None:
+        """This rank refused the step's inputs (``dispatch``'s checks, or its caller's own before dispatch): tell
+        the peers, already in this dispatch's first exchange, so that they refuse it too instead of pairing with
+        this rank's next call (another layer's rows, on a buffer the layers share). The collective and hybrid
+        transports send a refusal frame where the counts would go; the symmetric transport has none, and its
+        peers time out naming this rank."""
+        self._alive("Buffer.refuse_step")
+        self.transport.refuse(self._step)
 
     def check_plan(self, plan: object, op: str) -> Plan:
         """``plan``, once it is known to be this buffer's latest dispatch's, else ``MoonEPStateError``

@@ -15,7 +15,7 @@ import torch
 
 from vllm_moonep.engine.errors import MoonEPInputError
 
-__all__ = ["MoonEPBuffer", "MoonEPPlan", "check_plan", "dispatched_rows"]
+__all__ = ["MoonEPBuffer", "MoonEPPlan", "check_plan", "dispatched_rows", "refuse_step"]
 
 
 @runtime_checkable
@@ -124,6 +124,15 @@ def check_plan(buffer: MoonEPBuffer, plan: MoonEPPlan, op: str) -> None:
             "dispatch's cannot be told; pass a buffer of the built-in or the real moonep engine"
         )
     checker(plan, op)
+
+
+def refuse_step(buffer: MoonEPBuffer | Any) -> None:
+    """The caller refused this rank's step before ``buffer.dispatch``: the built-in engine's buffer tells its
+    peers (``Buffer.refuse_step``), so they refuse the dispatch they are in. The real ``moonep`` package has no
+    such call: its peers wait and time out."""
+    refuse = getattr(buffer, "refuse_step", None)  # not a protocol member: only the built-in engine has it
+    if refuse is not None:
+        refuse()
 
 
 def dispatched_rows(buffer: MoonEPBuffer | Any) -> int:
