@@ -300,10 +300,27 @@ def load_and_input_faults(port1, port2):
     out["input"] = _describe(exc, el)
     check_against_dense(moe.forward(x, ids, w, num_tokens_across_dp=MAX_TOKENS), x, ids, w, w13, w2)
     out["next_step_right"] = True
-    # 3) rank 1's hidden states are refused before the step's buffer is known: nothing can tell rank 0, which
-    #    waits out the bound naming it (the group is then unusable: rebuilt below)
-    exc, el = _timed(moe.forward, x[:, :-1] if r == 1 else x, ids, w, num_tokens_across_dp=MAX_TOKENS)
-    out["hidden"] = _describe(exc, el)
+    # 3) both ranks refuse, at different checks (rank 0 its routing, rank 1 its hidden states' width): each must tell
+    #    the other, or the told one's frame pairs with the other's next call; then two layers sharing the pool run
+    #    two right steps
+    moe_b, w13_b, w2_b = _build(seed=1)
+    moe_b.pool.destroy()
+    moe_b.pool = moe.pool
+    bad0 = ids.clone()
+    bad0[0, 0] = E
+    exc, el = (_timed(moe.forward, x, bad0, w, num_tokens_across_dp=MAX_TOKENS) if r == 0
+               else _timed(moe.forward, x[:, :-1], ids, w, num_tokens_across_dp=MAX_TOKENS))
+    out["both"] = _describe(exc, el)
+    for step in (1, 2):
+        xs, ids_s, ws = _step_inputs(step)
+        for m, a, b in ((moe, w13, w2), (moe_b, w13_b, w2_b)):
+            check_against_dense(m.forward(xs, ids_s, ws, num_tokens_across_dp=MAX_TOKENS), xs, ids_s, ws, a, b)
+    out["both_then_right"] = True
+    moe_b.layout.destroy()
+    # 4) rank 1's step count itself is refused (not an int): the step's buffer cannot be known, so nothing tells
+    #    rank 0, which waits out the bound naming it (the group is then unusable: rebuilt below)
+    exc, el = _timed(moe.forward, x, ids, w, num_tokens_across_dp="64" if r == 1 else MAX_TOKENS)
+    out["untold"] = _describe(exc, el)
     _teardown(moe)
     _rebuild_group(port2)
     moe, w13, w2 = _build()
@@ -315,8 +332,10 @@ def load_and_input_faults(port1, port2):
 
 def test_load_time_and_bad_input_faults_then_recreate():
     """A peer missing at weight load leaving the others hanging without naming it; a MoE step whose routing one rank
-    refused left its peer waiting out the bound (and the group unusable) instead of refusing the step with it; hidden
-    states refused before the step's buffer is known must still leave the peer a bounded wait naming the rank."""
+    refused left its peer waiting out the bound (and the group unusable) instead of refusing the step with it; two
+    ranks refusing at different checks (one told, one not) left the ranks a call apart, every later output wrong;
+    a step count refused before the step's buffer is known must still leave the peer a bounded wait naming the
+    rank."""
     res = _fresh(2, load_and_input_faults, _free_port(), _free_port())
     assert not any(isinstance(x, RankFailure) for x in res), res
     load = res[0]["load"]
@@ -328,8 +347,10 @@ def test_load_time_and_bad_input_faults_then_recreate():
     assert o["type"] == "MoonEPInputError" and "rank(s) [1] refused their input" in o["msg"], o
     assert o["elapsed"] < TIMEOUT_S, o  # told, not timed out
     assert all(x["next_step_right"] for x in res), res
-    assert res[1]["hidden"]["type"] == "MoonEPInputError", res[1]
-    o = res[0]["hidden"]
+    assert "topk_ids must be in" in res[0]["both"]["msg"] and "hidden states must be" in res[1]["both"]["msg"], res
+    assert all(x["both_then_right"] for x in res), res
+    assert res[1]["untold"]["type"] == "MoonEPInputError", res[1]
+    o = res[0]["untold"]
     assert o["type"] == "MoonEPCollectiveTimeout" and o["missing"] == [1], o
     assert o["op"] == "dispatch: all_gather(tokens_per_expert)" and o["elapsed"] < TIMEOUT_S + SLACK_S, o
 
@@ -355,6 +376,36 @@ def symmetric_peer_refuses():
     out["destroy"] = _describe(exc, el)
     buf.destroy()
     return out
+
+
+def refusal_nobody_hears():
+    """Rank 0 refuses its input on the collective transport while rank 1 makes no MoonEP call (it sleeps past the
+    bound): the refusal frame meets no peer."""
+    from vllm_moonep.engine import Buffer
+
+    r = dist.get_rank()
+    buf = Buffer(16, H, K, E, 2, B=B, token_padding=TP, device="cpu", dtype=torch.float32, transport="collective",
+                 group=dist.group.WORLD)
+    out = None
+    if r == 0:
+        x, ids, w = rank_inputs(16, E, K, H, sigma=1.0, seed=33, rank=r)
+        tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+        exc, el = _timed(buf.dispatch, x.float(), torch.full_like(w, float("nan")), ids.to(torch.int32), tpe)
+        out = {**_describe(exc, el), "cause": type(exc.__cause__).__name__ if exc is not None else None}
+    else:
+        time.sleep(TIMEOUT_S + 1.0)
+    buf.destroy()
+    return out
+
+
+def test_a_refusal_no_peer_hears_raises_the_input_error():
+    """A refusal frame that meets no peer (gone, or in another collective) timed out, and the timeout took the place
+    of the rank's own input error: the input error must be what is raised, with the failed telling as its cause."""
+    res = _fresh(2, refusal_nobody_hears)
+    assert not any(isinstance(x, RankFailure) for x in res), res
+    o = res[0]
+    assert o["type"] == "MoonEPInputError" and "non-finite" in o["msg"], o
+    assert o["cause"] == "MoonEPCollectiveTimeout" and TIMEOUT_S - 0.2 <= o["elapsed"] < TIMEOUT_S + SLACK_S, o
 
 
 def test_a_peer_refusing_alone_on_the_symmetric_transport_is_named():

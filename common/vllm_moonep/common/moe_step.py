@@ -11,6 +11,7 @@ The pieces are module-level functions (``check_hidden_states``, ``fold_router_we
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 
@@ -19,7 +20,7 @@ from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.common.padding import pad_and_count
 from vllm_moonep.common.pool import MoonEPBufferPool, as_int
 from vllm_moonep.common.timing import NullTimer
-from vllm_moonep.engine import MoonEPBuffer, MoonEPInputError, MoonEPPlan, default_num_slots, refuse_step
+from vllm_moonep.engine import MoonEPBuffer, MoonEPError, MoonEPInputError, MoonEPPlan, default_num_slots, refuse_step
 from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING
 
 __all__ = [
@@ -156,22 +157,19 @@ def dispatch_and_prefetch(
     """Pick the buffer for ``num_tokens`` (same on every rank), pad, dispatch, fill the slots.
 
     Returns ``(hidden_nvsh [NvS,H], route_weights_nvs [NvS], cu_seqlens [E+B], state)``.
-    Every check that can fail on bad input runs before the first collective; a refused routing then tells the
-    peers through the step's buffer (``refuse_step``), so that they refuse the step too.
+    Every check that can fail on bad input runs before the first collective; a refusal then tells the peers
+    through the step's buffer (``refuse_before_dispatch``), so that they refuse the step too.
     """
     t = timer or _NULL
     with t.phase("pad"):
-        cap = pool.capacity_for(num_tokens)  # raises on capacity overflow, before any collective
-        check_layout_matches_pool(pool, layout)
-        # on CUDA one kernel pads and counts into the pool's staging tensors (common/pad_kernel.py)
         try:
+            cap = pool.capacity_for(num_tokens)  # raises on capacity overflow, before any collective
+            check_layout_matches_pool(pool, layout)
+            # on CUDA one kernel pads and counts into the pool's staging tensors (common/pad_kernel.py)
             x, ids, w, tpe, s = pad_and_count(hidden, topk_ids, topk_weights, cap, layout.num_experts,
                                               pool.pad_expert, pool.staging(cap, hidden))
-        except MoonEPInputError:
-            # this rank's routing or hidden states refused: its peers are in the step's dispatch (their capacity is
-            # this one, num_tokens being the same on every rank): they refuse it too where the engine can say so
-            refuse_step(pool.get(num_tokens)[1])
-            raise
+        except MoonEPInputError as exc:
+            refuse_before_dispatch(pool, num_tokens, exc)
         cap, buf = pool.get(num_tokens)
     with t.phase("dispatch"):
         if buf.accepts_num_tokens:  # the built-in engine: padding tokens' rows stay put (MoonEPBuffer)
@@ -182,6 +180,26 @@ def dispatch_and_prefetch(
         layout.prefetch(buf, plan, rows=(cu, w_nvs))  # slots that hold only padding rows stay unfilled
     return x_nvsh, w_nvs, cu, DispatchState(buf, plan, cap, s, int(ids.shape[1]), cu,
                                          int(getattr(buf, "token_padding", pool.token_padding)))
+
+
+def refuse_before_dispatch(pool: MoonEPBufferPool, num_tokens: Any, refused: MoonEPInputError) -> NoReturn:
+    """Raise ``refused``, this rank's refusal of its step's inputs before dispatch, once its peers are told.
+
+    They are already in the step's dispatch, on the buffer of the step's capacity (``num_tokens`` is the same on
+    every rank): this rank tells them through that buffer (``refuse_step``), so that they refuse the step too
+    instead of pairing with this rank's next call. Every refusal of the step must tell them, or none: a told
+    refusal on one rank and an untold one on another leave the ranks a call apart. Where the capacity cannot be
+    known (``num_tokens`` itself refused), nothing tells them, and they time out naming this rank. A failure to
+    tell (a peer gone) is the cause of ``refused``, not in its place."""
+    try:
+        pool.capacity_for(num_tokens)
+    except MoonEPError:
+        raise refused from None
+    try:
+        refuse_step(pool.get(num_tokens)[1])
+    except MoonEPError as told:
+        raise refused from told
+    raise refused
 
 
 def combine_rows(state: DispatchState, y: torch.Tensor) -> torch.Tensor:
@@ -226,10 +244,15 @@ class MoonEPMoE:
         ``num_tokens_across_dp`` (the max token count over the DP ranks) picks the buffer; every
         rank must pass the same value. ``None``: this rank's count (all ranks must agree).
         """
-        check_hidden_states(hidden, self.layout.hidden_size)
-        if apply_router_weight_on_input:
-            hidden, topk_weights = fold_router_weight_on_input(hidden, topk_ids, topk_weights)
-        n = step_token_count(hidden.shape[0], num_tokens_across_dp)
+        try:
+            check_hidden_states(hidden, self.layout.hidden_size)
+            if apply_router_weight_on_input:
+                hidden, topk_weights = fold_router_weight_on_input(hidden, topk_ids, topk_weights)
+            n = step_token_count(hidden.shape[0], num_tokens_across_dp)
+        except MoonEPInputError as exc:
+            # the step's buffer by the count every rank passes (else this rank's own, which the ranks share then)
+            local = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() else None
+            refuse_before_dispatch(self.pool, local if num_tokens_across_dp is None else num_tokens_across_dp, exc)
         x_nvsh, w_nvs, cu, state = dispatch_and_prefetch(
             self.pool, self.layout, hidden, topk_ids, topk_weights, n, timer=self.timer
         )

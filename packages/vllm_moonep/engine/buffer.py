@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING, default_num_slots, resolve_device, say_once
-from vllm_moonep.engine.errors import MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine.errors import MoonEPError, MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 from vllm_moonep.engine.nodes import (
     NodeMap,
@@ -480,8 +480,11 @@ class Buffer:
             if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
                                            or not 0 <= num_tokens <= self.S):
                 raise MoonEPInputError(f"dispatch: num_tokens must be an int in [0, S={self.S}], got {num_tokens!r}")
-        except MoonEPInputError:
-            self.refuse_step()
+        except MoonEPInputError as exc:
+            try:
+                self.refuse_step()
+            except MoonEPError as told:  # the peers could not be told (gone, or in another call): the cause
+                raise exc from told
             raise
         try:
             gp_host = t.plan(tokens_per_expert, self._step)
@@ -496,11 +499,12 @@ class Buffer:
         return d.hidden_nvsh, d.route_weights_nvs, d.cu_seqlens, plan
 
     def refuse_step(self) -> None:
-        """This rank refused the step's inputs (``dispatch``'s checks, or its caller's own before dispatch): tell
-        the peers, already in this dispatch's first exchange, so that they refuse it too instead of pairing with
-        this rank's next call (another layer's rows, on a buffer the layers share). The collective and hybrid
-        transports send a refusal frame where the counts would go; the symmetric transport has none, and its
-        peers time out naming this rank."""
+        """This rank's caller refused the step's inputs before calling ``dispatch`` (which tells the peers of its own
+        refusals itself; call this once per refused step, never after a ``dispatch`` that raised): tell the peers,
+        already in this dispatch's first exchange, so that they refuse it too instead of pairing with this rank's
+        next call (another layer's rows, on a buffer the layers share). The collective and hybrid transports send a
+        refusal frame where the counts would go, and wait for the peers' frames (within ``timeout_s``); the
+        symmetric transport has none, and its peers time out naming this rank."""
         self._alive("Buffer.refuse_step")
         self.transport.refuse(self._step)
 

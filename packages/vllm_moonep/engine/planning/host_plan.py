@@ -124,7 +124,8 @@ def refuse_short_counts(tpe_host: torch.Tensor, S: int, K: int, E: int) -> None:
     """``MoonEPInputError`` where a rank's counts in the all-ranks table ``tpe_host [R, E]`` do not sum to
     ``S*K``. Every rank sees the same table, so all refuse together (nothing moved yet): such counts mean
     ids outside ``[0, E)`` dropped from the count (CUDA counts them on the device) or counts that are not
-    the ids' bincount."""
+    the ids' bincount. Counts that are not the bincount yet sum to ``S*K`` pass here: only ``check_inputs``
+    (on the host) or the GPU's placement check (an entry past its expert's count) sees them."""
     sums = tpe_host.sum(dim=1).tolist()
     short = [r for r, n in enumerate(sums) if n != S * K]
     if short:
