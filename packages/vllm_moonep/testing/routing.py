@@ -48,13 +48,16 @@ def route(
     seed: int = 0,
     rank: int = 0,
     device: torch.device | str = "cpu",
+    popularity_seed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's router output: ``(topk_ids [s,k] int32, topk_weights [s,k] float32)``.
 
-    Popularity uses ``seed`` (shared); ids and weights use ``(seed, rank)`` (per rank). Weights are
-    positive and sum to 1 per token, like a softmax router renormalised over its top-k.
+    Popularity uses ``popularity_seed`` (shared; ``None``: ``seed``), so steps that draw fresh tokens
+    from the popularity ``sigma_for_maxvio`` calibrated keep its skew; ids and weights use
+    ``(seed, rank)`` (per rank). Weights are positive and sum to 1 per token, like a softmax router
+    renormalised over its top-k.
     """
-    pop = expert_popularity(num_experts, sigma, seed)
+    pop = expert_popularity(num_experts, sigma, seed if popularity_seed is None else popularity_seed)
     rank_seed = (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2**62)
     ids = sample_topk(num_tokens, k, pop, rank_seed)
     g = torch.Generator().manual_seed(rank_seed + 1)

@@ -32,7 +32,7 @@ from vllm_moonep.testing.launch import (init_launched_group, is_driver, launched
 from vllm_moonep.testing.routing import sigma_for_maxvio
 from vllm_moonep.tools.ab.checks import check_run
 from vllm_moonep.tools.ab.configs import CONFIGS, MAX_REF_ERR, default_budget_gb, run_shape
-from vllm_moonep.tools.ab.measure import REFERENCE_ON_GPU_SHARE, rank_build, rank_point, rank_teardown
+from vllm_moonep.tools.ab.measure import REFERENCE_ON_GPU_SHARE, rank_build, rank_point, rank_teardown, worst_error
 from vllm_moonep.tools.ab.memory import memory_check
 from vllm_moonep.tools.ab.plots import write_plots
 from vllm_moonep.tools.memory_projection import projection_rows
@@ -161,7 +161,7 @@ def summarize_point(res: list[dict], *, tokens: int, maxvio: float, sigma: float
         "slots_used_per_step": statistics.mean(sum(r["slots_used"][i] for r in res) for i in range(len(per_step))),
         "padded_rows_max": max(max(r["padded_rows"]) for r in res),
         "a2a_s": max(r.get("a2a_s", 0.0) for r in res),
-        "ref_rel_err": max((r["ref_rel_err"] or 0.0) for r in res),
+        "ref_rel_err": worst_error((r["ref_rel_err"] or 0.0) for r in res),
         "raw": res,
     }
 

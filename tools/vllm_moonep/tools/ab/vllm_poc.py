@@ -119,7 +119,9 @@ def build_poc(shape: dict, local, device: torch.device):
     max_tokens = shape["max_tokens"]
     ensure_workspace(device)
     pool = poc.MoonEPBufferPool(
-        dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=poc.MOONEP_DEFAULT_TOKEN_PADDING, device=device),
+        # the engine's transport as the other configurations run it (our engine stands in for moonep here)
+        dict(H=H, K=K, E=E, num_ep_ranks=R, B=B, token_padding=poc.MOONEP_DEFAULT_TOKEN_PADDING, device=device,
+             transport=shape.get("transport", "auto")),
         max_tokens,
     )
     runners, layouts = [], []
