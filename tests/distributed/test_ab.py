@@ -249,3 +249,15 @@ def test_ab_vllm_poc_configuration(tmp_path):
     assert pts[0]["slots_used_per_step"] > 0
     for chk in res["configs"]["vllm-poc"]["memory_check"]:
         assert chk["fresh_process"] and abs(chk["relative"]) <= 0.10, chk
+
+
+def test_a_nan_anywhere_fails_the_reference_check():
+    """max() keeps the finite value it met before a NaN: a rank, layer or step whose output held NaN after the first
+    passed the check ("a wrong one fails the run"). The worst error of any order holding a NaN is NaN, which
+    fails ``err <= MAX_REF_ERR``."""
+    nan = float("nan")
+    for errs in ([3e-3, nan], [nan, 3e-3], [3e-3, 2e-3, nan, 1e-3]):
+        assert not measure.worst_error(errs) <= configs.MAX_REF_ERR, errs
+    assert measure.worst_error([3e-3, 2e-3]) == 3e-3
+    res = [{"ref_rel_err": 3e-3}, {"ref_rel_err": nan}]  # the driver's fold over ranks takes it too
+    assert not driver.worst_error((r["ref_rel_err"] or 0.0) for r in res) <= configs.MAX_REF_ERR
