@@ -162,9 +162,10 @@ def dispatch_and_prefetch(
     """
     t = timer or _NULL
     with t.phase("pad"):
+        # the configuration, the same on every rank: refused by every rank alike, before any buffer is made
+        check_layout_matches_pool(pool, layout)
         try:
             cap = pool.capacity_for(num_tokens)  # raises on capacity overflow, before any collective
-            check_layout_matches_pool(pool, layout)
             # on CUDA one kernel pads and counts into the pool's staging tensors (common/pad_kernel.py)
             x, ids, w, tpe, s = pad_and_count(hidden, topk_ids, topk_weights, cap, layout.num_experts,
                                               pool.pad_expert, pool.staging(cap, hidden))
@@ -191,6 +192,8 @@ def refuse_before_dispatch(pool: MoonEPBufferPool, num_tokens: Any, refused: Moo
     refusal on one rank and an untold one on another leave the ranks a call apart. Where the capacity cannot be
     known (``num_tokens`` itself refused), nothing tells them, and they time out naming this rank. A failure to
     tell (a peer gone) is the cause of ``refused``, not in its place."""
+    if pool.buffer_kwargs.get("num_ep_ranks", 1) == 1:
+        raise refused  # no peer to tell
     try:
         pool.capacity_for(num_tokens)
     except MoonEPError:
