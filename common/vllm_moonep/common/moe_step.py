@@ -31,6 +31,7 @@ __all__ = [
     "combine_rows",
     "dispatch_and_prefetch",
     "fold_router_weight_on_input",
+    "refuse_before_dispatch",
     "step_token_count",
 ]
 
