@@ -225,7 +225,7 @@ def rank_point(cfg, tokens, sigma, steps, warmup, check_steps, seed, graphs=Fals
     graph = None
     for step in range(warmup + steps):
         # fresh tokens every step from the one popularity the driver calibrated sigma on (seed): a popularity
-        # drawn anew per step had other hot experts and a third less skew than the maxvio asked for
+        # drawn anew per step has other hot experts and about a third less skew than the maxvio asked for
         ids, w = route(tokens, E, K, sigma=sigma, seed=seed + step, rank=r, popularity_seed=seed)
         ids, w = ids.to(device), w.to(device)
         g = torch.Generator().manual_seed(seed * 31 + step * 7 + r)
