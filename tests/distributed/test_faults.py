@@ -632,7 +632,8 @@ def test_heap_force_close_finishes_when_a_peer_leaves():
 # ------------------------------------------------------------------------------ symmetric transport
 def symmetric_rank_stops_calling(then):
     """Rank 1 skips dispatch #1; rank 0's wait for its counts must give up within the bound and name it.
-    ``then``: rank 0 tries another dispatch before its teardown, or tears down at once."""
+    ``then``: rank 0 tries another dispatch before its teardown, or tears down at once; rank 1, past the
+    bound, calls dispatch #1 late before its teardown, or tears down at once."""
     from vllm_moonep.engine import Buffer
 
     r, R = dist.get_rank(), dist.get_world_size()
@@ -658,9 +659,12 @@ def symmetric_rank_stops_calling(then):
         out["heap_released"] = heap.closed and heap.live() == []
     else:
         time.sleep(TIMEOUT_S + SLACK_S + 1.0)
+        if then == "dispatch":
+            exc, elapsed = _timed(buf.dispatch, x, w, ids, tpe)
+            out["late"] = _describe(exc, elapsed)
         heap = buf._sym.heap
-        exc, elapsed = _timed(buf.destroy)  # its heap free is collective: bounded, then local (rank 0 left)
-        out = {"teardown": _describe(exc, elapsed), "heap_released": heap.closed and heap.live() == []}
+        exc, elapsed = _timed(buf.destroy)
+        out.update(teardown=_describe(exc, elapsed), heap_released=heap.closed and heap.live() == [])
     return out
 
 
@@ -680,12 +684,18 @@ def test_symmetric_transport_wait_is_bounded_and_names_the_peer(then):
     if then == "dispatch":
         assert r0["after"] in ("MoonEPStateError", "MoonEPCollectiveTimeout"), r0
     assert r0["teardown"] is None and r0["heap_released"] and r0["teardown_s"] < 1.0, r0
-    # rank 1 never saw a failure: its first free waits for rank 0 (gone), gives up within the bound,
-    # and still releases its memory
+    # rank 0 gave up on the group, and said so in rank 1's signal memory. A late dispatch on rank 1 that wrote its
+    # counts, took rank 0's (sent before it gave up) and then waited out another full bound for rows that never
+    # come, naming rank 0 as absent; or a teardown whose collective free waited the bound for rank 0 (gone): both
+    # now end at once, the dispatch naming rank 0 as the rank that gave up, the teardown local and quiet
     r1 = res[1]
     assert not isinstance(r1, RankFailure), r1
-    assert r1["teardown"]["type"] == "MoonEPCollectiveTimeout" and r1["teardown"]["missing"] == [0], r1
-    assert r1["teardown"]["elapsed"] < TIMEOUT_S + SLACK_S and r1["heap_released"], r1
+    if then == "dispatch":
+        late = r1["late"]
+        assert late["type"] == "MoonEPCollectiveTimeout" and late["timed_out"] is False, late
+        assert "rank 0 had given up on the group" in late["msg"] and "token counts" in late["op"], late
+        assert late["elapsed"] < 1.0, late
+    assert r1["teardown"]["type"] is None and r1["teardown"]["elapsed"] < 1.0 and r1["heap_released"], r1
 
 
 # ------------------------------------------------------------------------------ on CUDA, both transports
@@ -745,6 +755,81 @@ def test_rank_stops_calling_on_cuda_is_bounded_and_names_the_peer(transport, lau
     r1 = res[1]
     assert not isinstance(r1, RankFailure), r1
     assert r1["teardown"]["elapsed"] < TIMEOUT_S + SLACK_S, r1
+
+
+def cuda_rank_gives_up_under_graph_replay():
+    """Both ranks capture one symmetric step (dispatch + combine) in a CUDA graph, as vLLM does, and replay it
+    once together; then rank 1 stalls past the bound while rank 0 replays three more steps with no host check
+    between (a graph replay runs none). Returns each rank's error after its replays, their timings, and the
+    teardown."""
+    from vllm_moonep.engine import Buffer
+    from vllm_moonep.testing.routing import route
+
+    r = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    S, Hs, Ks, Es = 16, 128, 2, 8
+    buf = Buffer(S, Hs, Ks, Es, 2, B=2, token_padding=8, device=dev, transport="symmetric", timeout_s=TIMEOUT_S)
+    ids, w = route(S, Es, Ks, sigma=1.0, seed=3, rank=r)
+    x = torch.randn(S, Hs, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=Es).to(torch.int32)
+    x, w, ids, tpe = x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev)
+    for _ in range(2):  # compiles, and makes the buffer's own eager graphs
+        xn, _, _, plan = buf.dispatch(x, w, ids, tpe)
+        buf.combine(plan, xn)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        xn, _, _, plan = buf.dispatch(x, w, ids, tpe)
+        buf.combine(plan, xn)
+    g.replay()
+    torch.cuda.synchronize()
+    out = {}
+    if r == 0:
+        t0 = time.monotonic()
+        g.replay()  # rank 1 is not there: the counts wait times out
+        torch.cuda.synchronize()
+        out["first_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        out["more_s"] = time.monotonic() - t0
+    else:
+        time.sleep(2 * TIMEOUT_S + SLACK_S)
+        t0 = time.monotonic()
+        g.replay()  # late: rank 0 has given up, and replayed three steps since
+        torch.cuda.synchronize()
+        out["late_s"] = time.monotonic() - t0
+    exc, _ = _timed(buf.check_errors, sync=True)
+    out.update(_describe(exc, 0.0))
+    del g
+    exc, out["teardown_s"] = _timed(buf.destroy)
+    out["teardown"] = type(exc).__name__ if exc else None
+    return out
+
+
+@pytest.mark.parametrize("launch", [pytest.param({}, marks=pytest.mark.gpu, id="shared-gpu"),
+                                    pytest.param({"backend": "nccl", "device": "cuda"}, marks=pytest.mark.multi_gpu,
+                                                 id="gpu-per-rank")])
+def test_a_rank_that_gave_up_stops_writing_into_its_peers_under_graph_replay(launch):
+    """A rank whose device wait timed out went on replaying its steps (no host check runs between replays): it
+    wrote each later step's counts and rows into a peer still in the failed step, whose waits its signals then
+    satisfied, so the late peer returned another step's rows with a clean error board; and each of the failed
+    rank's later waits still spun before leaving. Now the rank that gave up says so in every peer's signal
+    memory and writes nothing more: the late peer's step ends at once naming it, and the later replays are
+    instant. Teardown is local on both."""
+    res = run_on_ranks(2, cuda_rank_gives_up_under_graph_replay, env=ENV, fresh=True, allow_failures=True,
+                       timeout_s=120, **launch)
+    r0, r1 = res
+    assert not isinstance(r0, RankFailure), r0
+    assert not isinstance(r1, RankFailure), r1
+    assert r0["type"] == "MoonEPCollectiveTimeout" and r0["missing"] == [1] and r0["timed_out"], r0
+    assert TIMEOUT_S - 0.2 <= r0["first_s"] < TIMEOUT_S + SLACK_S and r0["more_s"] < 0.5, r0
+    assert r1["type"] == "MoonEPCollectiveTimeout" and r1["timed_out"] is False, r1
+    assert "rank 0 had given up on the group" in r1["msg"] and "token counts" in r1["op"], r1
+    assert r1["late_s"] < 0.5, r1
+    for rr in res:
+        assert rr["teardown"] is None and rr["teardown_s"] < 1.0, rr
 
 
 # ------------------------------------------------------------------------------ allocation refused

@@ -4,21 +4,31 @@ Used by ``symmetric_kernels`` (rows and outputs) and by the device planner's pla
 also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
 
     table [7, R] i64   address of buffer T_* on rank d (rows below), loaded and cast to a pointer
-    sig [3, R] i64     sig[phase, src] on this rank: launches of src that finished writing here
+    sig [4, R] i64     sig[phase, src] on this rank: launches of src that finished writing here;
+                       sig[GAVE_UP, src]: 1 once rank src gave up on the group (a wait of its timed out)
 
     every program:   its stores -> barrier -> +1 on a launch-local ticket (acq_rel, sys: carries
                      its stores, to any GPU, to whoever reads the ticket after it)
     last program:    the one that finds the ticket at programs - 1: atomic +1 on sig[phase, me] of
                      each peer (release, sys), once for the whole launch, then waits for the peers
-    waiter:          acquire-reads sig[phase, :] until every source reached its target, bounded by
-                     %globaltimer; a time-out writes the error board (first failure wins) and returns;
-                     the board (host memory) is read only every BOARD_EVERY polls
+    waiter:          acquire-reads sig[phase, :] and sig[GAVE_UP, :] until every source reached its
+                     target, bounded by %globaltimer. A time-out writes the error board (first failure
+                     wins) and sets sig[GAVE_UP, me] on every rank, itself included; a wait that finds a
+                     rank's GAVE_UP set leaves at once and writes the board too.
 
 One signal per launch and peer, not per program: R atomics on peers' counters per launch instead
 of R per program, and ranks need not agree on how many programs a launch has. (Measured on an
 H200, the signalling of a 128-program launch costs ~2-3 us either way; see
 docs/PERFORMANCE.md#engine-defaults.) Counters only grow (targets are ``epoch``, on the device so replayed CUDA graphs
 keep counting), so a signal of the next step is never taken for this one's.
+
+A group that lost a rank stays quiet: every launch that writes into peers reads its own GAVE_UP row
+first (``gave_up``) and, once any entry is set, writes and signals nothing. Without that, a rank
+whose wait timed out went on to its next step (under a replayed CUDA graph no host check stops it)
+and wrote that step's counts and rows into a slow peer still reading this one's, whose waits its
+signals then satisfied: wrong rows on a rank whose board stayed clean. Waits never read the error
+board (pinned host memory: one read from an H200 program costs ~7 us, a device-memory poll 0.2 us),
+so a board set by a bad expert id, which breaks no step, stops no wait.
 """
 
 from __future__ import annotations
@@ -28,20 +38,17 @@ import triton.language as tl
 
 from vllm_moonep.engine.faults import error_board as eb
 
-__all__ = ["T_COUNTS", "T_X", "T_W", "T_SRC", "T_CX", "T_CW", "T_SIG", "PH_COUNTS", "PH_DISPATCH", "PH_COMBINE"]
+__all__ = ["T_COUNTS", "T_X", "T_W", "T_SRC", "T_CX", "T_CW", "T_SIG", "PH_COUNTS", "PH_DISPATCH", "PH_COMBINE",
+           "GAVE_UP"]
 
 # rows of the address table (constexpr: kernels read them)
 T_COUNTS, T_X, T_W, T_SRC, T_CX, T_CW, T_SIG = (tl.constexpr(i) for i in range(7))
-# phases (rows of sig)
-PH_COUNTS, PH_DISPATCH, PH_COMBINE = (tl.constexpr(i) for i in range(3))
-#: a spinning wait reads the error board once per this many polls. The board is pinned host
-#: memory, and one read from an H200 program costs ~7 us (a device-memory poll 0.2 us): read on
-#: every poll, it was most of each wait, three waits a step (docs/PERFORMANCE.md#engine-defaults).
-#: 1024 polls are ~0.3 ms: a wait still gives up that soon after another one failed.
-BOARD_EVERY = tl.constexpr(1024)
+# phases (rows of sig), then the row of ranks that gave up on the group (symmetric.SIG_ROWS: the same order)
+PH_COUNTS, PH_DISPATCH, PH_COMBINE, GAVE_UP = (tl.constexpr(i) for i in range(4))
 # what the kernels record on the error board (codes defined in error_board)
-C_WAIT_COUNTS, C_WAIT_ROWS, C_WAIT_OUTPUTS, C_BAD_ID = (
-    tl.constexpr(c) for c in (eb.CODE_WAIT_COUNTS, eb.CODE_WAIT_ROWS, eb.CODE_WAIT_OUTPUTS, eb.CODE_BAD_ID))
+C_WAIT_COUNTS, C_WAIT_ROWS, C_WAIT_OUTPUTS, C_BAD_ID, C_GAVE_UP = (
+    tl.constexpr(c) for c in (eb.CODE_WAIT_COUNTS, eb.CODE_WAIT_ROWS, eb.CODE_WAIT_OUTPUTS, eb.CODE_BAD_ID,
+                              eb.CODE_PEER_GAVE_UP))
 
 
 @triton.jit
@@ -76,33 +83,57 @@ def report(board, code, peer, epoch, elapsed, seen, target):
 
 
 @triton.jit
-def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, R_PAD: tl.constexpr):
-    """Spin until every ``sig[phase, src] >= target``, bounded; once the board is set (another wait
-    failed) it gives up within ``BOARD_EVERY`` polls. Ends with a barrier, so every thread of the
+def gave_up(sig, R, R_PAD: tl.constexpr):
+    """1 + the lowest rank whose GAVE_UP entry is set on this rank, 0 while none is (read through to
+    memory: peers write it)."""
+    d = tl.arange(0, R_PAD)
+    v = tl.load(sig + GAVE_UP * R + d, mask=d < R, other=0, volatile=True)
+    return tl.min(tl.where(v != 0, d + 1, R_PAD + 1), axis=0) % (R_PAD + 1)
+
+
+@triton.jit
+def give_up(table, R, me, R_PAD: tl.constexpr):
+    """Set ``sig[GAVE_UP, me]`` on every rank, this one included: their waits leave and their launches stop
+    writing."""
+    d = tl.arange(0, R_PAD)
+    m = d < R
+    base = tl.load(table + T_SIG * R + d, mask=m, other=0)
+    ptr = base.to(tl.pointer_type(tl.int64)) + GAVE_UP * R + me
+    tl.atomic_xchg(ptr, tl.full([R_PAD], 1, tl.int64), mask=m, sem="release", scope="sys")
+
+
+@triton.jit
+def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, table, me, R_PAD: tl.constexpr):
+    """Spin until every ``sig[phase, src] >= target``, bounded. A time-out reports ``code`` and gives up on
+    the group (``give_up``); a rank that gave up (its GAVE_UP entry here) ends the wait at once, reported as
+    ``C_GAVE_UP`` naming it, unless every signal had arrived. Ends with a barrier, so every thread of the
     program may read what the peers wrote."""
     d = tl.arange(0, R_PAD)
     m = d < R
-    bp = board.to(tl.pointer_type(tl.int64))
     ptr = sig + phase * R + d
+    gptr = sig + GAVE_UP * R + d
     seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
+    gone = tl.atomic_add(gptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="relaxed", scope="sys")
     pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
-    failed = tl.zeros([], tl.int64)  # the board is pinned host memory: not read on the way through
+    quit = tl.sum(((gone != 0) & m).to(tl.int32), axis=0)
     t0 = now_ns()
     elapsed = t0 - t0
-    n = 0
-    while (pending > 0) & (elapsed < timeout_ns) & (failed == 0):
+    while (pending > 0) & (elapsed < timeout_ns) & (quit == 0):
         seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
+        gone = tl.atomic_add(gptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="relaxed", scope="sys")
         pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
-        n += 1
-        if n == BOARD_EVERY:  # restarts, so no bound on timeout_s can overflow it
-            n = 0
-            failed = tl.load(bp, volatile=True)
+        quit = tl.sum(((gone != 0) & m).to(tl.int32), axis=0)
         elapsed = now_ns() - t0
-    if (pending > 0) & (failed == 0):
-        late = (seen < target) & m
-        first = tl.min(tl.where(late, d, R_PAD), axis=0)
-        got = tl.min(tl.where(d == first, seen, target), axis=0)
-        report(board, code, first.to(tl.int64), epoch_no, elapsed, got, target)
+    if pending > 0:
+        if quit > 0:
+            who = tl.min(tl.where((gone != 0) & m, d, R_PAD), axis=0)
+            report(board, C_GAVE_UP, who.to(tl.int64), epoch_no, elapsed, code, target)
+        else:
+            late = (seen < target) & m
+            first = tl.min(tl.where(late, d, R_PAD), axis=0)
+            got = tl.min(tl.where(d == first, seen, target), axis=0)
+            report(board, code, first.to(tl.int64), epoch_no, elapsed, got, target)
+            give_up(table, R, me, R_PAD)
     tl.debug_barrier()
 
 
@@ -125,14 +156,16 @@ def exchange_counts(tpe, offs, mask, table, sig, epoch, board, timeout_ns, R, E,
     """Program ``d`` of a launch of ``R`` programs: this rank's ``tpe[offs]`` (expert ids) into row
     ``me`` of rank ``d``'s counts ``[R, E]``, signal ``d``; then wait (bounded) until every peer's
     counts of this step arrived here. Every program waits on ``epoch[PH_COUNTS] + 1`` and leaves the
-    epoch alone: a later launch of the step advances it (``count_epoch``), after all have read it."""
+    epoch alone: a later launch of the step advances it (``count_epoch``), after all have read it.
+    Nothing is put or signalled once a rank gave up on the group (the wait then reports it)."""
     d = tl.program_id(0)
+    live = gave_up(sig, R, R_PAD) == 0
     v = tl.load(tpe + offs, mask=mask, other=0)
     dst = tl.load(table + T_COUNTS * R + d).to(tl.pointer_type(tl.int32))
-    tl.store(dst + me * E + offs, v.to(tl.int32), mask=mask)
-    signal(table, R, me, PH_COUNTS, tl.arange(0, R_PAD) == d, R_PAD)
+    tl.store(dst + me * E + offs, v.to(tl.int32), mask=mask & live)
+    signal(table, R, me, PH_COUNTS, (tl.arange(0, R_PAD) == d) & live, R_PAD)
     ep = tl.load(epoch + PH_COUNTS) + 1
-    wait(sig, PH_COUNTS, R, ep, ep, board, C_WAIT_COUNTS, timeout_ns, R_PAD)
+    wait(sig, PH_COUNTS, R, ep, ep, board, C_WAIT_COUNTS, timeout_ns, table, me, R_PAD)
 
 
 @triton.jit

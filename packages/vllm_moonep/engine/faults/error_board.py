@@ -14,10 +14,11 @@ of bounds.
 On CUDA the board lives in page-locked host memory, which kernels address directly (unified
 addressing), so the host reads it with no CUDA call and no synchronization: ``check()`` is free
 and runs at the start of every ``dispatch``/``combine``; ``check(sync=True)`` first waits for
-the stream, for a caller that wants to know about the step just issued. Device-side waits also
-read the flag, to stop spinning once another wait failed, but only every ``signals.BOARD_EVERY``
-polls: one read of host memory from a GPU program costs ~7 us. On CPU ranks the
-transport waits on the host and records failures here itself, so both report the same way.
+the stream, for a caller that wants to know about the step just issued. Device-side waits never
+read it (one read of host memory from a GPU program costs ~7 us): a wait that timed out tells the
+other ranks through their signal memory instead (``signals.give_up``), and theirs record that here
+(``CODE_PEER_GAVE_UP``). On CPU ranks the transport waits on the host and records failures here
+itself, so both report the same way.
 
 The first record wins (later ones are kept in ``records`` only by count); a raised error leaves
 the board set, so every later call raises too: after a peer failed to signal, the epochs of
@@ -32,7 +33,8 @@ import torch
 
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
 
-__all__ = ["CODE_BAD_ID", "CODE_WAIT_COUNTS", "CODE_WAIT_OUTPUTS", "CODE_WAIT_ROWS", "ErrorBoard", "WAIT_OPS"]
+__all__ = ["CODE_BAD_ID", "CODE_PEER_GAVE_UP", "CODE_WAIT_COUNTS", "CODE_WAIT_OUTPUTS", "CODE_WAIT_ROWS", "ErrorBoard",
+           "WAIT_OPS"]
 
 #: record layout (int64 words); CLAIM makes the first failure win (later ones leave it alone)
 FLAG, CODE, PEER, EPOCH, ELAPSED_NS, SEEN, TARGET, CLAIM = range(8)
@@ -45,6 +47,9 @@ WAIT_OPS = {
     CODE_WAIT_ROWS: "dispatch: wait for every peer's rows",
     CODE_WAIT_OUTPUTS: "combine: wait for every peer's expert outputs",
 }
+#: a wait ended because a peer had given up on the group (PEER: that rank; SEEN: the wait's own code; EPOCH -1:
+#: found between calls)
+CODE_PEER_GAVE_UP = 4
 #: an expert id outside [0, E) reached the device-side placement
 CODE_BAD_ID = 16
 
@@ -94,6 +99,18 @@ class ErrorBoard:
                 "its expert's count in tokens_per_expert (the device-side check skipped its row, so this step's "
                 "output is wrong); sanitize invalid ids first and count them with their bincount. "
                 "Rebuild the buffer: the ranks' step counts may no longer agree."
+            )
+        if code == CODE_PEER_GAVE_UP:
+            op = WAIT_OPS.get(w[SEEN], f"wait #{w[SEEN]}")
+            when = f"was abandoned at its call #{epoch}" if epoch >= 0 else "will not run again"
+            return MoonEPCollectiveTimeout(
+                f"MoonEP {op!r} {when} on rank {self.rank} of {self.world_size}: rank "
+                f"{peer} had given up on the group (one of its waits timed out), so no peer writes into this rank "
+                f"any more. {self.what}: the output of a step in flight is wrong. Destroy the MoonEP buffers, pools and "
+                "layouts, then the process group, and build a fresh set.",
+                op=op, step=epoch if epoch >= 0 else None, rank=self.rank, world_size=self.world_size, missing=[],
+                timed_out=False,
+                elapsed_s=w[ELAPSED_NS] / 1e9, timeout_s=self.timeout_s, seq=epoch,
             )
         op = WAIT_OPS.get(code, f"wait #{code}")
         return MoonEPCollectiveTimeout(

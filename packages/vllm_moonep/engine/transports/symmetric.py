@@ -11,7 +11,8 @@ makes over the EP group and closes with itself::
                  recv_src [NvS] i32    src_rank * S*K + flat entry of each row, -1 for padding
                  comb_x [S*K, H]       expert outputs of this rank's entries, landed by their computing rank
                  comb_w [S*K] f32      their route weights
-                 sig [3, R] i64        signal counters per phase and source (see symmetric_kernels)
+                 sig [4, R] i64        signal counters per phase and source, and which sources gave up
+                                       on the group (see engine/signals.py)
 
     dispatch:  put counts to every peer, wait(counts), plan [R,E] (one device-planner launch)
                -> place own entries, write each entry's row into recv_* of its destination,
@@ -43,6 +44,11 @@ Two executors of the same protocol:
   bound; a time-out raises at once, naming the peer). This is how CPU CI tests the protocol.
   Signals there have one writer per slot (the source rank), so plain stores suffice; ordering
   relies on the x86-64 (TSO) store order that CI machines have.
+
+A rank whose wait timed out gives up on the group: it sets its entry of the ``gave_up`` row of
+``sig`` on every rank, and from then on no rank writes into a peer (GPU launches mask their writes
+and signals; the CPU executor refuses the call), so a slow peer is never handed a later step's rows.
+Each rank's next wait, or its next call on CPU ranks, ends at once naming the rank that gave up.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ except ImportError:  # CPU-only installs: the host executor needs no Triton
 import vllm_moonep.engine.heaps as heaps
 from vllm_moonep.engine.errors import (MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError,
                                       MoonEPUnavailableError)
-from vllm_moonep.engine.faults.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
+from vllm_moonep.engine.faults.error_board import (CODE_PEER_GAVE_UP, CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS,
+                                                   CODE_WAIT_ROWS, ErrorBoard)
 from vllm_moonep.engine.heaps.base import SymmetricHeap
 from vllm_moonep.engine.launch import Launcher, sm_count
 from vllm_moonep.engine.planning.host_plan import refuse_short_counts
@@ -88,7 +95,11 @@ _PLACE_CHUNK = 256
 #: the GPU executor's kernels (``symmetric_kernels.<name>_kernel``; clear_rows only after a dispatch
 #: that had no combine)
 _KERNELS = ("clear_rows", "dispatch_rows", "combine_rows", "reduce")
-_PHASE = {"counts": 0, "dispatch": 1, "combine": 2}
+#: rows of ``sig`` (``signals.PH_*`` and ``signals.GAVE_UP``, in this order): a counter per phase and source,
+#: then 1 where that source gave up on the group
+SIG_ROWS = ("counts", "dispatch", "combine", "gave_up")
+_PHASE = {name: i for i, name in enumerate(SIG_ROWS[:3])}
+_GAVE_UP = SIG_ROWS.index("gave_up")
 _WAIT_CODE = {"counts": CODE_WAIT_COUNTS, "dispatch": CODE_WAIT_ROWS, "combine": CODE_WAIT_OUTPUTS}
 
 
@@ -166,7 +177,7 @@ class SymmetricTransport(Transport):
             ("recv_src", (NvS,), torch.int32),
             ("comb_x", (SK, H), dtype),
             ("comb_w", (SK,), torch.float32),
-            ("sig", (3, R), torch.int64),
+            ("sig", (len(SIG_ROWS), R), torch.int64),
         ]
         for name, shape, dt in specs:
             self._handles.append(heap.allocate(shape, dt, f"{tag}.{name}"))
@@ -283,8 +294,13 @@ class SymmetricTransport(Transport):
         self.board.check(sync=sync)
 
     def recorded_timeout(self) -> MoonEPCollectiveTimeout | None:
-        """A wait that gave up (its error board recorded it). A bad expert id, also recorded, is
-        this rank's input error: the step completed on every rank, so it is not one."""
+        """A wait that gave up (its error board recorded it), or a peer that gave up on the group since this rank's
+        last wait (its entry in the ``gave_up`` row: recorded now, so teardown stays local). A bad expert id, also
+        recorded, is this rank's input error: the step completed on every rank, so it is not one."""
+        if not self.board.is_set and "sig" in self.buf and not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
+            gone = self.buf["sig"][_GAVE_UP].nonzero().flatten().tolist()  # GPU: a sync (teardown, or after a raise)
+            if gone:
+                self.board.record(CODE_PEER_GAVE_UP, gone[0], -1, 0, CODE_WAIT_COUNTS, 0)  # -1: between calls
         if not self.board.is_set:
             return None
         err = self.board.error()
@@ -356,6 +372,14 @@ class SymmetricTransport(Transport):
         for d in peers:
             self.peer["sig"][d][p, self.rank] = value
 
+    def _refuse_if_given_up(self, phase: str, elapsed_s: float = 0.0) -> None:
+        """Raise (recorded on the board) once a rank gave up on the group: nothing more is written to a peer."""
+        gone = self.buf["sig"][_GAVE_UP].nonzero().flatten().tolist()
+        if gone:
+            self.board.record(CODE_PEER_GAVE_UP, gone[0], self._host_epoch[_PHASE[phase]] + 1, int(elapsed_s * 1e9),
+                              _WAIT_CODE[phase], 0)
+            self.board.check()
+
     def _wait_host(self, phase: str) -> None:
         p = _PHASE[phase]
         target = self._host_epoch[p] + 1
@@ -368,8 +392,11 @@ class SymmetricTransport(Transport):
             if not late:
                 break
             elapsed = time.monotonic() - t0
+            self._refuse_if_given_up(phase, elapsed)
             if elapsed >= self.timeout_s:
                 self.board.record(_WAIT_CODE[phase], late[0], target, int(elapsed * 1e9), int(seen[late[0]]), target)
+                for d in range(self.R):  # every rank (this one too) stops writing and leaves its waits
+                    self.peer["sig"][d][_GAVE_UP, self.rank] = 1
                 self.board.check()
             pause = min(1e-3, pause + 2e-5)
             time.sleep(pause)
@@ -378,6 +405,7 @@ class SymmetricTransport(Transport):
     def _dispatch_host(self, hidden, route_w, ids, tpe):
         R, rank, S, K = self.R, self.rank, self.S, self.K
         b = self.buf
+        self._refuse_if_given_up("counts")
         for d in range(R):
             self.peer["counts"][d][rank].copy_(tpe)
         self._signal_host("counts", range(R))
@@ -420,6 +448,7 @@ class SymmetricTransport(Transport):
     def _combine_host(self, y, y_w, used: int):
         R, S, K = self.R, self.S, self.K
         b = self.buf
+        self._refuse_if_given_up("combine")
         n = S * K
         # rows past cu[-1] may hold an earlier step's source ids: only [0, cu[-1]) is this step's
         src = b["recv_src"][:used].to(torch.int64)

@@ -26,8 +26,8 @@ import triton.language as tl
 
 from vllm_moonep.engine.planning.device_planner import place_direct
 from vllm_moonep.engine.signals import (C_BAD_ID, C_WAIT_OUTPUTS, C_WAIT_ROWS, PH_COMBINE, PH_COUNTS, PH_DISPATCH,
-                                        T_CW, T_CX, T_SRC, T_W, T_X, count_epoch, last_to_arrive, report, signal,
-                                        wait)
+                                        T_CW, T_CX, T_SRC, T_W, T_X, count_epoch, gave_up, last_to_arrive, report,
+                                        signal, wait)
 
 
 @triton.jit
@@ -44,8 +44,9 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
     segment (``rows32``, padding included: what vLLM's prepare hands the experts) and the end of each segment's
     entries (``ends32``: the padding tail after it, which the expert kernels need not look for). The last program
     to finish signals every peer (once for the launch) and waits (bounded) until every peer
-    signalled that its rows landed."""
+    signalled that its rows landed. Once a rank gave up on the group no row moves and no signal goes."""
     pid = tl.program_id(0)
+    live = gave_up(sig, R, R_PAD) == 0
     count_epoch(epoch, PH_COUNTS)  # the plan launch waited on the old value: the next step waits on this one
     # this rank's real rows, segment by segment (rows arrive from the peers meanwhile), listed by
     # the programs that move no rows when there are such (a decode step: 2 of 264 move rows on an H200), so
@@ -97,8 +98,8 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
             r = tl.load(row + i, mask=im, other=0)
         # a destination outside [0, R): an id outside [0, E) (-1), or an entry past its expert's count (R: counts
         # that are not the ids' bincount); either would index the peers' address table out of bounds
-        ok = im & (d >= 0) & (d < R)
-        if tl.sum((im & ((d < 0) | (d >= R))).to(tl.int32), axis=0) > 0:
+        ok = im & (d >= 0) & (d < R) & live
+        if tl.sum((im & live & ((d < 0) | (d >= R))).to(tl.int32), axis=0) > 0:
             report(board, C_BAD_ID, -1, 0, 0, t0, 0)
         dd = tl.where(ok, d, 0)
         tok = (i // K).to(tl.int64)
@@ -112,9 +113,9 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
         tl.store(wb + r, tl.load(w + i, mask=ok), mask=ok)
         tl.store(sb + r, (me * n_entries + i).to(tl.int32), mask=ok)
     if last_to_arrive(ticket, n_prog):  # every program's rows are written: one signal per peer
-        signal(table, R, me, PH_DISPATCH, tl.arange(0, R_PAD) >= 0, R_PAD)
+        signal(table, R, me, PH_DISPATCH, (tl.arange(0, R_PAD) >= 0) & live, R_PAD)
         ep = tl.load(epoch + PH_DISPATCH) + 1
-        wait(sig, PH_DISPATCH, R, ep, ep, board, C_WAIT_ROWS, timeout_ns, R_PAD)
+        wait(sig, PH_DISPATCH, R, ep, ep, board, C_WAIT_ROWS, timeout_ns, table, me, R_PAD)
         tl.store(epoch + PH_DISPATCH, ep)
 
 
@@ -129,8 +130,10 @@ def combine_rows_kernel(y, yw, recv_x, recv_w, recv_src, real_rows, table, board
     to finish signals every peer (once for the launch) and waits (bounded) until every peer's
     outputs for this rank landed. A tile none of whose rows was moved (a decode step's padding
     tokens: their rows stay padding, source -1) runs no row loop (a fifth of the instructions of a
-    padded 128-token step with 1 real token)."""
+    padded 128-token step with 1 real token). Once a rank gave up on the group no row moves and no signal
+    goes."""
     pid = tl.program_id(0)
+    live = gave_up(sig, R, R_PAD) == 0
     h = tl.arange(0, BLOCK_H)
     j = tl.arange(0, ROWS)
     for t0 in range(pid * ROWS, SK, n_prog * ROWS):
@@ -139,7 +142,7 @@ def combine_rows_kernel(y, yw, recv_x, recv_w, recv_src, real_rows, table, board
         real = jm & (r0 >= 0)
         r = tl.where(real, r0, 0).to(tl.int64)
         s = tl.load(recv_src + r, mask=real, other=-1)
-        ok = real & (s >= 0)
+        ok = real & (s >= 0) & live
         src = tl.where(ok, s // SK, 0)
         i = (s % SK).to(tl.int64)
         cb = tl.load(table + T_CX * R + src, mask=ok, other=0).to(y.dtype)
@@ -156,9 +159,9 @@ def combine_rows_kernel(y, yw, recv_x, recv_w, recv_src, real_rows, table, board
         tl.store(recv_w + r, tl.zeros([ROWS], tl.float32), mask=ok)
         tl.store(recv_src + r, tl.full([ROWS], -1, tl.int32), mask=ok)
     if last_to_arrive(ticket, n_prog):  # every program's rows are written: one signal per peer
-        signal(table, R, me, PH_COMBINE, tl.arange(0, R_PAD) >= 0, R_PAD)
+        signal(table, R, me, PH_COMBINE, (tl.arange(0, R_PAD) >= 0) & live, R_PAD)
         ep = tl.load(epoch + PH_COMBINE) + 1
-        wait(sig, PH_COMBINE, R, ep, ep, board, C_WAIT_OUTPUTS, timeout_ns, R_PAD)
+        wait(sig, PH_COMBINE, R, ep, ep, board, C_WAIT_OUTPUTS, timeout_ns, table, me, R_PAD)
         tl.store(epoch + PH_COMBINE, ep)
 
 
