@@ -109,6 +109,9 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
         res["classes"] = [f"{type(o).__module__}.{type(o).__name__}" for o in (pf, ex, lay)]
         res["bases"] = [f"{c.__module__}.{c.__name__}" for o in (pf, ex) for c in type(o).__mro__[1:2]]
         res["manager"] = type(get_ep_group().device_communicator.all2all_manager).__name__
+        from vllm.v1.worker.gpu_worker import Worker
+
+        res["step_hooked"] = getattr(Worker.__dict__["execute_model"], "__vllm_moonep__", False)
         res["backend"] = layer.quant_method.unquantized_backend.name
         res["w13_shape"] = tuple(layer.w13_weight.shape)
         res["same_param"] = layer.w13_weight is w13_param_before
@@ -322,6 +325,7 @@ def test_vllm_layer_forward(layout, shared):
         assert r["bases"] == ["vllm_moonep.common.vllm_modular.MoonEPPrepareAndFinalize",
                               "vllm_moonep.common.vllm_modular.MoonEPExperts"], r["bases"]
         assert r["manager"] == "MoonEPAll2AllManager" and r["backend"] == "MOONEP"
+        assert r["step_hooked"], "the manager did not hook the worker's step check"
         assert r["cap"] == 256, r  # max(37, 150) -> 256 on both ranks
         assert r["B"] == 4
         assert f"weight_layout={layout}" in r["summary"] and "engine=builtin" in r["summary"], r["summary"]
@@ -335,6 +339,57 @@ def test_vllm_layer_forward(layout, shared):
         assert all(r["classes"][2].endswith("SymmetricWeightLayout") for r in res)
         assert all(r["w13_shape"] == (16, 512, 256) and r["same_param"] and r["adopted"] for r in res)
         assert all(r["report"]["replicated_rows"] == 0 for r in res)
+
+
+def rk_step_check():
+    """The worker's step under the step seam, with a device-side failure on an open error board and after it."""
+    import types
+
+    from vllm.plugins import load_general_plugins
+
+    from vllm_moonep.engine.faults.error_board import CODE_WAIT_ROWS, ErrorBoard
+    from vllm_moonep.vllm_plugin import seams, state
+
+    load_general_plugins()
+    assert state.LOAD.worker_seams is not None, "the MoonEP seams left the manager no step seam to apply"
+    res = {"hooked": state.LOAD.worker_seams()}  # what the all2all manager does in the worker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    worker = object.__new__(Worker)  # vLLM's body fails on it at once: enough to see it reached
+    worker._pp_send_work = []
+    sched = types.SimpleNamespace(total_num_scheduled_tokens=0)
+
+    def step() -> tuple[str, str]:
+        try:
+            Worker.execute_model(worker, sched)
+        except Exception as exc:
+            tb = exc.__traceback__
+            while tb.tb_next is not None:
+                tb = tb.tb_next
+            return type(exc).__name__, f"{tb.tb_frame.f_code.co_filename}: {exc}"
+        return "none", ""
+
+    res["clean"] = step()
+    board = ErrorBoard(torch.device("cpu"), rank=0, world_size=2, timeout_s=3.0, what="MoonEP buffer S=8")
+    board.record(CODE_WAIT_ROWS, 1, 7, 3_000_000_000, 6, 7)  # a wait for rank 1's rows gave up at call #7
+    res["recorded"] = step()
+    board.close()  # its transport closed: no longer read
+    res["closed"] = step()
+    seams.undo_seams()
+    res["undone"] = not getattr(Worker.__dict__["execute_model"], "__vllm_moonep__", False)
+    return res
+
+
+def test_worker_step_raises_a_device_side_failure_before_running():
+    """Under CUDA graphs no MoonEP call checks its error board: a wait that timed out (or a peer that gave up) left
+    the server generating from wrong rows with no error. vLLM's worker step must raise the recorded failure before
+    it runs, and run as vLLM's own once no open board holds one."""
+    r = ranks(1, rk_step_check, env=CPU_ENV)[0]
+    assert r["hooked"] and r["undone"], r
+    assert r["clean"][0] != "MoonEPCollectiveTimeout" and r["clean"][1].split(":")[0].endswith("gpu_worker.py"), r
+    assert r["recorded"][0] == "MoonEPCollectiveTimeout", r
+    assert "rows" in r["recorded"][1] and "call #7" in r["recorded"][1] and "first rank 1" in r["recorded"][1], r
+    assert r["closed"] == r["clean"], r
 
 
 def test_vllm_layer_batch_invariant():

@@ -26,7 +26,7 @@ from vllm_moonep.vllm_plugin.checks import check_worker
 from vllm_moonep.vllm_plugin.cudagraphs import check_worker_graphs, graphs_mode
 from vllm_moonep.vllm_plugin.options import options_from_vllm_config
 from vllm_moonep.vllm_plugin.startup import log_summary_once, worker_device
-from vllm_moonep.vllm_plugin.state import STATE
+from vllm_moonep.vllm_plugin.state import LOAD, STATE
 from vllm_moonep.vllm_plugin.weights import vllm_ep_group
 
 log = logging.getLogger("vllm.vllm_moonep")
@@ -64,6 +64,8 @@ class MoonEPAll2AllManager(All2AllManagerBase):
         resolved["cudagraphs"] = graphs_mode(get_current_vllm_config_or_none())
         check_worker_graphs(resolved["cudagraphs"], self.device.type, engine=self.engine)
         STATE.worker = resolved
+        if LOAD.worker_seams is not None:  # the step check before each of this worker's steps (seams.py)
+            LOAD.worker_seams()
         self.handle_cache = Cache()
         self._pools: list = []
 

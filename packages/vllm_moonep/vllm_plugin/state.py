@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -50,6 +50,11 @@ class LoadState:
     seam_error: MoonEPSeamError | None = None  # why the MoonEP seams are not hooked
     config_seam_error: MoonEPSeamError | None = None
     graph_seam_error: MoonEPSeamError | None = None
+    step_hooked: bool = False  # Worker.execute_model checks the error boards first (in the worker)
+    step_seam_error: MoonEPSeamError | None = None
+    #: ``seams.apply_step_seam``, set with the MoonEP seams: the all2all manager calls it in the worker process,
+    #: where vLLM has imported its worker class (the front end never needs it)
+    worker_seams: Callable[[], bool] | None = None
     load_line: str | None = None  # the INFO line, until vLLM's logging is configured
 
     def reset(self) -> None:

@@ -20,7 +20,10 @@ other ranks through their signal memory instead (``signals.give_up``), and their
 (``CODE_PEER_GAVE_UP``). On CPU ranks the transport waits on the host and records failures here
 itself, so both report the same way.
 
-The first record wins (later ones are kept in ``records`` only by count); a raised error leaves
+Every open board of the process is listed (``raise_recorded``): a caller that replays CUDA graphs, which
+run no host check, asks once per step (the vLLM plugin does, before each of the worker's steps).
+
+The first record wins (later failures leave it alone); a raised error leaves
 the board set, so every later call raises too: after a peer failed to signal, the epochs of
 the ranks no longer agree and the buffer must be rebuilt.
 """
@@ -28,13 +31,14 @@ the ranks no longer agree and the buffer must be rebuilt.
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
 
 __all__ = ["CODE_BAD_ID", "CODE_PEER_GAVE_UP", "CODE_WAIT_COUNTS", "CODE_WAIT_OUTPUTS", "CODE_WAIT_ROWS", "ErrorBoard",
-           "WAIT_OPS"]
+           "WAIT_OPS", "raise_recorded"]
 
 #: record layout (int64 words); CLAIM makes the first failure win (later ones leave it alone)
 FLAG, CODE, PEER, EPOCH, ELAPSED_NS, SEEN, TARGET, CLAIM = range(8)
@@ -67,6 +71,11 @@ class ErrorBoard:
         self.rank, self.world_size, self.timeout_s, self.what = rank, world_size, timeout_s, what
         self.device = device
         self.raised: BaseException | None = None
+        _OPEN.add(self)
+
+    def close(self) -> None:
+        """Its transport is closed: ``raise_recorded`` no longer reads it."""
+        _OPEN.discard(self)
 
     # -- written by the host transport (CPU ranks) ------------------------------------------------
     def record(self, code: int, peer: int, epoch: int, elapsed_ns: int, seen: int = 0, target: int = 0) -> None:
@@ -122,3 +131,15 @@ class ErrorBoard:
             op=op, step=epoch, rank=self.rank, world_size=self.world_size, missing=[peer], timed_out=True,
             elapsed_s=w[ELAPSED_NS] / 1e9, timeout_s=self.timeout_s, seq=epoch,
         )
+
+
+#: the boards of this process's open transports
+_OPEN: weakref.WeakSet[ErrorBoard] = weakref.WeakSet()
+
+
+def raise_recorded() -> None:
+    """Raise the failure recorded on any open board of this process (plain reads of host memory, no sync): for a
+    caller whose steps run as replayed CUDA graphs, where no dispatch or combine checks on entry."""
+    for board in list(_OPEN):
+        if board.is_set:
+            raise board.error()

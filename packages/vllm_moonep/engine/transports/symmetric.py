@@ -477,6 +477,7 @@ class SymmetricTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        self.board.close()
         if local:
             self.heap.teardown_locally()  # peers may be gone: release local memory only
         try:
