@@ -111,7 +111,8 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
         res["manager"] = type(get_ep_group().device_communicator.all2all_manager).__name__
         from vllm.v1.worker.gpu_worker import Worker
 
-        res["step_hooked"] = getattr(Worker.__dict__["execute_model"], "__vllm_moonep__", False)
+        res["step_hooked"] = [getattr(Worker.__dict__[m], "__vllm_moonep__", False)
+                              for m in ("execute_model", "execute_dummy_batch")]
         res["backend"] = layer.quant_method.unquantized_backend.name
         res["w13_shape"] = tuple(layer.w13_weight.shape)
         res["same_param"] = layer.w13_weight is w13_param_before
@@ -325,7 +326,7 @@ def test_vllm_layer_forward(layout, shared):
         assert r["bases"] == ["vllm_moonep.common.vllm_modular.MoonEPPrepareAndFinalize",
                               "vllm_moonep.common.vllm_modular.MoonEPExperts"], r["bases"]
         assert r["manager"] == "MoonEPAll2AllManager" and r["backend"] == "MOONEP"
-        assert r["step_hooked"], "the manager did not hook the worker's step check"
+        assert r["step_hooked"] == [True, True], "the manager did not hook the worker's step check"
         assert r["cap"] == 256, r  # max(37, 150) -> 256 on both ranks
         assert r["B"] == 4
         assert f"weight_layout={layout}" in r["summary"] and "engine=builtin" in r["summary"], r["summary"]
@@ -359,9 +360,9 @@ def rk_step_check():
     worker._pp_send_work = []
     sched = types.SimpleNamespace(total_num_scheduled_tokens=0)
 
-    def step() -> tuple[str, str]:
+    def step(dummy: bool = False) -> tuple[str, str]:
         try:
-            Worker.execute_model(worker, sched)
+            Worker.execute_dummy_batch(worker) if dummy else Worker.execute_model(worker, sched)
         except Exception as exc:
             tb = exc.__traceback__
             while tb.tb_next is not None:
@@ -373,10 +374,12 @@ def rk_step_check():
     board = ErrorBoard(torch.device("cpu"), rank=0, world_size=2, timeout_s=3.0, what="MoonEP buffer S=8")
     board.record(CODE_WAIT_ROWS, 1, 7, 3_000_000_000, 6, 7)  # a wait for rank 1's rows gave up at call #7
     res["recorded"] = step()
+    res["recorded_dummy"] = step(dummy=True)  # an idle data-parallel rank's step
     board.close()  # its transport closed: no longer read
     res["closed"] = step()
     seams.undo_seams()
-    res["undone"] = not getattr(Worker.__dict__["execute_model"], "__vllm_moonep__", False)
+    res["undone"] = not any(getattr(Worker.__dict__[m], "__vllm_moonep__", False)
+                            for m in ("execute_model", "execute_dummy_batch"))
     return res
 
 
@@ -387,7 +390,7 @@ def test_worker_step_raises_a_device_side_failure_before_running():
     r = ranks(1, rk_step_check, env=CPU_ENV)[0]
     assert r["hooked"] and r["undone"], r
     assert r["clean"][0] != "MoonEPCollectiveTimeout" and r["clean"][1].split(":")[0].endswith("gpu_worker.py"), r
-    assert r["recorded"][0] == "MoonEPCollectiveTimeout", r
+    assert r["recorded"][0] == "MoonEPCollectiveTimeout" and r["recorded_dummy"] == r["recorded"], r
     assert "rows" in r["recorded"][1] and "call #7" in r["recorded"][1] and "first rank 1" in r["recorded"][1], r
     assert r["closed"] == r["clean"], r
 

@@ -22,8 +22,10 @@ H200, the signalling of a 128-program launch costs ~2-3 us either way; see
 docs/PERFORMANCE.md#engine-defaults.) Counters only grow (targets are ``epoch``, on the device so replayed CUDA graphs
 keep counting), so a signal of the next step is never taken for this one's.
 
-A group that lost a rank stays quiet: every launch that writes into peers reads its own GAVE_UP row
-first (``gave_up``) and, once any entry is set, writes and signals nothing. Without that, a rank
+A buffer whose group lost a rank stays quiet: every launch that writes into peers reads its own GAVE_UP
+row first (``gave_up``) and, once any entry is set, writes and signals nothing; its last program reads
+the row again before signalling, so a launch whose later programs skipped their rows never signals
+(a launch already past that point when the row is set still completes). Without that, a rank
 whose wait timed out went on to its next step (under a replayed CUDA graph no host check stops it)
 and wrote that step's counts and rows into a slow peer still reading this one's, whose waits its
 signals then satisfied: wrong rows on a rank whose board stayed clean. Waits never read the error

@@ -32,9 +32,10 @@ vllm.config.vllm.VllmConfig._set_compile_ranges                                 
 vllm.config.compilation.CompilationConfig.set_splitting_ops_for_v1                      VllmConfig.__post_init__, right after that
                                                                                         switch (ours puts the mode back where the
                                                                                         step is graph-safe: ``cudagraphs.py``)
-vllm.v1.worker.gpu_worker.Worker.execute_model                                          the worker runs each step with it (ours first
-                                                                                        raises what a MoonEP error board recorded:
-                                                                                        ``step_check.py``; hooked in the worker)
+vllm.v1.worker.gpu_worker.Worker.{execute_model,execute_dummy_batch}                    the worker runs each step with one of them (an
+                                                                                        idle DP rank the dummy batch); ours first
+                                                                                        raises what a MoonEP error board recorded
+                                                                                        (``step_check.py``; hooked in the worker)
 =====================================================================================  ==============================================
 
 ``apply_seams()`` never raises (vLLM calls it in every process, ``vllm serve --help`` included):
@@ -48,8 +49,8 @@ vllm.v1.worker.gpu_worker.Worker.execute_model                                  
 - the two graph seams are verified (``verify_graph_seams``: vLLM's moonep switch is the only write
   of ``cudagraph_mode`` between them) and hooked together, after the MoonEP seams; without them
   vLLM's eager-only switch for moonep stands (a WARNING says so).
-- the step seam is verified and hooked in the worker, by the all2all manager (``LOAD.worker_seams``), where
-  vLLM has imported its worker class; without it a device-side failure is raised at the next eager MoonEP
+- the step seams are checked to exist and hooked in the worker, by the all2all manager (``LOAD.worker_seams``),
+  where vLLM has imported its worker class; without them a device-side failure is raised at the next eager MoonEP
   call only, not before the next step under CUDA graphs (a WARNING says so).
 - it logs one INFO line: our version, vLLM's version and the seams hooked; and a WARNING when
   vLLM is not the tested 0.33.x. In the front end vLLM configures logging only when it builds
@@ -72,7 +73,7 @@ from vllm_moonep.vllm_plugin.state import LOAD, MoonEPSeamError
 
 log = logging.getLogger("vllm.vllm_moonep")
 
-__all__ = ["CONFIG_SEAM", "GRAPH_SEAMS", "SEAMS", "STEP_SEAM", "TESTED_VLLM", "apply_seams", "apply_step_seam",
+__all__ = ["CONFIG_SEAM", "GRAPH_SEAMS", "SEAMS", "STEP_SEAMS", "TESTED_VLLM", "apply_seams", "apply_step_seam",
            "hooked_names", "undo_seams", "verify_config_seam", "verify_graph_seams", "verify_seams", "vllm_version"]
 
 #: the vLLM minor series this plugin is tested with
@@ -110,8 +111,8 @@ GRAPH_SEAMS = [
     (COMPILATION, "CompilationConfig.set_splitting_ops_for_v1"),
 ]
 
-#: the step check's seam (vLLM's worker, whose CPU worker inherits it: hooked in the worker process only)
-STEP_SEAM = (WORKER, "Worker.execute_model")
+#: the step check's seams (vLLM's worker, whose CPU worker inherits them: hooked in the worker process only)
+STEP_SEAMS = [(WORKER, "Worker.execute_model"), (WORKER, "Worker.execute_dummy_batch")]
 
 _lock = threading.Lock()
 #: (module, attribute path) -> vLLM's original, for undo_seams
@@ -339,23 +340,27 @@ def _apply_graph_seams() -> None:
 
 
 def apply_step_seam() -> bool:
-    """In the worker: rebind ``Worker.execute_model`` to run the step check first (``step_check.py``).
-    Idempotent, never raises (a WARNING says what is then not checked); returns whether it is hooked."""
-    from vllm_moonep.vllm_plugin.step_check import hook_execute_model
+    """In the worker: rebind ``Worker.execute_model`` and ``Worker.execute_dummy_batch`` to run the step check
+    first (``step_check.py``). Idempotent, never raises (a WARNING says what is then not checked); returns whether
+    they are hooked."""
+    from vllm_moonep.vllm_plugin.step_check import hook_step
 
     with _lock:
         if not LOAD.step_hooked:
             try:
                 cls = getattr(_module(WORKER), "Worker", None)
-                fn = cls.__dict__.get("execute_model") if isinstance(cls, type) else None
-                if not callable(fn):
-                    raise _fail(f"{WORKER}.{STEP_SEAM[1]}", "is missing")
-                if not getattr(fn, "__vllm_moonep__", False):
-                    _rebind(*STEP_SEAM, hook_execute_model(fn))
+                fns = {p: cls.__dict__.get(p.split(".")[1]) if isinstance(cls, type) else None for _, p in STEP_SEAMS}
+                for path, fn in fns.items():
+                    if not callable(fn):
+                        raise _fail(f"{WORKER}.{path}", "is missing")
+                for path, fn in fns.items():
+                    if not getattr(fn, "__vllm_moonep__", False):
+                        _rebind(WORKER, path, hook_step(fn))
                 LOAD.step_hooked = True
             except Exception as exc:
+                _restore(STEP_SEAMS)
                 if LOAD.step_seam_error is None:
-                    LOAD.step_seam_error = _as_seam_error(exc, STEP_SEAM[1])
+                    LOAD.step_seam_error = _as_seam_error(exc, STEP_SEAMS[0][1])
                     log.warning("%s A device-side MoonEP failure is then raised at the next eager MoonEP call only, "
                                 "not before the next step under CUDA graphs.", LOAD.step_seam_error)
         return LOAD.step_hooked
@@ -422,7 +427,7 @@ def hooked_names_pairs() -> list[tuple[str, str]]:
     if LOAD.graphs_hooked:
         out.extend(GRAPH_SEAMS)
     if LOAD.step_hooked:
-        out.append(STEP_SEAM)
+        out.extend(STEP_SEAMS)
     return out
 
 

@@ -50,7 +50,7 @@ class LoadState:
     seam_error: MoonEPSeamError | None = None  # why the MoonEP seams are not hooked
     config_seam_error: MoonEPSeamError | None = None
     graph_seam_error: MoonEPSeamError | None = None
-    step_hooked: bool = False  # Worker.execute_model checks the error boards first (in the worker)
+    step_hooked: bool = False  # Worker.execute_model / execute_dummy_batch check the error boards first (worker)
     step_seam_error: MoonEPSeamError | None = None
     #: ``seams.apply_step_seam``, set with the MoonEP seams: the all2all manager calls it in the worker process,
     #: where vLLM has imported its worker class (the front end never needs it)

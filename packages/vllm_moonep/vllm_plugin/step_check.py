@@ -3,14 +3,17 @@
 Under CUDA graphs vLLM replays the MoE layers' launches, and no MoonEP ``dispatch`` or ``combine``
 runs its check on entry: a symmetric-transport wait that timed out (or a peer that gave up on the
 group, ``engine/signals.py``) would leave the server generating from wrong rows with no error. So
-``seams.py`` rebinds vLLM's ``Worker.execute_model`` (the CPU worker inherits it) in the worker
-process, when the EP group's all2all manager is built, to::
+``seams.py`` rebinds vLLM's ``Worker.execute_model`` and ``Worker.execute_dummy_batch`` (an idle
+data-parallel rank's step; the CPU worker inherits both) in the worker process, when the EP group's
+all2all manager is built, to::
 
-    execute_model(...) --> error_board.raise_recorded()   every open board: plain host reads, no sync
-                      --> vLLM's execute_model            (raises the recorded MoonEPCollectiveTimeout instead)
+    step(...) --> error_board.raise_recorded()   every open board: plain host reads, no sync
+             --> vLLM's step                      (raises the recorded MoonEPCollectiveTimeout instead)
 
-The step that failed has returned by then (vLLM reads each step's sampled tokens before the next),
-so at most that one step's tokens go out. Nothing here imports vLLM.
+The board is read when a step starts on the host, and the failed step's kernels may still be running
+then: vLLM's async scheduling (on by default in 0.33) issues step N+1 before step N's output is read.
+So the server stops one or two steps after the failed one, and those steps' tokens may go out.
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -19,16 +22,16 @@ import functools
 
 from vllm_moonep.engine.faults.error_board import raise_recorded
 
-__all__ = ["hook_execute_model"]
+__all__ = ["hook_step"]
 
 
-def hook_execute_model(orig):
-    """vLLM's ``Worker.execute_model``, after raising what any MoonEP error board of this process holds."""
+def hook_step(orig):
+    """vLLM's worker step ``orig``, after raising what any MoonEP error board of this process holds."""
 
     @functools.wraps(orig)
-    def execute_model(self, *args, **kwargs):
+    def step(self, *args, **kwargs):
         raise_recorded()
         return orig(self, *args, **kwargs)
 
-    execute_model.__vllm_moonep__ = True
-    return execute_model
+    step.__vllm_moonep__ = True
+    return step

@@ -52,7 +52,7 @@ WAIT_OPS = {
     CODE_WAIT_OUTPUTS: "combine: wait for every peer's expert outputs",
 }
 #: a wait ended because a peer had given up on the group (PEER: that rank; SEEN: the wait's own code; EPOCH -1:
-#: found between calls)
+#: found by the host between calls)
 CODE_PEER_GAVE_UP = 4
 #: an expert id outside [0, E) reached the device-side placement
 CODE_BAD_ID = 16
@@ -100,7 +100,19 @@ class ErrorBoard:
         raise self.error()
 
     def error(self) -> BaseException:
-        w = [int(v) for v in self.words.tolist()]
+        return self._error([int(v) for v in self.words.tolist()])
+
+    def peer_gave_up(self, peer: int, code: int, epoch: int = -1) -> MoonEPCollectiveTimeout:
+        """Rank ``peer`` gave up on the group, found by the host (``code``: the wait it stops; ``epoch`` -1: between
+        calls): recorded unless the board holds an earlier failure, and returned as the error either way."""
+        self.record(CODE_PEER_GAVE_UP, peer, epoch, 0, code, 0)
+        w = [0] * WORDS
+        w[CODE], w[PEER], w[EPOCH], w[SEEN] = CODE_PEER_GAVE_UP, peer, epoch, code
+        err = self._error(w)
+        assert isinstance(err, MoonEPCollectiveTimeout)
+        return err
+
+    def _error(self, w: list[int]) -> BaseException:
         code, peer, epoch = w[CODE], w[PEER], w[EPOCH]
         if code == CODE_BAD_ID:
             return MoonEPInputError(
@@ -110,16 +122,20 @@ class ErrorBoard:
                 "Rebuild the buffer: the ranks' step counts may no longer agree."
             )
         if code == CODE_PEER_GAVE_UP:
-            op = WAIT_OPS.get(w[SEEN], f"wait #{w[SEEN]}")
-            when = f"was abandoned at its call #{epoch}" if epoch >= 0 else "will not run again"
+            if epoch >= 0:
+                op = WAIT_OPS.get(w[SEEN], f"wait #{w[SEEN]}")
+                what_ended = f"MoonEP {op!r} was abandoned at its call #{epoch}"
+            else:
+                op = "symmetric transport: the next call"
+                what_ended = "This buffer will not run another step"
             return MoonEPCollectiveTimeout(
-                f"MoonEP {op!r} {when} on rank {self.rank} of {self.world_size}: rank "
-                f"{peer} had given up on the group (one of its waits timed out), so no peer writes into this rank "
-                f"any more. {self.what}: the output of a step in flight is wrong. Destroy the MoonEP buffers, pools and "
-                "layouts, then the process group, and build a fresh set.",
-                op=op, step=epoch if epoch >= 0 else None, rank=self.rank, world_size=self.world_size, missing=[],
-                timed_out=False,
-                elapsed_s=w[ELAPSED_NS] / 1e9, timeout_s=self.timeout_s, seq=epoch,
+                f"{what_ended} on rank {self.rank} of {self.world_size}: rank {peer} had given up on the group (one "
+                f"of its waits timed out), so no launch of this buffer writes into a peer any more. {self.what}: the "
+                "output of a step in flight is wrong. Destroy the MoonEP buffers, pools and layouts, then the "
+                "process group, and build a fresh set.",
+                op=op, step=epoch if epoch >= 0 else None, rank=self.rank, world_size=self.world_size,
+                missing=[peer], timed_out=False, elapsed_s=w[ELAPSED_NS] / 1e9, timeout_s=self.timeout_s,
+                seq=max(epoch, 0),
             )
         op = WAIT_OPS.get(code, f"wait #{code}")
         return MoonEPCollectiveTimeout(

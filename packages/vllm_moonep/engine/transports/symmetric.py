@@ -67,8 +67,7 @@ except ImportError:  # CPU-only installs: the host executor needs no Triton
 import vllm_moonep.engine.heaps as heaps
 from vllm_moonep.engine.errors import (MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError,
                                       MoonEPUnavailableError)
-from vllm_moonep.engine.faults.error_board import (CODE_PEER_GAVE_UP, CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS,
-                                                   CODE_WAIT_ROWS, ErrorBoard)
+from vllm_moonep.engine.faults.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
 from vllm_moonep.engine.heaps.base import SymmetricHeap
 from vllm_moonep.engine.launch import Launcher, sm_count
 from vllm_moonep.engine.planning.host_plan import refuse_short_counts
@@ -294,17 +293,25 @@ class SymmetricTransport(Transport):
         self.board.check(sync=sync)
 
     def recorded_timeout(self) -> MoonEPCollectiveTimeout | None:
-        """A wait that gave up (its error board recorded it), or a peer that gave up on the group since this rank's
-        last wait (its entry in the ``gave_up`` row: recorded now, so teardown stays local). A bad expert id, also
-        recorded, is this rank's input error: the step completed on every rank, so it is not one."""
-        if not self.board.is_set and "sig" in self.buf and not (self.on_gpu and torch.cuda.is_current_stream_capturing()):
-            gone = self.buf["sig"][_GAVE_UP].nonzero().flatten().tolist()  # GPU: a sync (teardown, or after a raise)
-            if gone:
-                self.board.record(CODE_PEER_GAVE_UP, gone[0], -1, 0, CODE_WAIT_COUNTS, 0)  # -1: between calls
-        if not self.board.is_set:
+        """A wait that gave up (its error board recorded it), or a peer that gave up on the group (its entry in the
+        ``gave_up`` row, read here too: after a bad expert id the board holds that, and teardown must still be
+        local). A bad expert id alone is this rank's input error: the step completed on every rank, so it is not
+        one. On GPUs the row's read synchronizes (teardown, or after a raise; skipped while capturing); a read that
+        fails (a sticky CUDA error) counts as a failed group, so teardown stays local."""
+        err = self.board.error() if self.board.is_set else None
+        if isinstance(err, MoonEPCollectiveTimeout):
+            return err
+        if "sig" not in self.buf or (self.on_gpu and torch.cuda.is_current_stream_capturing()):
             return None
-        err = self.board.error()
-        return err if isinstance(err, MoonEPCollectiveTimeout) else None
+        try:
+            gone = self.buf["sig"][_GAVE_UP].nonzero().flatten().tolist()
+        except Exception as exc:  # any failure to read it: the memory is not to be trusted
+            return MoonEPCollectiveTimeout(
+                f"MoonEP buffer S={self.S} (symmetric transport): its signal memory could not be read on rank "
+                f"{self.rank} ({type(exc).__name__}: {exc}); the group is treated as failed",
+                op="symmetric transport: reading the signals", rank=self.rank, world_size=self.R, timed_out=False,
+                timeout_s=self.timeout_s)
+        return self.board.peer_gave_up(gone[0], CODE_WAIT_COUNTS) if gone else None
 
     # ------------------------------------------------------------------ GPU executor
     def _timeout_ns(self) -> int:
@@ -372,12 +379,11 @@ class SymmetricTransport(Transport):
         for d in peers:
             self.peer["sig"][d][p, self.rank] = value
 
-    def _refuse_if_given_up(self, phase: str, elapsed_s: float = 0.0) -> None:
+    def _refuse_if_given_up(self, phase: str) -> None:
         """Raise (recorded on the board) once a rank gave up on the group: nothing more is written to a peer."""
         gone = self.buf["sig"][_GAVE_UP].nonzero().flatten().tolist()
         if gone:
-            self.board.record(CODE_PEER_GAVE_UP, gone[0], self._host_epoch[_PHASE[phase]] + 1, int(elapsed_s * 1e9),
-                              _WAIT_CODE[phase], 0)
+            self.board.peer_gave_up(gone[0], _WAIT_CODE[phase], self._host_epoch[_PHASE[phase]] + 1)
             self.board.check()
 
     def _wait_host(self, phase: str) -> None:
@@ -392,7 +398,7 @@ class SymmetricTransport(Transport):
             if not late:
                 break
             elapsed = time.monotonic() - t0
-            self._refuse_if_given_up(phase, elapsed)
+            self._refuse_if_given_up(phase)
             if elapsed >= self.timeout_s:
                 self.board.record(_WAIT_CODE[phase], late[0], target, int(elapsed * 1e9), int(seen[late[0]]), target)
                 for d in range(self.R):  # every rank (this one too) stops writing and leaves its waits
