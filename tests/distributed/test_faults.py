@@ -370,9 +370,7 @@ def symmetric_peer_refuses():
         w = torch.full_like(w, float("nan"))
     exc, el = _timed(buf.dispatch, x.float().contiguous(), w.float().contiguous(), ids32.contiguous(), tpe)
     out = {"dispatch": _describe(exc, el)}
-    # rank 0's group failed (its destroy is local); rank 1's heap frees are collective and find no peer: a bounded
-    # wait, after which the group is failed there too and a second destroy is local
-    exc, el = _timed(buf.destroy)
+    exc, el = _timed(buf.destroy)  # the group failed on both ranks: local
     out["destroy"] = _describe(exc, el)
     buf.destroy()
     return out
@@ -410,16 +408,18 @@ def test_a_refusal_no_peer_hears_raises_the_input_error():
 
 def test_a_peer_refusing_alone_on_the_symmetric_transport_is_named():
     """The symmetric transport has no frame to carry a refusal (docs/VALIDATION.md): a rank that refused its input
-    alone must leave its peers a bounded wait that names it, not a hang or a step planned without its counts."""
+    alone left its peers waiting out the whole bound (300 s by default) and then blaming a rank that had not
+    answered, or, had it called again within the bound, pairing with its next call. It gives up on the group
+    instead: the peer's dispatch ends at once naming it and why, and both teardowns are local."""
     res = _fresh(2, symmetric_peer_refuses)
     assert not any(isinstance(x, RankFailure) for x in res), res
     assert res[1]["dispatch"]["type"] == "MoonEPInputError" and "non-finite" in res[1]["dispatch"]["msg"], res[1]
     o = res[0]["dispatch"]
-    assert o["type"] == "MoonEPCollectiveTimeout" and o["missing"] == [1], o
-    assert "token counts" in o["msg"] and o["elapsed"] < TIMEOUT_S + SLACK_S, o
-    assert res[0]["destroy"]["type"] is None, res[0]["destroy"]
-    d = res[1]["destroy"]
-    assert d["type"] in (None, "MoonEPCollectiveTimeout") and d["elapsed"] < TIMEOUT_S + SLACK_S, d
+    assert o["type"] == "MoonEPCollectiveTimeout" and o["missing"] == [1] and o["timed_out"] is False, o
+    assert "rank 1 had given up on the group (it refused its input to a dispatch" in o["msg"], o
+    assert o["elapsed"] < 1.0, o
+    for r in res:
+        assert r["destroy"]["type"] is None and r["destroy"]["elapsed"] < 1.0, r["destroy"]
 
 
 # ------------------------------------------------------------------------------ the store's host dies

@@ -503,10 +503,12 @@ class Buffer:
         refusals itself; call this once per refused step, never after a ``dispatch`` that raised): tell the peers,
         already in this dispatch's first exchange, so that they refuse it too instead of pairing with this rank's
         next call (another layer's rows, on a buffer the layers share). The collective and hybrid transports send a
-        refusal frame where the counts would go, and wait for the peers' frames (within ``timeout_s``); the
-        symmetric transport has none, and its peers time out naming this rank."""
+        refusal frame where the counts would go, and wait for the peers' frames (within ``timeout_s``), and the
+        group stays usable; the symmetric transport has no frame, so this rank gives up on the group: the peers'
+        waits end at once naming it, and every rank's buffers must be rebuilt (this one is marked failed now)."""
         self._alive("Buffer.refuse_step")
         self.transport.refuse(self._step)
+        self._mark_if_recorded()
 
     def check_plan(self, plan: object, op: str) -> Plan:
         """``plan``, once it is known to be this buffer's latest dispatch's, else ``MoonEPStateError``

@@ -5,7 +5,8 @@ also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
 
     table [7, R] i64   address of buffer T_* on rank d (rows below), loaded and cast to a pointer
     sig [4, R] i64     sig[phase, src] on this rank: launches of src that finished writing here;
-                       sig[GAVE_UP, src]: 1 once rank src gave up on the group (a wait of its timed out)
+                       sig[GAVE_UP, src]: nonzero once rank src gave up on the group (error_board.GAVE_UP_*:
+                       a wait of its timed out, or it refused its input to a dispatch)
 
     every program:   its stores -> barrier -> +1 on a launch-local ticket (acq_rel, sys: carries
                      its stores, to any GPU, to whoever reads the ticket after it)
@@ -51,6 +52,7 @@ PH_COUNTS, PH_DISPATCH, PH_COMBINE, GAVE_UP = (tl.constexpr(i) for i in range(4)
 C_WAIT_COUNTS, C_WAIT_ROWS, C_WAIT_OUTPUTS, C_BAD_ID, C_GAVE_UP = (
     tl.constexpr(c) for c in (eb.CODE_WAIT_COUNTS, eb.CODE_WAIT_ROWS, eb.CODE_WAIT_OUTPUTS, eb.CODE_BAD_ID,
                               eb.CODE_PEER_GAVE_UP))
+GAVE_UP_TIMED_OUT = tl.constexpr(eb.GAVE_UP_TIMED_OUT)
 
 
 @triton.jit
@@ -101,7 +103,7 @@ def give_up(table, R, me, R_PAD: tl.constexpr):
     m = d < R
     base = tl.load(table + T_SIG * R + d, mask=m, other=0)
     ptr = base.to(tl.pointer_type(tl.int64)) + GAVE_UP * R + me
-    tl.atomic_xchg(ptr, tl.full([R_PAD], 1, tl.int64), mask=m, sem="release", scope="sys")
+    tl.atomic_xchg(ptr, tl.full([R_PAD], GAVE_UP_TIMED_OUT, tl.int64), mask=m, sem="release", scope="sys")
 
 
 @triton.jit
@@ -129,7 +131,8 @@ def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, table, me, R_
     if pending > 0:
         if quit > 0:
             who = tl.min(tl.where((gone != 0) & m, d, R_PAD), axis=0)
-            report(board, C_GAVE_UP, who.to(tl.int64), epoch_no, elapsed, code, target)
+            why = tl.max(tl.where(d == who, gone, 0), axis=0)  # what that rank wrote: why it gave up
+            report(board, C_GAVE_UP, who.to(tl.int64), epoch_no, elapsed, code, why)
         else:
             late = (seen < target) & m
             first = tl.min(tl.where(late, d, R_PAD), axis=0)

@@ -38,7 +38,7 @@ import torch
 from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPInputError
 
 __all__ = ["CODE_BAD_ID", "CODE_PEER_GAVE_UP", "CODE_WAIT_COUNTS", "CODE_WAIT_OUTPUTS", "CODE_WAIT_ROWS", "ErrorBoard",
-           "WAIT_OPS", "raise_recorded"]
+           "GAVE_UP_REFUSED", "GAVE_UP_TIMED_OUT", "WAIT_OPS", "raise_recorded"]
 
 #: record layout (int64 words); CLAIM makes the first failure win (later ones leave it alone)
 FLAG, CODE, PEER, EPOCH, ELAPSED_NS, SEEN, TARGET, CLAIM = range(8)
@@ -51,9 +51,12 @@ WAIT_OPS = {
     CODE_WAIT_ROWS: "dispatch: wait for every peer's rows",
     CODE_WAIT_OUTPUTS: "combine: wait for every peer's expert outputs",
 }
-#: a wait ended because a peer had given up on the group (PEER: that rank; SEEN: the wait's own code; EPOCH -1:
-#: found by the host between calls)
+#: a wait ended because a peer had given up on the group (PEER: that rank; SEEN: the wait's own code; TARGET: why,
+#: GAVE_UP_*; EPOCH -1: found by the host between calls)
 CODE_PEER_GAVE_UP = 4
+#: why a rank gave up on the group (what it writes in the symmetric transport's gave_up row): a wait of its timed
+#: out; it refused its input to a dispatch (that transport has no frame to carry a refusal)
+GAVE_UP_TIMED_OUT, GAVE_UP_REFUSED = 1, 2
 #: an expert id outside [0, E) reached the device-side placement
 CODE_BAD_ID = 16
 
@@ -102,12 +105,13 @@ class ErrorBoard:
     def error(self) -> BaseException:
         return self._error([int(v) for v in self.words.tolist()])
 
-    def peer_gave_up(self, peer: int, code: int, epoch: int = -1) -> MoonEPCollectiveTimeout:
-        """Rank ``peer`` gave up on the group, found by the host (``code``: the wait it stops; ``epoch`` -1: between
-        calls): recorded unless the board holds an earlier failure, and returned as the error either way."""
-        self.record(CODE_PEER_GAVE_UP, peer, epoch, 0, code, 0)
+    def peer_gave_up(self, peer: int, why: int, code: int, epoch: int = -1) -> MoonEPCollectiveTimeout:
+        """Rank ``peer`` gave up on the group (``why``: ``GAVE_UP_*``), found by the host (``code``: the wait it
+        stops; ``epoch`` -1: between calls): recorded unless the board holds an earlier failure, and returned as the
+        error either way."""
+        self.record(CODE_PEER_GAVE_UP, peer, epoch, 0, code, why)
         w = [0] * WORDS
-        w[CODE], w[PEER], w[EPOCH], w[SEEN] = CODE_PEER_GAVE_UP, peer, epoch, code
+        w[CODE], w[PEER], w[EPOCH], w[SEEN], w[TARGET] = CODE_PEER_GAVE_UP, peer, epoch, code, why
         err = self._error(w)
         assert isinstance(err, MoonEPCollectiveTimeout)
         return err
@@ -128,11 +132,13 @@ class ErrorBoard:
             else:
                 op = "symmetric transport: the next call"
                 what_ended = "This buffer will not run another step"
+            why = ("it refused its input to a dispatch, and the symmetric transport carries no refusal, so the "
+                   "group ends" if w[TARGET] == GAVE_UP_REFUSED else "one of its waits timed out")
             return MoonEPCollectiveTimeout(
-                f"{what_ended} on rank {self.rank} of {self.world_size}: rank {peer} had given up on the group (one "
-                f"of its waits timed out), so no launch of this buffer writes into a peer any more. {self.what}: the "
-                "output of a step in flight is wrong. Destroy the MoonEP buffers, pools and layouts, then the "
-                "process group, and build a fresh set.",
+                f"{what_ended} on rank {self.rank} of {self.world_size}: rank {peer} had given up on the group ({why}), "
+                f"so no launch of this buffer writes into a peer any more. {self.what}: the output of a step in "
+                "flight is wrong. Destroy the MoonEP buffers, pools and layouts, then the process group, and build "
+                "a fresh set.",
                 op=op, step=epoch if epoch >= 0 else None, rank=self.rank, world_size=self.world_size,
                 missing=[peer], timed_out=False, elapsed_s=w[ELAPSED_NS] / 1e9, timeout_s=self.timeout_s,
                 seq=max(epoch, 0),

@@ -131,8 +131,8 @@ class Transport(ABC):
     def refuse(self, step: int) -> None:
         """This rank refused the step's input (the ``Buffer``'s checks, before ``plan``): end the peers' half of
         the call with it where the transport can, so that they refuse it too rather than pair with this rank's
-        next call. The default does nothing: a transport that exchanges nothing through a collective before
-        moving rows (symmetric) leaves its peers waiting, and they time out naming this rank."""
+        next call. The default does nothing (the peers time out naming this rank); the symmetric transport, which
+        exchanges nothing through a collective before moving rows, gives up on the group instead."""
 
     @abstractmethod
     def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,

@@ -48,7 +48,9 @@ Two executors of the same protocol:
 A rank whose wait timed out gives up on the group: it sets its entry of the ``gave_up`` row of
 ``sig`` on every rank, and from then on no rank writes into a peer (GPU launches mask their writes
 and signals; the CPU executor refuses the call), so a slow peer is never handed a later step's rows.
-Each rank's next wait, or its next call on CPU ranks, ends at once naming the rank that gave up.
+Each rank's next wait, or its next call on CPU ranks, ends at once naming the rank that gave up. A
+rank that refused its input to a dispatch (``Buffer.refuse_step``) gives up the same way: with no
+frame to carry a refusal, the peers learn of it at once instead of after ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ except ImportError:  # CPU-only installs: the host executor needs no Triton
 import vllm_moonep.engine.heaps as heaps
 from vllm_moonep.engine.errors import (MoonEPCollectiveTimeout, MoonEPInputError, MoonEPStateError,
                                       MoonEPUnavailableError)
-from vllm_moonep.engine.faults.error_board import CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS, ErrorBoard
+from vllm_moonep.engine.faults.error_board import (CODE_WAIT_COUNTS, CODE_WAIT_OUTPUTS, CODE_WAIT_ROWS,
+                                                   GAVE_UP_REFUSED, GAVE_UP_TIMED_OUT, ErrorBoard)
 from vllm_moonep.engine.heaps.base import SymmetricHeap
 from vllm_moonep.engine.launch import Launcher, sm_count
 from vllm_moonep.engine.planning.host_plan import refuse_short_counts
@@ -311,7 +314,17 @@ class SymmetricTransport(Transport):
                 f"{self.rank} ({type(exc).__name__}: {exc}); the group is treated as failed",
                 op="symmetric transport: reading the signals", rank=self.rank, world_size=self.R, timed_out=False,
                 timeout_s=self.timeout_s)
-        return self.board.peer_gave_up(gone[0], CODE_WAIT_COUNTS) if gone else None
+        if not gone:
+            return None
+        return self.board.peer_gave_up(gone[0], int(self.buf["sig"][_GAVE_UP, gone[0]]), CODE_WAIT_COUNTS)
+
+    def refuse(self, step: int) -> None:
+        """This rank refused its input to the dispatch its peers are in. The transport has no frame to carry a
+        refusal (rows move by one-sided writes after the counts), so the rank gives up on the group
+        (``GAVE_UP_REFUSED`` in every rank's ``gave_up`` row): the peers' waits end at once naming it, not after
+        ``timeout_s``, and the buffers must be rebuilt. A single rank has no peer to tell and keeps its buffer."""
+        if self.R > 1:
+            self._give_up(GAVE_UP_REFUSED)
 
     # ------------------------------------------------------------------ GPU executor
     def _timeout_ns(self) -> int:
@@ -379,11 +392,18 @@ class SymmetricTransport(Transport):
         for d in peers:
             self.peer["sig"][d][p, self.rank] = value
 
+    def _give_up(self, why: int) -> None:
+        """``why`` into this rank's entry of every rank's ``gave_up`` row, this one's too (host stores; on GPUs a
+        copy kernel into each peer's memory, which lands when it completes)."""
+        for d in range(self.R):
+            self.peer["sig"][d][_GAVE_UP, self.rank] = why
+
     def _refuse_if_given_up(self, phase: str) -> None:
         """Raise (recorded on the board) once a rank gave up on the group: nothing more is written to a peer."""
-        gone = self.buf["sig"][_GAVE_UP].nonzero().flatten().tolist()
+        row = self.buf["sig"][_GAVE_UP]
+        gone = row.nonzero().flatten().tolist()
         if gone:
-            self.board.peer_gave_up(gone[0], _WAIT_CODE[phase], self._host_epoch[_PHASE[phase]] + 1)
+            self.board.peer_gave_up(gone[0], int(row[gone[0]]), _WAIT_CODE[phase], self._host_epoch[_PHASE[phase]] + 1)
             self.board.check()
 
     def _wait_host(self, phase: str) -> None:
@@ -401,8 +421,7 @@ class SymmetricTransport(Transport):
             self._refuse_if_given_up(phase)
             if elapsed >= self.timeout_s:
                 self.board.record(_WAIT_CODE[phase], late[0], target, int(elapsed * 1e9), int(seen[late[0]]), target)
-                for d in range(self.R):  # every rank (this one too) stops writing and leaves its waits
-                    self.peer["sig"][d][_GAVE_UP, self.rank] = 1
+                self._give_up(GAVE_UP_TIMED_OUT)  # every rank (this one too) stops writing and leaves its waits
                 self.board.check()
             pause = min(1e-3, pause + 2e-5)
             time.sleep(pause)
