@@ -808,6 +808,39 @@ def cuda_rank_gives_up_under_graph_replay():
     return out
 
 
+def cuda_rank_refuses():
+    """One symmetric step on CUDA together; then rank 1 refuses its input to the next dispatch (``refuse_step``, as
+    the MoE step does for its own checks) while rank 0 dispatches."""
+    from vllm_moonep.engine import Buffer
+    from vllm_moonep.testing.routing import route
+
+    r = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    S, Hs, Ks, Es = 16, 128, 2, 8
+    buf = Buffer(S, Hs, Ks, Es, 2, B=2, token_padding=8, device=dev, transport="symmetric", timeout_s=TIMEOUT_S)
+    ids, w = route(S, Es, Ks, sigma=1.0, seed=3, rank=r)
+    x = torch.randn(S, Hs, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=Es).to(torch.int32)
+    x, w, ids, tpe = x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev)
+    xn, _, _, plan = buf.dispatch(x, w, ids, tpe)
+    buf.combine(plan, xn)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.monotonic()
+    if r == 0:
+        def step():
+            buf.dispatch(x, w, ids, tpe)
+            buf.check_errors(sync=True)
+
+        exc, _ = _timed(step)
+    else:
+        exc, _ = _timed(buf.refuse_step)
+    out = _describe(exc, time.monotonic() - t0)
+    exc, out["teardown_s"] = _timed(buf.destroy)
+    out["teardown"] = type(exc).__name__ if exc else None
+    return out
+
+
 @pytest.mark.parametrize("launch", [pytest.param({}, marks=pytest.mark.gpu, id="shared-gpu"),
                                     pytest.param({"backend": "nccl", "device": "cuda"}, marks=pytest.mark.multi_gpu,
                                                  id="gpu-per-rank")])
@@ -828,6 +861,23 @@ def test_a_rank_that_gave_up_stops_writing_into_its_peers_under_graph_replay(lau
     assert r1["type"] == "MoonEPCollectiveTimeout" and r1["timed_out"] is False, r1
     assert "rank 0 had given up on the group" in r1["msg"] and "token counts" in r1["op"], r1
     assert r1["late_s"] < 0.5, r1
+    for rr in res:
+        assert rr["teardown"] is None and rr["teardown_s"] < 1.0, rr
+
+
+@pytest.mark.parametrize("launch", [pytest.param({}, marks=pytest.mark.gpu, id="shared-gpu"),
+                                    pytest.param({"backend": "nccl", "device": "cuda"}, marks=pytest.mark.multi_gpu,
+                                                 id="gpu-per-rank")])
+def test_a_refusal_on_the_symmetric_transport_reaches_the_peer_on_cuda(launch):
+    """A one-rank refusal on the GPU symmetric transport: the peer's device wait ran out the bound and blamed a rank
+    that had not answered. The refusing rank's give-up, written into the peer's signal memory through its peer view,
+    must end the peer's step at once, naming it and why."""
+    res = run_on_ranks(2, cuda_rank_refuses, env=ENV, fresh=True, allow_failures=True, timeout_s=120, **launch)
+    r0, r1 = res
+    assert not isinstance(r0, RankFailure) and not isinstance(r1, RankFailure), res
+    assert r0["type"] == "MoonEPCollectiveTimeout" and r0["missing"] == [1] and r0["timed_out"] is False, r0
+    assert "it refused its input to a dispatch" in r0["msg"] and r0["elapsed"] < TIMEOUT_S - 1.0, r0
+    assert r1["type"] is None, r1  # refuse_step tells; the caller raises its own input error
     for rr in res:
         assert rr["teardown"] is None and rr["teardown_s"] < 1.0, rr
 
