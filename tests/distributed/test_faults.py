@@ -768,7 +768,9 @@ def cuda_rank_gives_up_under_graph_replay():
     r = dist.get_rank()
     dev = torch.device("cuda", torch.cuda.current_device())
     S, Hs, Ks, Es = 16, 128, 2, 8
-    buf = Buffer(S, Hs, Ks, Es, 2, B=2, token_padding=8, device=dev, transport="symmetric", timeout_s=TIMEOUT_S)
+    # no host-side input check: it reads the ids on the host, which a capture refuses (the MoE step checks its own)
+    buf = Buffer(S, Hs, Ks, Es, 2, B=2, token_padding=8, device=dev, transport="symmetric", timeout_s=TIMEOUT_S,
+                 check_inputs=False)
     ids, w = route(S, Es, Ks, sigma=1.0, seed=3, rank=r)
     x = torch.randn(S, Hs, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
     tpe = torch.bincount(ids.reshape(-1).long(), minlength=Es).to(torch.int32)
@@ -854,8 +856,8 @@ def test_a_rank_that_gave_up_stops_writing_into_its_peers_under_graph_replay(lau
     res = run_on_ranks(2, cuda_rank_gives_up_under_graph_replay, env=ENV, fresh=True, allow_failures=True,
                        timeout_s=120, **launch)
     r0, r1 = res
-    assert not isinstance(r0, RankFailure), r0
-    assert not isinstance(r1, RankFailure), r1
+    for rr in res:
+        assert not isinstance(rr, RankFailure), rr.detail
     assert r0["type"] == "MoonEPCollectiveTimeout" and r0["missing"] == [1] and r0["timed_out"], r0
     assert TIMEOUT_S - 0.2 <= r0["first_s"] < TIMEOUT_S + SLACK_S and r0["more_s"] < 0.5, r0
     assert r1["type"] == "MoonEPCollectiveTimeout" and r1["timed_out"] is False, r1
