@@ -12,10 +12,10 @@ also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
                      its stores, to any GPU, to whoever reads the ticket after it)
     last program:    the one that finds the ticket at programs - 1: atomic +1 on sig[phase, me] of
                      each peer (release, sys), once for the whole launch, then waits for the peers
-    waiter:          acquire-reads sig[phase, :] (and sig[GAVE_UP, :] every GAVE_UP_EVERY polls) until
-                     every source reached its target, bounded by %globaltimer. A time-out writes the error
-                     board (first failure wins) and sets sig[GAVE_UP, me] on every rank, itself included;
-                     a wait that finds a rank's GAVE_UP set leaves at once and writes the board too.
+    waiter:          acquire-reads sig[phase, :] and sig[GAVE_UP, :] until every source reached its
+                     target, bounded by %globaltimer. A time-out writes the error board (first failure
+                     wins) and sets sig[GAVE_UP, me] on every rank, itself included; a wait that finds a
+                     rank's GAVE_UP set leaves at once and writes the board too.
 
 One signal per launch and peer, not per program: R atomics on peers' counters per launch instead
 of R per program, and ranks need not agree on how many programs a launch has. (Measured on an
@@ -24,9 +24,9 @@ docs/PERFORMANCE.md#engine-defaults.) Counters only grow (targets are ``epoch``,
 keep counting), so a signal of the next step is never taken for this one's.
 
 A buffer whose group lost a rank stays quiet: every launch that writes into peers reads its own GAVE_UP
-row first (``gave_up``) and, once any entry is set, writes and signals nothing; a program that skipped
-its rows says so through the launch's ticket, so a launch whose later programs skipped theirs never
-signals (a launch already past that point when the row is set still completes). Without that, a rank
+row first (``gave_up``) and, once any entry is set, writes and signals nothing; its last program reads
+the row again before signalling, so a launch whose later programs skipped their rows never signals
+(a launch already past that point when the row is set still completes). Without that, a rank
 whose wait timed out went on to its next step (under a replayed CUDA graph no host check stops it)
 and wrote that step's counts and rows into a slow peer still reading this one's, whose waits its
 signals then satisfied: wrong rows on a rank whose board stayed clean. Waits never read the error
@@ -53,12 +53,6 @@ C_WAIT_COUNTS, C_WAIT_ROWS, C_WAIT_OUTPUTS, C_BAD_ID, C_GAVE_UP = (
     tl.constexpr(c) for c in (eb.CODE_WAIT_COUNTS, eb.CODE_WAIT_ROWS, eb.CODE_WAIT_OUTPUTS, eb.CODE_BAD_ID,
                               eb.CODE_PEER_GAVE_UP))
 GAVE_UP_TIMED_OUT = tl.constexpr(eb.GAVE_UP_TIMED_OUT)
-#: a launch's ticket counts its programs below this and the programs that skipped their rows in multiples of it
-#: (int32: up to 32767 programs, far above the row kernels' 2 per SM)
-SKIPPED = tl.constexpr(1 << 16)
-#: a wait reads the gave_up row once per this many polls of its counter (device memory, like the counter: a second
-#: atomic on every poll cost a 1-token dispatch + combine ~3-5 us on an H100); 64 polls are some 30 us
-GAVE_UP_EVERY = tl.constexpr(64)
 
 
 @triton.jit
@@ -128,15 +122,11 @@ def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, table, me, R_
     quit = tl.sum(((gone != 0) & m).to(tl.int32), axis=0)
     t0 = now_ns()
     elapsed = t0 - t0
-    n = 0
     while (pending > 0) & (elapsed < timeout_ns) & (quit == 0):
         seen = tl.atomic_add(ptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="acquire", scope="sys")
+        gone = tl.atomic_add(gptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="relaxed", scope="sys")
         pending = tl.sum(((seen < target) & m).to(tl.int32), axis=0)
-        n += 1
-        if n == GAVE_UP_EVERY:  # restarts, so no bound on timeout_s can overflow it
-            n = 0
-            gone = tl.atomic_add(gptr, tl.zeros([R_PAD], tl.int64), mask=m, sem="relaxed", scope="sys")
-            quit = tl.sum(((gone != 0) & m).to(tl.int32), axis=0)
+        quit = tl.sum(((gone != 0) & m).to(tl.int32), axis=0)
         elapsed = now_ns() - t0
     if pending > 0:
         if quit > 0:
@@ -153,19 +143,17 @@ def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, table, me, R_
 
 
 @triton.jit
-def last_to_arrive(ticket, n_prog, live):
-    """``(last, all_live)``: ``last`` is true in exactly one program of the launch, the last to get here (after its
-    own writes); ``all_live`` there says whether every program of the launch found the group live when it started
-    (``live``), so wrote all of its rows. The ticket's release/acquire are system-scoped, so every program's writes
-    (also those into peers' memory) happen before whatever the last program does next, such as signalling the
-    peers. A program that found the group given up adds ``SKIPPED`` on top of its 1: the count needs no second
-    read. The last program resets the ticket for the next launch that uses it."""
+def last_to_arrive(ticket, n_prog):
+    """True in exactly one program of the launch: the last to get here (after its own writes). The
+    ticket's release/acquire are system-scoped, so every program's writes (also those into peers'
+    memory) happen before whatever the last program does next, such as signalling the peers. It
+    resets the ticket for the next launch that uses it."""
     tl.debug_barrier()
-    t = tl.atomic_add(ticket, 1 + tl.where(live, 0, SKIPPED), sem="acq_rel", scope="sys")
-    last = t % SKIPPED == n_prog - 1
+    t = tl.atomic_add(ticket, 1, sem="acq_rel", scope="sys")
+    last = t == n_prog - 1
     if last:
         tl.store(ticket, 0)
-    return last, (t < SKIPPED) & live
+    return last
 
 
 @triton.jit

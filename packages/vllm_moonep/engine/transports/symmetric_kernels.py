@@ -112,9 +112,11 @@ def dispatch_rows_kernel(x, w, ids, dest, row, ob, cum, rb, table, board, epoch,
             tl.store(xb[:, None] + r[:, None] * H + h0 + h[None, :], v, mask=m2)
         tl.store(wb + r, tl.load(w + i, mask=ok), mask=ok)
         tl.store(sb + r, (me * n_entries + i).to(tl.int32), mask=ok)
-    last, all_live = last_to_arrive(ticket, n_prog, live)
-    if last:  # every program's rows are written: one signal per peer, unless a program skipped its rows
-        signal(table, R, me, PH_DISPATCH, (tl.arange(0, R_PAD) >= 0) & all_live, R_PAD)
+    if last_to_arrive(ticket, n_prog):  # every program's rows are written: one signal per peer
+        # read again: a program that started after a rank gave up skipped its rows, and the ticket's acquire makes
+        # what it read visible here, so the launch signals only when every program wrote all of its rows
+        live = gave_up(sig, R, R_PAD) == 0
+        signal(table, R, me, PH_DISPATCH, (tl.arange(0, R_PAD) >= 0) & live, R_PAD)
         ep = tl.load(epoch + PH_DISPATCH) + 1
         wait(sig, PH_DISPATCH, R, ep, ep, board, C_WAIT_ROWS, timeout_ns, table, me, R_PAD)
         tl.store(epoch + PH_DISPATCH, ep)
@@ -159,9 +161,9 @@ def combine_rows_kernel(y, yw, recv_x, recv_w, recv_src, real_rows, table, board
             tl.store(wb + i, tl.load(yw + r, mask=ok), mask=ok)
         tl.store(recv_w + r, tl.zeros([ROWS], tl.float32), mask=ok)
         tl.store(recv_src + r, tl.full([ROWS], -1, tl.int32), mask=ok)
-    last, all_live = last_to_arrive(ticket, n_prog, live)
-    if last:  # every program's rows are written: one signal per peer, unless a program skipped its rows
-        signal(table, R, me, PH_COMBINE, (tl.arange(0, R_PAD) >= 0) & all_live, R_PAD)
+    if last_to_arrive(ticket, n_prog):  # every program's rows are written: one signal per peer
+        live = gave_up(sig, R, R_PAD) == 0  # read again, as in dispatch_rows: no signal after a partial launch
+        signal(table, R, me, PH_COMBINE, (tl.arange(0, R_PAD) >= 0) & live, R_PAD)
         ep = tl.load(epoch + PH_COMBINE) + 1
         wait(sig, PH_COMBINE, R, ep, ep, board, C_WAIT_OUTPUTS, timeout_ns, table, me, R_PAD)
         tl.store(epoch + PH_COMBINE, ep)
