@@ -699,22 +699,29 @@ def test_symmetric_transport_wait_is_bounded_and_names_the_peer(then):
 
 
 # ------------------------------------------------------------------------------ on CUDA, both transports
-def cuda_rank_stops_calling(transport):
-    """Both ranks run step 0 on CUDA tensors; then rank 1 stops calling. Rank 0's step 1 must give
-    up within the bound naming rank 1 (the collective transport raises from the collective; the
-    symmetric one's device-side wait records, and ``check_errors(sync=True)`` raises), and both
-    ranks' teardown must release their memory within the bound."""
+def _cuda_buffer_and_inputs(transport: str, **buffer_kw):
+    """A 16-token buffer of 2 slots on this rank's GPU over the default group, and this rank's inputs for it."""
     from vllm_moonep.engine import Buffer
     from vllm_moonep.testing.routing import route
 
     r, R = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device())
     S, Hs, Ks, Es = 16, 128, 2, 8
-    buf = Buffer(S, Hs, Ks, Es, R, B=2, token_padding=8, device=dev, transport=transport, timeout_s=TIMEOUT_S)
+    buf = Buffer(S, Hs, Ks, Es, R, B=2, token_padding=8, device=dev, transport=transport, timeout_s=TIMEOUT_S,
+                 **buffer_kw)
     ids, w = route(S, Es, Ks, sigma=1.0, seed=3, rank=r)
     x = torch.randn(S, Hs, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
     tpe = torch.bincount(ids.reshape(-1).long(), minlength=Es).to(torch.int32)
-    x, w, ids, tpe = x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev)
+    return buf, tuple(t.to(dev) for t in (x, w, ids, tpe))
+
+
+def cuda_rank_stops_calling(transport):
+    """Both ranks run step 0 on CUDA tensors; then rank 1 stops calling. Rank 0's step 1 must give
+    up within the bound naming rank 1 (the collective transport raises from the collective; the
+    symmetric one's device-side wait records, and ``check_errors(sync=True)`` raises), and both
+    ranks' teardown must release their memory within the bound."""
+    r = dist.get_rank()
+    buf, (x, w, ids, tpe) = _cuda_buffer_and_inputs(transport)
     xn, _, _, plan = buf.dispatch(x, w, ids, tpe)
     buf.combine(plan, xn)
     torch.cuda.synchronize()
@@ -762,19 +769,9 @@ def cuda_rank_gives_up_under_graph_replay():
     once together; then rank 1 stalls past the bound while rank 0 replays three more steps with no host check
     between (a graph replay runs none). Returns each rank's error after its replays, their timings, and the
     teardown."""
-    from vllm_moonep.engine import Buffer
-    from vllm_moonep.testing.routing import route
-
     r = dist.get_rank()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    S, Hs, Ks, Es = 16, 128, 2, 8
     # no host-side input check: it reads the ids on the host, which a capture refuses (the MoE step checks its own)
-    buf = Buffer(S, Hs, Ks, Es, 2, B=2, token_padding=8, device=dev, transport="symmetric", timeout_s=TIMEOUT_S,
-                 check_inputs=False)
-    ids, w = route(S, Es, Ks, sigma=1.0, seed=3, rank=r)
-    x = torch.randn(S, Hs, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
-    tpe = torch.bincount(ids.reshape(-1).long(), minlength=Es).to(torch.int32)
-    x, w, ids, tpe = x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev)
+    buf, (x, w, ids, tpe) = _cuda_buffer_and_inputs("symmetric", check_inputs=False)
     for _ in range(2):  # compiles, and makes the buffer's own eager graphs
         xn, _, _, plan = buf.dispatch(x, w, ids, tpe)
         buf.combine(plan, xn)
@@ -813,17 +810,8 @@ def cuda_rank_gives_up_under_graph_replay():
 def cuda_rank_refuses():
     """One symmetric step on CUDA together; then rank 1 refuses its input to the next dispatch (``refuse_step``, as
     the MoE step does for its own checks) while rank 0 dispatches."""
-    from vllm_moonep.engine import Buffer
-    from vllm_moonep.testing.routing import route
-
     r = dist.get_rank()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    S, Hs, Ks, Es = 16, 128, 2, 8
-    buf = Buffer(S, Hs, Ks, Es, 2, B=2, token_padding=8, device=dev, transport="symmetric", timeout_s=TIMEOUT_S)
-    ids, w = route(S, Es, Ks, sigma=1.0, seed=3, rank=r)
-    x = torch.randn(S, Hs, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
-    tpe = torch.bincount(ids.reshape(-1).long(), minlength=Es).to(torch.int32)
-    x, w, ids, tpe = x.to(dev), w.to(dev), ids.to(dev), tpe.to(dev)
+    buf, (x, w, ids, tpe) = _cuda_buffer_and_inputs("symmetric")
     xn, _, _, plan = buf.dispatch(x, w, ids, tpe)
     buf.combine(plan, xn)
     torch.cuda.synchronize()
