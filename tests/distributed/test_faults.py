@@ -376,6 +376,44 @@ def symmetric_peer_refuses():
     return out
 
 
+def symmetric_all_refuse():
+    """The symmetric transport on the host heap: a good step, then every rank refuses the same bad input (a NaN
+    weight), then the good step again."""
+    from vllm_moonep.engine import Buffer
+
+    r = dist.get_rank()
+    buf = Buffer(16, H, K, E, 2, B=B, token_padding=TP, device="cpu", dtype=torch.float32, transport="symmetric",
+                 heap="host", group=dist.group.WORLD)
+    x, ids, w = rank_inputs(16, E, K, H, sigma=1.0, seed=37, rank=r)
+    x, w, ids32 = x.float().contiguous(), w.float().contiguous(), ids.to(torch.int32).contiguous()
+    tpe = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+
+    def step():
+        xn, _, _, plan = buf.dispatch(x, w, ids32, tpe)
+        return buf.combine(plan, xn)[0]
+
+    before = step()
+    exc, el = _timed(buf.dispatch, x, torch.full_like(w, float("nan")), ids32, tpe)
+    out = {"refused": _describe(exc, el)}
+    exc, _ = _timed(step)
+    out["after"] = type(exc).__name__ if exc else None
+    out["same"] = exc is None and torch.equal(step(), before)
+    buf.destroy()
+    return out
+
+
+def test_a_refusal_on_every_rank_keeps_the_symmetric_group():
+    """Every rank refusing the same bad input must leave the symmetric buffer usable (nothing moved, nothing given
+    up): a refusal that gave up on the group anyway broke it for an error every rank had raised itself."""
+    from vllm_moonep.engine.transports.symmetric import REFUSAL_GRACE_S
+
+    for r in _fresh(2, symmetric_all_refuse):
+        assert not isinstance(r, RankFailure), r.detail
+        assert r["refused"]["type"] == "MoonEPInputError" and "non-finite" in r["refused"]["msg"], r
+        assert r["refused"]["elapsed"] < REFUSAL_GRACE_S + 1.0, r
+        assert r["after"] is None and r["same"], r
+
+
 def refusal_nobody_hears():
     """Rank 0 refuses its input on the collective transport while rank 1 makes no MoonEP call (it sleeps past the
     bound): the refusal frame meets no peer."""

@@ -185,8 +185,8 @@ def test_buffer_heap_bytes_are_its_receive_and_landing_areas():
     S, H, K, E, B, tp = 8, 64, 2, 8, 4, 4
     buf = Buffer(S, H, K, E, 1, B=B, device="cpu", transport="symmetric", token_padding=tp)
     n = buf.NvS
-    # counts [R,E] i32, recv_x [NvS,H] bf16, recv_w f32, recv_src i32, comb_x [S*K,H] bf16, comb_w f32, sig [4,R] i64
-    assert buf.heap_bytes == E * 4 + n * H * 2 + n * 4 + n * 4 + S * K * H * 2 + S * K * 4 + 4 * 8
+    # counts [R,E] i32, recv_x [NvS,H] bf16, recv_w f32, recv_src i32, comb_x [S*K,H] bf16, comb_w f32, sig [5,R] i64
+    assert buf.heap_bytes == E * 4 + n * H * 2 + n * 4 + n * 4 + S * K * H * 2 + S * K * 4 + 5 * 8
     buf.destroy()
     assert buf.heap_bytes == 0
     coll = Buffer(S, H, K, E, 1, B=B, device="cpu", transport="collective", token_padding=tp)

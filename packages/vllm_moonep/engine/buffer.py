@@ -504,8 +504,9 @@ class Buffer:
         already in this dispatch's first exchange, so that they refuse it too instead of pairing with this rank's
         next call (another layer's rows, on a buffer the layers share). The collective and hybrid transports send a
         refusal frame where the counts would go, and wait for the peers' frames (within ``timeout_s``), and the
-        group stays usable; the symmetric transport has no frame, so this rank gives up on the group: the peers'
-        waits end at once naming it, and every rank's buffers must be rebuilt (this one is marked failed now)."""
+        group stays usable; the symmetric transport has no frame: it keeps the group where every rank refused the
+        call, and otherwise gives up on it, so the peers in the dispatch learn at once and every rank's buffers
+        must be rebuilt (this one is marked failed now)."""
         self._alive("Buffer.refuse_step")
         self.transport.refuse(self._step)
         self._mark_if_recorded()

@@ -4,9 +4,10 @@ Used by ``symmetric_kernels`` (rows and outputs) and by the device planner's pla
 also exchanges the step's token counts (``device_planner``, ``EXCHANGE``)::
 
     table [7, R] i64   address of buffer T_* on rank d (rows below), loaded and cast to a pointer
-    sig [4, R] i64     sig[phase, src] on this rank: launches of src that finished writing here;
+    sig [5, R] i64     sig[phase, src] on this rank: launches of src that finished writing here;
                        sig[GAVE_UP, src]: nonzero once rank src gave up on the group (error_board.GAVE_UP_*:
-                       a wait of its timed out, or it refused its input to a dispatch)
+                       a wait of its timed out, or it refused its input to a dispatch);
+                       sig[4, src]: the host's refusal marks (symmetric.py), which no kernel reads
 
     every program:   its stores -> barrier -> +1 on a launch-local ticket (acq_rel, sys: carries
                      its stores, to any GPU, to whoever reads the ticket after it)

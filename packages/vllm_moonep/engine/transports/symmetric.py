@@ -11,8 +11,8 @@ makes over the EP group and closes with itself::
                  recv_src [NvS] i32    src_rank * S*K + flat entry of each row, -1 for padding
                  comb_x [S*K, H]       expert outputs of this rank's entries, landed by their computing rank
                  comb_w [S*K] f32      their route weights
-                 sig [4, R] i64        signal counters per phase and source, and which sources gave up
-                                       on the group (see engine/signals.py)
+                 sig [5, R] i64        signal counters per phase and source, which sources gave up on
+                                       the group (see engine/signals.py), the last call each refused
 
     dispatch:  put counts to every peer, wait(counts), plan [R,E] (one device-planner launch)
                -> place own entries, write each entry's row into recv_* of its destination,
@@ -49,8 +49,10 @@ A rank whose wait timed out gives up on the group: it sets its entry of the ``ga
 ``sig`` on every rank, and from then on no rank writes into a peer (GPU launches mask their writes
 and signals; the CPU executor refuses the call), so a slow peer is never handed a later step's rows.
 Each rank's next wait, or its next call on CPU ranks, ends at once naming the rank that gave up. A
-rank that refused its input to a dispatch (``Buffer.refuse_step``) gives up the same way: with no
-frame to carry a refusal, the peers learn of it at once instead of after ``timeout_s``.
+rank that refused its input to a dispatch (``Buffer.refuse_step``) marks the call refused in every
+rank's ``refused`` row: where every rank refused it, the group stays usable; where a peer is in the
+dispatch instead, the rank gives up the same way, and that peer learns of it at once instead of
+after ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ from vllm_moonep.engine.transports.eager_graphs import EAGER_GRAPH_MAX_TOKENS, E
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["DEFAULT_PROGRAMS_PER_SM", "SymmetricStep", "SymmetricTransport"]
+__all__ = ["DEFAULT_PROGRAMS_PER_SM", "REFUSAL_GRACE_S", "SymmetricStep", "SymmetricTransport"]
 
 #: programs of the row-moving kernels (persistent) per SM of the GPU; where a Buffer gives
 #: ``num_sms`` (SMs for communication), PROGRAMS_PER_SM on each of those. H200, Kimi-K2 rows,
@@ -97,11 +99,14 @@ _PLACE_CHUNK = 256
 #: the GPU executor's kernels (``symmetric_kernels.<name>_kernel``; clear_rows only after a dispatch
 #: that had no combine)
 _KERNELS = ("clear_rows", "dispatch_rows", "combine_rows", "reduce")
-#: rows of ``sig`` (``signals.PH_*`` and ``signals.GAVE_UP``, in this order): a counter per phase and source,
-#: then 1 where that source gave up on the group
-SIG_ROWS = ("counts", "dispatch", "combine", "gave_up")
+#: how long a rank that refused its input to a dispatch looks at what its peers do with that call (``refuse``)
+REFUSAL_GRACE_S = 1.0
+#: rows of ``sig`` (``signals.PH_*`` and ``signals.GAVE_UP``, in this order, then one only the host uses): a counter
+#: per phase and source; nonzero where that source gave up on the group; the last call that source refused
+#: (calls counted as dispatches plus refusals)
+SIG_ROWS = ("counts", "dispatch", "combine", "gave_up", "refused")
 _PHASE = {name: i for i, name in enumerate(SIG_ROWS[:3])}
-_GAVE_UP = SIG_ROWS.index("gave_up")
+_GAVE_UP, _REFUSED = SIG_ROWS.index("gave_up"), SIG_ROWS.index("refused")
 _WAIT_CODE = {"counts": CODE_WAIT_COUNTS, "dispatch": CODE_WAIT_ROWS, "combine": CODE_WAIT_OUTPUTS}
 
 
@@ -200,6 +205,7 @@ class SymmetricTransport(Transport):
         # then clears them first; combine leaves every row padding
         self._rows_real = False
         self._host_epoch = [0, 0, 0]
+        self._calls = 0  # dispatches and refusals so far (the refused row's values)
         self.board = ErrorBoard(self.device, rank=rank, world_size=R, timeout_s=self.timeout_s,
                                 what=f"MoonEP buffer S={S} (symmetric transport)")
         # the contract's num_sms (SMs for communication) becomes PROGRAMS_PER_SM light programs each
@@ -249,6 +255,7 @@ class SymmetricTransport(Transport):
         device, or on CPU ranks after its own counts exchange). The owning ``Buffer`` checks the
         error board before calling (and marks the group broken). ``num_tokens``: on GPUs only the
         rows of tokens below it move (``Buffer.dispatch``)."""
+        self._calls += 1
         if self.on_gpu:
             if self._rows_real:  # a dispatch with no combine since: its rows go back to padding first
                 self._clear_rows()
@@ -319,12 +326,32 @@ class SymmetricTransport(Transport):
         return self.board.peer_gave_up(gone[0], int(self.buf["sig"][_GAVE_UP, gone[0]]), CODE_WAIT_COUNTS)
 
     def refuse(self, step: int) -> None:
-        """This rank refused its input to the dispatch its peers are in. The transport has no frame to carry a
-        refusal (rows move by one-sided writes after the counts), so the rank gives up on the group
-        (``GAVE_UP_REFUSED`` in every rank's ``gave_up`` row): the peers' waits end at once naming it, not after
-        ``timeout_s``, and the buffers must be rebuilt. A single rank has no peer to tell and keeps its buffer."""
-        if self.R > 1:
-            self._give_up(GAVE_UP_REFUSED)
+        """This rank refused its input to a dispatch. The transport has no frame to carry a refusal (rows move by
+        one-sided writes after the counts), so the rank marks the call refused in every rank's ``refused`` row and
+        looks, within ``REFUSAL_GRACE_S``, at what its peers do with the same call: every peer refused it too (the
+        same bad input everywhere): nothing more, the group stays usable; a peer is in the dispatch instead (its
+        counts arrived, the call not refused): the rank gives up on the group (``GAVE_UP_REFUSED``), so that peer's
+        wait ends at once naming it, and the buffers must be rebuilt; neither within the grace (a peer later than
+        that): nothing more, and that peer times out naming this rank. On GPUs the reads synchronize (an error
+        path). A single rank has no peer to tell."""
+        self._calls += 1
+        if self.R == 1:
+            return
+        call, peers = self._calls, [d for d in range(self.R) if d != self.rank]
+        for d in range(self.R):
+            self.peer["sig"][d][_REFUSED, self.rank] = call
+        deadline = time.monotonic() + min(REFUSAL_GRACE_S, self.timeout_s)
+        while True:
+            sig = self.buf["sig"].cpu()  # a peer writes its refusal mark before any later call's counts
+            done = self._host_epoch[0] if not self.on_gpu else int(self.epoch[0])
+            if all(int(sig[_REFUSED, d]) >= call for d in peers):
+                return
+            if any(int(sig[_PHASE["counts"], d]) > done and int(sig[_REFUSED, d]) < call for d in peers):
+                self._give_up(GAVE_UP_REFUSED)
+                return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(1e-3)
 
     # ------------------------------------------------------------------ GPU executor
     def _timeout_ns(self) -> int:
