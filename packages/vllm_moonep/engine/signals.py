@@ -111,7 +111,8 @@ def give_up(table, R, me, R_PAD: tl.constexpr):
 def wait(sig, phase, R, target, epoch_no, board, code, timeout_ns, table, me, R_PAD: tl.constexpr):
     """Spin until every ``sig[phase, src] >= target``, bounded. A time-out reports ``code`` and gives up on
     the group (``give_up``); a rank that gave up (its GAVE_UP entry here) ends the wait at once, reported as
-    ``C_GAVE_UP`` naming it, unless every signal had arrived. Ends with a barrier, so every thread of the
+    ``C_GAVE_UP`` naming it, unless every signal had arrived by the poll before (the group is given up either
+    way: a step completing just then is reported too). Ends with a barrier, so every thread of the
     program may read what the peers wrote."""
     d = tl.arange(0, R_PAD)
     m = d < R

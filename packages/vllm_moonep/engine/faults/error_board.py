@@ -134,14 +134,15 @@ class ErrorBoard:
                 what_ended = "This buffer will not run another step"
             why = ("it refused its input to a dispatch, and the symmetric transport carries no refusal, so the "
                    "group ends" if w[TARGET] == GAVE_UP_REFUSED else "one of its waits timed out")
+            who = "this rank" if peer == self.rank else f"rank {peer}"
             return MoonEPCollectiveTimeout(
-                f"{what_ended} on rank {self.rank} of {self.world_size}: rank {peer} had given up on the group ({why}), "
+                f"{what_ended} on rank {self.rank} of {self.world_size}: {who} had given up on the group ({why}), "
                 f"so no launch of this buffer writes into a peer any more. {self.what}: the output of a step in "
                 "flight is wrong. Destroy the MoonEP buffers, pools and layouts, then the process group, and build "
                 "a fresh set.",
                 op=op, step=epoch if epoch >= 0 else None, rank=self.rank, world_size=self.world_size,
-                missing=[peer], timed_out=False, elapsed_s=w[ELAPSED_NS] / 1e9, timeout_s=self.timeout_s,
-                seq=max(epoch, 0),
+                missing=[] if peer == self.rank else [peer], timed_out=False, elapsed_s=w[ELAPSED_NS] / 1e9,
+                timeout_s=self.timeout_s, seq=max(epoch, 0),
             )
         op = WAIT_OPS.get(code, f"wait #{code}")
         return MoonEPCollectiveTimeout(

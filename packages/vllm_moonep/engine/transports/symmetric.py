@@ -51,8 +51,8 @@ and signals; the CPU executor refuses the call), so a slow peer is never handed 
 Each rank's next wait, or its next call on CPU ranks, ends at once naming the rank that gave up. A
 rank that refused its input to a dispatch (``Buffer.refuse_step``) marks the call refused in every
 rank's ``refused`` row: where every rank refused it, the group stays usable; where a peer is in the
-dispatch instead, the rank gives up the same way, and that peer learns of it at once instead of
-after ``timeout_s``.
+dispatch instead (or shows nothing within ``timeout_s``), the rank gives up the same way, and that
+peer learns of it at once instead of after ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ from vllm_moonep.engine.transports.eager_graphs import EAGER_GRAPH_MAX_TOKENS, E
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["DEFAULT_PROGRAMS_PER_SM", "REFUSAL_GRACE_S", "SymmetricStep", "SymmetricTransport"]
+__all__ = ["DEFAULT_PROGRAMS_PER_SM", "SymmetricStep", "SymmetricTransport"]
 
 #: programs of the row-moving kernels (persistent) per SM of the GPU; where a Buffer gives
 #: ``num_sms`` (SMs for communication), PROGRAMS_PER_SM on each of those. H200, Kimi-K2 rows,
@@ -99,8 +99,6 @@ _PLACE_CHUNK = 256
 #: the GPU executor's kernels (``symmetric_kernels.<name>_kernel``; clear_rows only after a dispatch
 #: that had no combine)
 _KERNELS = ("clear_rows", "dispatch_rows", "combine_rows", "reduce")
-#: how long a rank that refused its input to a dispatch looks at what its peers do with that call (``refuse``)
-REFUSAL_GRACE_S = 1.0
 #: rows of ``sig`` (``signals.PH_*`` and ``signals.GAVE_UP``, in this order, then one only the host uses): a counter
 #: per phase and source; nonzero where that source gave up on the group; the last call that source refused
 #: (calls counted as dispatches plus refusals)
@@ -328,30 +326,30 @@ class SymmetricTransport(Transport):
     def refuse(self, step: int) -> None:
         """This rank refused its input to a dispatch. The transport has no frame to carry a refusal (rows move by
         one-sided writes after the counts), so the rank marks the call refused in every rank's ``refused`` row and
-        looks, within ``REFUSAL_GRACE_S``, at what its peers do with the same call: every peer refused it too (the
-        same bad input everywhere): nothing more, the group stays usable; a peer is in the dispatch instead (its
-        counts arrived, the call not refused): the rank gives up on the group (``GAVE_UP_REFUSED``), so that peer's
-        wait ends at once naming it, and the buffers must be rebuilt; neither within the grace (a peer later than
-        that): nothing more, and that peer times out naming this rank. On GPUs the reads synchronize (an error
-        path). A single rank has no peer to tell."""
+        waits (within ``timeout_s``) until each peer shows what it does with the same call: every peer refused it
+        too (the same bad input everywhere): the group stays usable; a peer is in the dispatch instead (its counts
+        arrived, the call not refused), or the bound ran out: the rank gives up on the group (``GAVE_UP_REFUSED``),
+        so that peer's wait ends at once naming it, no later call of this rank can pair with it, and the buffers
+        must be rebuilt. On GPUs the reads synchronize (an error path); inside a CUDA-graph capture nothing can be
+        read, and the peers time out naming this rank. A single rank has no peer to tell."""
         self._calls += 1
-        if self.R == 1:
+        if self.R == 1 or (self.on_gpu and torch.cuda.is_current_stream_capturing()):
             return
         call, peers = self._calls, [d for d in range(self.R) if d != self.rank]
         for d in range(self.R):
             self.peer["sig"][d][_REFUSED, self.rank] = call
-        deadline = time.monotonic() + min(REFUSAL_GRACE_S, self.timeout_s)
-        while True:
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        while time.monotonic() < deadline:
             sig = self.buf["sig"].cpu()  # a peer writes its refusal mark before any later call's counts
             done = self._host_epoch[0] if not self.on_gpu else int(self.epoch[0])
             if all(int(sig[_REFUSED, d]) >= call for d in peers):
                 return
             if any(int(sig[_PHASE["counts"], d]) > done and int(sig[_REFUSED, d]) < call for d in peers):
-                self._give_up(GAVE_UP_REFUSED)
-                return
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(1e-3)
+                break
+            pause = min(1e-3, pause + 2e-5)
+            time.sleep(pause)
+        self._give_up(GAVE_UP_REFUSED)
 
     # ------------------------------------------------------------------ GPU executor
     def _timeout_ns(self) -> int:
