@@ -345,6 +345,8 @@ class SymmetricTransport(Transport):
             done = self._host_epoch[0] if not self.on_gpu else int(self.epoch[0])
             if all(int(sig[_REFUSED, d]) >= call for d in peers):
                 return
+            if bool(sig[_GAVE_UP].any()):  # the group is given up already: no peer is left to show anything
+                break
             if any(int(sig[_PHASE["counts"], d]) > done and int(sig[_REFUSED, d]) < call for d in peers):
                 break
             pause = min(1e-3, pause + 2e-5)
