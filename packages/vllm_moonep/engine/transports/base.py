@@ -132,7 +132,8 @@ class Transport(ABC):
         """This rank refused the step's input (the ``Buffer``'s checks, before ``plan``): end the peers' half of
         the call with it where the transport can, so that they refuse it too rather than pair with this rank's
         next call. The default does nothing (the peers time out naming this rank); the symmetric transport, which
-        exchanges nothing through a collective before moving rows, gives up on the group instead."""
+        exchanges nothing through a collective before moving rows, keeps the group where every rank refused the
+        call and gives up on it otherwise."""
 
     @abstractmethod
     def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
