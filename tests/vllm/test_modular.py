@@ -225,6 +225,32 @@ def rk_bad_inputs(kind, seed):
     return sorted(msgs)
 
 
+def rk_one_rank_bad_hidden(kind, seed):
+    """Rank 0 alone hands the P/F hidden states it refuses (fp16 through the kernel; the wrong width to a bare
+    prepare); the other ranks a valid step, and then every rank the same valid step. Returns each case's error on
+    this rank (``None``: its call completed)."""
+    from vllm_moonep.engine import MoonEPInputError
+
+    W.set_threads()
+    rank, R = W.rank_world()
+    H, I = 256, 256
+    o = W.build(kind, E, K, H, I, B, max_tokens=64, seed=seed)
+    x, ids, w = W.tokens(50, H, E, K, sigma=SKEW, seed=seed, rank=rank)
+    ref = W.dense_ref(o, x, ids, w)
+    cases = {"fp16": (W.run_kernel, x.half()), "width": (W.run_bare, torch.cat([x, x[:, :128]], 1))}
+    seen = {}
+    for name, (run, bad) in cases.items():
+        try:
+            run(o, bad if rank == 0 else x, ids, w)
+            seen[name] = None
+        except MoonEPInputError as e:
+            seen[name] = str(e)
+        assert not o["pf"].pending, name
+        W.close(W.run_kernel(o, x, ids, w), ref, f"the step after {name}")
+    W.teardown(o)
+    return seen
+
+
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("m,H,I", MATRIX, ids=[f"m{m}-H{h}-I{i}" for m, h, i in MATRIX])
 @pytest.mark.parametrize("R", [1, 2], ids=["R1", "R2"])
@@ -309,3 +335,14 @@ def test_matrix_symmetric_layout():
     """The symmetric layout through vLLM's modular kernel off the dense MoE."""
     res = ranks(2, rk_matrix, "symmetric", 100, 512, 1024, SKEW, 9)
     assert all(r["slots"][0] > 0 for r in res), res
+
+
+def test_one_rank_refusing_its_hidden_states_is_refused_by_every_rank():
+    """A prepare that refused this rank's hidden states without telling the peers, which are already in the
+    dispatch's counts exchange: their call completes with this rank's next one (another step's or layer's rows),
+    or times out a step later naming the wrong step."""
+    seen = ranks(2, rk_one_rank_bad_hidden, "replicated", 10, env={"VLLM_MOONEP_COLLECTIVE_TIMEOUT_S": "20"})
+    assert "BF16" in seen[0]["fp16"] and "H=256" in seen[0]["width"], seen[0]
+    assert not any("refused their input" in m for m in seen[0].values()), seen[0]
+    for name, msg in seen[1].items():
+        assert msg is not None and "rank(s) [0] refused their input" in msg, (name, seen[1])

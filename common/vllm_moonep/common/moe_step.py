@@ -28,6 +28,7 @@ __all__ = [
     "MoonEPMoE",
     "StepInfo",
     "check_hidden_states",
+    "check_step_tokens",
     "combine_rows",
     "dispatch_and_prefetch",
     "fold_router_weight_on_input",
@@ -130,6 +131,31 @@ def step_token_count(num_local: int, num_tokens_across_dp: int | None) -> int:
     if n < num_local:
         raise MoonEPInputError(f"num_tokens_across_dp={n} is smaller than this rank's {num_local} tokens")
     return n
+
+
+def check_step_tokens(
+    pool: MoonEPBufferPool,
+    hidden_size: int,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_tokens_across_dp: int | None,
+    apply_router_weight_on_input: bool,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This rank's checks of a step's hidden states (and the top-1 fold) before its dispatch: ``(hidden,
+    topk_weights, n)``, ``n`` the token count that picks the buffer. Inputs differ per rank, so a refusal here tells
+    the peers already in the dispatch (``refuse_before_dispatch``); checks of the configuration, the same on every
+    rank, run before this and need not."""
+    try:
+        check_hidden_states(hidden, hidden_size)
+        if apply_router_weight_on_input:
+            hidden, topk_weights = fold_router_weight_on_input(hidden, topk_ids, topk_weights)
+        n = step_token_count(hidden.shape[0], num_tokens_across_dp)
+    except MoonEPInputError as exc:
+        # the step's buffer by the count every rank passes (else this rank's own, which the ranks share then)
+        local = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() else None
+        refuse_before_dispatch(pool, local if num_tokens_across_dp is None else num_tokens_across_dp, exc)
+    return hidden, topk_weights, n
 
 
 def check_layout_matches_pool(pool: MoonEPBufferPool, layout: WeightLayout) -> None:
@@ -248,15 +274,8 @@ class MoonEPMoE:
         ``num_tokens_across_dp`` (the max token count over the DP ranks) picks the buffer; every
         rank must pass the same value. ``None``: this rank's count (all ranks must agree).
         """
-        try:
-            check_hidden_states(hidden, self.layout.hidden_size)
-            if apply_router_weight_on_input:
-                hidden, topk_weights = fold_router_weight_on_input(hidden, topk_ids, topk_weights)
-            n = step_token_count(hidden.shape[0], num_tokens_across_dp)
-        except MoonEPInputError as exc:
-            # the step's buffer by the count every rank passes (else this rank's own, which the ranks share then)
-            local = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() else None
-            refuse_before_dispatch(self.pool, local if num_tokens_across_dp is None else num_tokens_across_dp, exc)
+        hidden, topk_weights, n = check_step_tokens(self.pool, self.layout.hidden_size, hidden, topk_ids, topk_weights,
+                                                    num_tokens_across_dp, apply_router_weight_on_input)
         x_nvsh, w_nvs, cu, state = dispatch_and_prefetch(
             self.pool, self.layout, hidden, topk_ids, topk_weights, n, timer=self.timer
         )

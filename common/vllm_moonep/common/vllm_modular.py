@@ -5,8 +5,10 @@ it (``import vllm_moonep.common`` works without vLLM). Both classes are layout-a
 expert weights through a ``WeightLayout`` (replicated ``[E+B]`` or symmetric) and run the same
 step functions as ``common/vllm_moonep/common/moe_step.py`` split at vLLM's seams:
 
-- ``MoonEPPrepareAndFinalize.prepare``: checks (BF16 only, unquantized only, no pending step),
-  top-1 ``apply_router_weight_on_input`` folded into the input, buffer choice from vLLM's DP
+- ``MoonEPPrepareAndFinalize.prepare``: checks (no pending step, unquantized only: the same on
+  every rank; then this rank's inputs, BF16 ``[s, H]``, whose refusal the peers already in the
+  dispatch are told of, as every input refusal before it), top-1 ``apply_router_weight_on_input``
+  folded into the input, buffer choice from vLLM's DP
   metadata (max token count across DP ranks; the local count outside a forward context), padding,
   ``dispatch``, ``layout.prefetch``. Returns the expert-grouped ``[NvS, H]`` rows, the per-group
   row counts as ``ExpertTokensMetadata`` (on GPUs written by the dispatch kernel; with dispatch's
@@ -18,8 +20,8 @@ step functions as ``common/vllm_moonep/common/moe_step.py`` split at vLLM's seam
   ``TopKWeightAndReduceNoOP``.
 
 Prepare and finalize are strictly paired: a second ``prepare`` before ``finalize`` raises
-``MoonEPStateError`` and leaves the pending step intact (finish it with ``finalize``, or drop it
-with ``reset``). Constructors accept and ignore extra keyword arguments (vLLM's signatures drift).
+``MoonEPStateError`` and drops the pending step (a forward that failed between the two leaves the
+layer usable; ``reset`` drops it without the error). Constructors accept and ignore extra keyword arguments (vLLM's signatures drift).
 """
 
 from __future__ import annotations
@@ -41,11 +43,9 @@ from vllm_moonep.common.layout import WeightLayout
 from vllm_moonep.common.moe_step import (
     DispatchState,
     StepInfo,
-    check_hidden_states,
+    check_step_tokens,
     combine_rows,
     dispatch_and_prefetch,
-    fold_router_weight_on_input,
-    step_token_count,
 )
 from vllm_moonep.engine import MoonEPInputError, MoonEPStateError, dispatched_rows
 from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING, say_once
@@ -241,7 +241,7 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 "was dropped (a step is collective: every rank must finish it or fail it); call prepare again"
             )
         layout = self._layout()
-        check_hidden_states(a1, layout.hidden_size)
+        # the configuration first (the same on every rank, refused by each alike), then this rank's inputs (told)
         check_unquantized(quant_config, "MoonEPPrepareAndFinalize.prepare")
         E = layout.num_experts
         if num_experts not in (E, -1) or (self.num_global_experts is not None and self.num_global_experts != E):
@@ -251,9 +251,8 @@ class MoonEPPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             )
         # expert_map is not used: MoonEP dispatches on global expert ids and the layout addresses
         # global rows; ownership is linear (rank r holds [r*E/R, (r+1)*E/R)).
-        if apply_router_weight_on_input:
-            a1, topk_weights = fold_router_weight_on_input(a1, topk_ids, topk_weights)
-        n = step_token_count(a1.shape[0], dp_max_num_tokens())
+        a1, topk_weights, n = check_step_tokens(self.buffer_pool, layout.hidden_size, a1, topk_ids, topk_weights,
+                                                dp_max_num_tokens(), apply_router_weight_on_input)
         x_nvsh, w_nvs, cu, state = dispatch_and_prefetch(
             self.buffer_pool, layout, a1, topk_ids, topk_weights, n
         )
