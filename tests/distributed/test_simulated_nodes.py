@@ -348,9 +348,18 @@ def node_peer_never_signals():
             out["after"] = None
         except Exception as exc:
             out["after"] = type(exc).__name__
+    if r == 1:  # its step completed; once rank 0 has given up, its next call must be told at once
+        time.sleep(TIMEOUT_S + SLACK_S / 2)
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(x, w, ids, tpe)
+            out["next"] = None
+        except Exception as exc:
+            out["next"] = (type(exc).__name__, str(exc), getattr(exc, "missing", None))
+        out["next_s"] = time.monotonic() - t0
     t0 = time.monotonic()
     try:
-        buf.destroy()  # rank 0: local (its group failed); rank 1: its node heap's free waits for rank 0, bounded
+        buf.destroy()  # ranks 0 and 1: local (their group failed; rank 1 told by rank 0's gave_up entry)
         out["teardown"] = None
     except Exception as exc:
         out["teardown"] = type(exc).__name__
@@ -362,7 +371,9 @@ def node_peer_never_signals():
 @spawned_only
 def test_node_peer_that_never_signals_is_named_within_the_bound():
     """A node-local wait that hangs forever, or gives up without naming the node peer that never
-    signalled; a buffer that keeps stepping after it; a teardown that hangs on the absent peer."""
+    signalled; a buffer that keeps stepping after it; a teardown that hangs on the absent peer; a node
+    peer not told that the rank gave up (its next call waits out a bound in the EP group's all-gather
+    that rank never joins, and its teardown another in the node heap's collective free)."""
     env = {RANKS_PER_NODE_ENV: "2", "VLLM_MOONEP_COLLECTIVE_TIMEOUT_S": str(TIMEOUT_S),
            "VLLM_MOONEP_TEST_GROUP_TIMEOUT_S": "20"}
     res = run_on_ranks(4, node_peer_never_signals, env=env, fresh=True, allow_failures=True, timeout_s=120)
@@ -375,8 +386,13 @@ def test_node_peer_that_never_signals_is_named_within_the_bound():
     assert r0["after"] == "MoonEPStateError" and r0["teardown"] is None and r0["teardown_s"] < 1.0, r0
     # the other node never waits on rank 1's signal: its step completed
     assert res[2]["dispatch"] is None and res[3]["dispatch"] is None, res
-    # rank 1 saw rank 0's signal and finished its step; its teardown waits for rank 0 (gone), bounded
-    assert res[1]["dispatch"] is None and res[1]["teardown_s"] < TIMEOUT_S + SLACK_S, res[1]
+    # rank 1 saw rank 0's signal and finished its step; then rank 0's gave_up entry ends its next call at once,
+    # naming rank 0, and its teardown is local
+    r1 = res[1]
+    assert r1["dispatch"] is None and r1["next"] is not None, r1
+    assert r1["next"][0] == "MoonEPCollectiveTimeout" and r1["next"][2] == [0], r1
+    assert "rank 0 on this node had given up on the group" in r1["next"][1], r1
+    assert r1["next_s"] < 1.0 and r1["teardown"] is None and r1["teardown_s"] < 1.0, r1
 
 
 # ------------------------------------------------------------------------------ moonep-ab
@@ -644,6 +660,7 @@ def test_node_peer_that_stops_before_combine_is_named():
     for r in (0, 2, 3):
         o = res[r]
         assert o["combine"] is not None and o["combine"][0] == "MoonEPCollectiveTimeout", (r, o)
+        # the first to time out gives up on the group and the others leave then: each still names rank 1
         assert o["combine"][2] == [1] and "first rank 1" in o["combine"][1], (r, o)
         assert "combine: wait for node peers' outputs" in o["combine"][1], (r, o)
         assert TIMEOUT_S <= o["elapsed"] <= TIMEOUT_S + SLACK_S, (r, o)

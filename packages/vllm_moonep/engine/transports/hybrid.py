@@ -18,7 +18,8 @@ group and destroyed with the last buffer that uses it; plain tensors when ``L ==
                                     rows from other nodes and padding
                  comb_x [S*K, H]    outputs of this rank's entries, pushed by node peers
                  comb_w [S*K] f32   their route weights
-                 sig [2, L] i64     signal counters per phase (dispatch, combine) and node peer
+                 sig [3, L] i64     signal counters per phase (dispatch, combine) and node peer, then
+                                    the gave_up row: gave_up[j] set when node peer j gave up on the group
 
     dispatch:  place own entries (dest, row), sorted by (dest, row) with the plan's host-known
                counts as boundaries (no host read of device data)
@@ -39,7 +40,12 @@ group and destroyed with the last buffer that uses it; plain tensors when ``L ==
 Signals are monotonic counters, one writer per slot (the source peer), waited on by polling on
 the host with the buffer's ``timeout_s``; a time-out raises ``MoonEPCollectiveTimeout`` naming
 the late peer and marks the group failed (every MoonEP object on it refuses further steps,
-teardown turns local). On GPUs a signal follows a stream synchronization, so a peer that sees it
+teardown turns local). Before raising, the rank gives up on the group: it sets its entry of every
+node peer's ``gave_up`` row. A node peer's wait reads that row with its counters and leaves at
+once naming the rank, and so does its next call (``check_errors``, before the step's all-gather)
+and its teardown (local): without the row, a node peer that saw its own step complete waited out
+a whole bound in its next step or in the node heap's collective free. (Peers on other nodes learn
+through the EP group's bounded collectives, at their bound.) On GPUs a signal follows a stream synchronization, so a peer that sees it
 also sees the rows (writes into peer memory have landed once the kernels that made them have
 finished); on CPU ranks the host heap maps the shared pages directly (``staging=False``) and
 x86-64's store order (TSO) makes the rows visible before the signal, as for the symmetric
@@ -85,6 +91,8 @@ if TYPE_CHECKING:
 __all__ = ["HybridStep", "HybridTransport", "node_heap_kind"]
 
 _PHASE = {"dispatch": 0, "combine": 1}
+#: the row of ``sig`` where node peers say they gave up on the group (after the phases' counters)
+_GAVE_UP = 2
 _WAIT_OP = {"dispatch": "dispatch: wait for node peers' rows", "combine": "combine: wait for node peers' outputs"}
 #: longest pause between two polls of the signal counters (seconds); polls start back to back
 _MAX_PAUSE_S = 1e-3
@@ -162,7 +170,7 @@ class HybridTransport(HostPlannedTransport):
         self._closed = False
         SK = S * K
         specs = [("recv_x", (NvS, H), dtype), ("recv_w", (NvS,), torch.float32), ("recv_src", (NvS,), torch.int32),
-                 ("comb_x", (SK, H), dtype), ("comb_w", (SK,), torch.float32), ("sig", (2, max(self.L, 1)), torch.int64)]
+                 ("comb_x", (SK, H), dtype), ("comb_w", (SK,), torch.float32), ("sig", (3, max(self.L, 1)), torch.int64)]
         self._uses_subgroup = False
         failure: Exception | None = None
         sub: ProcessGroup | None = None
@@ -253,19 +261,23 @@ class HybridTransport(HostPlannedTransport):
 
     def _wait(self, phase: str, step: int | None) -> None:
         """Until every node peer signalled ``phase`` of this step; ``MoonEPCollectiveTimeout``
-        naming the first late peer after ``timeout_s``."""
+        naming the first late peer after ``timeout_s``, or at once naming a node peer that gave up."""
         p = _PHASE[phase]
         target = self._epoch[p] + 1
         if self.L > 1:
-            sig = self.buf["sig"][p]
+            sig = self.buf["sig"]
             timeout_s = self.coll.timeout_s
             t0 = time.monotonic()
             pause = 0.0
             while True:
-                seen = sig.tolist()
+                rows = sig.tolist()  # the counters and the gave_up row in one read
+                seen = rows[p]
                 late = [j for j in range(self.L) if j != self.me and seen[j] < target]
                 if not late:
                     break
+                gone = [j for j in range(self.L) if j != self.me and rows[_GAVE_UP][j]]
+                if gone:  # named with the peers this wait still lacks: those it would have timed out on
+                    raise self._gave_up_error(gone, _WAIT_OP[phase], step, mark=True, late=late)
                 elapsed = time.monotonic() - t0
                 if elapsed >= timeout_s:
                     self._timed_out(phase, step, late, seen, target, elapsed)
@@ -273,12 +285,80 @@ class HybridTransport(HostPlannedTransport):
                 time.sleep(pause)
         self._epoch[p] = target
 
+    def _give_up(self) -> None:
+        """Set this rank's entry of every node peer's ``gave_up`` row, its own too (on GPUs a small copy into each
+        peer's memory, synchronized so that it has landed before the caller raises). Best effort: the caller's own
+        error is what it raises, and a peer that misses this still times out at its bound."""
+        try:
+            for j in range(self.L):
+                self.peer["sig"][j][_GAVE_UP, self.me] = 1
+            if self.on_gpu:
+                torch.cuda.current_stream(self.device).synchronize()
+        except Exception:
+            pass
+
+    def _node_peers_gone(self) -> list[int] | None:
+        """Node indices of the peers that gave up on the group (``[]``: none; ``None``: the row could not be read,
+        a sticky CUDA error: the memory is not to be trusted). Host read (on GPUs it synchronizes the stream)."""
+        if self.L == 1 or "sig" not in self.buf:
+            return []
+        try:
+            row = self.buf["sig"][_GAVE_UP].tolist()
+        except Exception:
+            return None
+        return [j for j in range(self.L) if j != self.me and row[j]]
+
+    def _gave_up_error(self, gone: list[int] | None, op: str, step: int | None, *, mark: bool,
+                       late: list[int] | None = None) -> MoonEPCollectiveTimeout:
+        """The error for node peers that gave up on the group (``gone``: their node indices; ``None``: the row
+        could not be read), the group marked failed when ``mark``. ``late``: the node peers a wait still lacked,
+        which the error names as missing (the peer that gave up did so waiting on one of them); else those that
+        gave up."""
+        where = f"step {step}" if step is not None else "the next step"
+        if gone is None:
+            missing: list[int] = []
+            summary = f"{op!r} at {where}: the node signals could not be read"
+            why = "its node signal memory could not be read; the group is treated as failed"
+        else:
+            gave_up = [self.local[j] for j in gone]
+            missing = [self.local[j] for j in late] if late else gave_up
+            summary = f"{op!r} abandoned at {where}, node peers {gave_up} gave up on the group"
+            why = (f"rank {gave_up[0]} on this node had given up on the group (one of its waits timed out; all that "
+                   f"gave up: {gave_up})")
+            if late:
+                why += f", and this wait still lacked node peer(s) {missing}, first rank {missing[0]}"
+        if mark:
+            self.coll.mark_broken(f"hybrid transport: {summary}")
+        return MoonEPCollectiveTimeout(
+            f"MoonEP {op!r} was abandoned at {where} on rank {self.rank} of {self.R}: {why}, so this rank stops too "
+            f"(nodes: {self.nodes.describe()}). The process group is unusable now: destroy the MoonEP buffers, "
+            "pools and layouts, then the process group, and build a fresh set.",
+            op=op, step=step, rank=self.rank, world_size=self.R, missing=missing, timed_out=False,
+            timeout_s=self.coll.timeout_s)
+
+    # ------------------------------------------------------------------ errors
+    def check_errors(self, sync: bool) -> None:
+        """Raise when a node peer gave up on the group (``Buffer._alive`` checks this before each call, so a step
+        does not enter the EP group's all-gather that rank will never join). A host read of the gave_up row."""
+        gone = self._node_peers_gone()
+        if gone is None or gone:
+            raise self._gave_up_error(gone, "hybrid transport: the next call", None, mark=False)
+
+    def recorded_timeout(self) -> MoonEPCollectiveTimeout | None:
+        """A node peer that gave up on the group (its entry of the gave_up row), or a row that cannot be read: the
+        group failed, so teardown frees locally instead of waiting on that peer in the node heap's collective free."""
+        gone = self._node_peers_gone()
+        if gone is None or gone:
+            return self._gave_up_error(gone, "hybrid transport: teardown", None, mark=False)
+        return None
+
     def _timed_out(self, phase: str, step: int | None, late: list[int], seen: list[int], target: int,
                    elapsed: float) -> NoReturn:
         op = _WAIT_OP[phase]
         missing = [self.local[j] for j in late]
         where = f"step {step}" if step is not None else "a step"
         summary = f"{op!r} timed out at {where}, node peers {missing} did not signal"
+        self._give_up()  # the node peers' waits, next call and teardown leave at once (module doc)
         self.coll.mark_broken(f"hybrid transport: {summary}")
         raise MoonEPCollectiveTimeout(
             f"MoonEP {op!r} timed out after {elapsed:.1f}s (limit {self.coll.timeout_s:g}s) at {where} on rank "
