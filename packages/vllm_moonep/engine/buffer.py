@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from vllm_moonep.engine.defaults import DEFAULT_TOKEN_PADDING, default_num_slots, resolve_device, say_once
-from vllm_moonep.engine.errors import MoonEPError, MoonEPInputError, MoonEPStateError
+from vllm_moonep.engine.errors import MoonEPCollectiveTimeout, MoonEPError, MoonEPInputError, MoonEPStateError
 from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
 from vllm_moonep.engine.nodes import (
     NodeMap,
@@ -377,7 +377,7 @@ class Buffer:
         try:
             t.check_errors(sync)
         except BaseException as exc:
-            self.collectives.mark_broken(f"{t.name} transport: {str(exc).split(':')[0]}")
+            self.collectives.mark_broken(f"{t.name} transport: {_failure_summary(exc)}")
             raise
 
     def _mark_if_recorded(self) -> None:
@@ -390,18 +390,20 @@ class Buffer:
             return
         err = t.recorded_timeout()
         if err is not None:
-            self.collectives.mark_broken(f"{t.name} transport: {str(err).split(':')[0]}")
+            self.collectives.mark_broken(f"{t.name} transport: {_failure_summary(err)}")
 
     def _alive(self, op: str) -> None:
         if self._destroyed:
             raise MoonEPStateError(f"{op}: the buffer was destroyed")
-        self.check_errors()
         why = self.collectives.broken
-        if why is not None:
-            raise MoonEPStateError(
-                f"{op}: the process group is unusable after an earlier failure ({why}); "
-                "destroy the buffers, pools and layouts, then the process group, and build a fresh set"
-            )
+        if why is None:
+            self.check_errors()  # a failure recorded since the last call raises here once, and marks the group
+            return
+        # the group failed earlier (that error was raised then): every later call says so
+        raise MoonEPStateError(
+            f"{op}: the process group is unusable after an earlier failure ({why}); "
+            "destroy the buffers, pools and layouts, then the process group, and build a fresh set"
+        )
 
     def _check_dispatch_inputs(
         self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor
@@ -636,6 +638,14 @@ class Buffer:
             f"Buffer(engine=builtin, S={self.S}, H={self.H}, K={self.K}, E={self.E}, R={self.R}, B={self.B}, "
             f"tp={self.token_padding}, NvS={self.NvS}, device={self.device}, transport={self.transport_name})"
         )
+
+
+def _failure_summary(exc: BaseException) -> str:
+    """One line naming a transport's failure, for the group's failure record (every later call's error quotes it)."""
+    if isinstance(exc, MoonEPCollectiveTimeout) and exc.op:
+        return exc.summary()
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first[:200]}"
 
 
 def copy_slots_from_rows(slots: torch.Tensor, E: int, weights: Iterable[torch.Tensor]) -> None:

@@ -55,3 +55,10 @@ class MoonEPCollectiveTimeout(MoonEPError, TimeoutError):
         self.elapsed_s = elapsed_s
         self.timeout_s = timeout_s
         self.seq = seq
+
+    def summary(self) -> str:
+        """One line for the group's failure record (``BoundedCollectives.mark_broken``): the operation, how it
+        ended, the step and the peers it names."""
+        how = "timed out" if self.timed_out else "failed"
+        where = "" if self.step is None else f" at step {self.step}"
+        return f"{self.op!r} {how}{where}" + (f", peers {self.missing}" if self.missing else "")

@@ -41,11 +41,14 @@ Signals are monotonic counters, one writer per slot (the source peer), waited on
 the host with the buffer's ``timeout_s``; a time-out raises ``MoonEPCollectiveTimeout`` naming
 the late peer and marks the group failed (every MoonEP object on it refuses further steps,
 teardown turns local). Before raising, the rank gives up on the group: it sets its entry of every
-node peer's ``gave_up`` row. A node peer's wait reads that row with its counters and leaves at
-once naming the rank, and so does its next call (``check_errors``, before the step's all-gather)
-and its teardown (local): without the row, a node peer that saw its own step complete waited out
-a whole bound in its next step or in the node heap's collective free. (Peers on other nodes learn
-through the EP group's bounded collectives, at their bound.) On GPUs a signal follows a stream synchronization, so a peer that sees it
+node peer's ``gave_up`` row, in each of its live buffers on the group (a pool holds one per
+capacity). A node peer's wait reads that row with its counters and leaves at once naming the
+rank, and so does its next call on any of those buffers (``check_errors``, before the step's
+all-gather) and its teardown (local): without the row, a node peer that saw its own step complete
+waited out a whole bound in its next step or in the node heap's collective free. (Peers on other
+nodes learn through the EP group's bounded collectives, at their bound.)
+
+On GPUs a signal follows a stream synchronization, so a peer that sees it
 also sees the rows (writes into peer memory have landed once the kernels that made them have
 finished); on CPU ranks the host heap maps the shared pages directly (``staging=False``) and
 x86-64's store order (TSO) makes the rows visible before the signal, as for the symmetric
@@ -67,6 +70,7 @@ signal of step ``t+1``, which follows a stream synchronization that covers its r
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -96,6 +100,9 @@ _GAVE_UP = 2
 _WAIT_OP = {"dispatch": "dispatch: wait for node peers' rows", "combine": "combine: wait for node peers' outputs"}
 #: longest pause between two polls of the signal counters (seconds); polls start back to back
 _MAX_PAUSE_S = 1e-3
+#: this process's live transports: a rank that gives up does so in every one on its EP group (a pool holds a buffer
+#: per capacity, and a node peer's next call may be on another)
+_LIVE: weakref.WeakSet[HybridTransport] = weakref.WeakSet()
 
 
 def _live(handle: HeapHandle) -> torch.Tensor:
@@ -206,6 +213,7 @@ class HybridTransport(HostPlannedTransport):
             self._close_quietly(local=True, exc=None)
             raise
         self._agree_on_setup(failure)
+        _LIVE.add(self)
 
     def _close_quietly(self, local: bool, exc: BaseException | None) -> None:
         try:
@@ -339,7 +347,9 @@ class HybridTransport(HostPlannedTransport):
     # ------------------------------------------------------------------ errors
     def check_errors(self, sync: bool) -> None:
         """Raise when a node peer gave up on the group (``Buffer._alive`` checks this before each call, so a step
-        does not enter the EP group's all-gather that rank will never join). A host read of the gave_up row."""
+        does not enter the EP group's all-gather that rank will never join). A host read of the gave_up row: on
+        GPUs it synchronizes the stream, as each step of this transport does anyway (its split sizes and waits
+        are on the host)."""
         gone = self._node_peers_gone()
         if gone is None or gone:
             raise self._gave_up_error(gone, "hybrid transport: the next call", None, mark=False)
@@ -358,8 +368,10 @@ class HybridTransport(HostPlannedTransport):
         missing = [self.local[j] for j in late]
         where = f"step {step}" if step is not None else "a step"
         summary = f"{op!r} timed out at {where}, node peers {missing} did not signal"
-        self._give_up()  # the node peers' waits, next call and teardown leave at once (module doc)
         self.coll.mark_broken(f"hybrid transport: {summary}")
+        for t in list(_LIVE):  # the node peers' waits, next call and teardown leave at once, on every buffer
+            if t.group is self.group and not t._closed:
+                t._give_up()
         raise MoonEPCollectiveTimeout(
             f"MoonEP {op!r} timed out after {elapsed:.1f}s (limit {self.coll.timeout_s:g}s) at {where} on rank "
             f"{self.rank} of {self.R}: peer(s) on this node that did not signal, first rank {missing[0]} (signal "
@@ -499,6 +511,7 @@ class HybridTransport(HostPlannedTransport):
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         heap, self.heap = self.heap, None
         self.peer = {}
         self.buf = {}
