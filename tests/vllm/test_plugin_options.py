@@ -344,6 +344,9 @@ BAD = [
     ({"moonep": {}}, ["--data-parallel-size", "3"], "MoonEPOptionsError", ["32 routed experts", "EP size 3"]),
     ({"moonep": {}}, ["--max-num-batched-tokens", "4194304"], "MoonEPOptionsError", ["max_num_batched_tokens=4194304",
                                                                                      "2**24"]),
+    # vLLM's fallback DP path calls a dispatch no moonep manager has: NotImplementedError at the first forward
+    ({"moonep": {}}, ["--no-expert-parallel"], "MoonEPOptionsError",
+     ["--data-parallel-size 2 needs --enable-expert-parallel", "allgather_reducescatter"]),
 ]
 
 
@@ -354,6 +357,9 @@ def test_frontend_rejects_bad_options_when_config_is_made(model_dir):
         a = list(MOONEP_ARGS)
         if "--data-parallel-size" in argv:
             a[a.index("--data-parallel-size") + 1] = argv[1]
+            argv = []
+        if "--no-expert-parallel" in argv:
+            a.remove("--enable-expert-parallel")
             argv = []
         cases.append((a + argv + ["--additional-config", json.dumps(extra)], {}))
     res = ranks(2, rk_frontend, model_dir, cases, **W.PLATFORM)[0]

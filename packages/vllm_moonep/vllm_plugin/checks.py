@@ -6,9 +6,12 @@
   parsed once, so unknown keys, bad values and bounds raise here if not already), checks
   them against the model (``E`` divisible by the EP size, ``num_prefetch_slots <= E``, the
   dispatch shard's row bound, ``impl='grouped_mm'`` with overflow reads) and logs every option
-  with where its value came from. It warns when moonep is requested but will not run (no EP, DP
-  size 1, a dense model), when options are set but moonep is not requested, when a setting has no
-  effect with the others, and when a top-level ``--additional-config`` key looks like ours.
+  with where its value came from. It refuses what would fail at the first MoE forward (DP size > 1
+  without expert parallelism, whose fallback path calls a dispatch no moonep manager has;
+  microbatching with moonep vLLM refuses itself). It warns when moonep
+  is requested but will not run (no EP at DP size 1, DP size 1, a dense model), when options are
+  set but moonep is not requested, when a setting has no effect with the others, and when a
+  top-level ``--additional-config`` key looks like ours.
 - ``check_worker(opts, device)``: on each worker when its EP group is built (before weights
   load): the engine, the heap and the expert kernel must be able to run on this device.
 
@@ -38,7 +41,7 @@ from vllm_moonep.vllm_plugin.options import (
 log = logging.getLogger("vllm.vllm_moonep")
 
 __all__ = ["available_kernels", "check_engine_config", "check_worker", "lookalike_keys", "moonep_inactive_reason",
-           "resolve_heap", "resolve_kernel"]
+           "moonep_unrunnable_reason", "resolve_heap", "resolve_kernel"]
 
 _warned: set[str] = set()
 
@@ -86,6 +89,29 @@ def moonep_inactive_reason(vllm_config) -> str | None:
     if pc.data_parallel_size <= 1 and getattr(pc, "prefill_context_parallel_size", 1) <= 1:
         return "--data-parallel-size is 1 (MoonEP runs with data parallelism: --data-parallel-size > 1)"
     return None
+
+
+def moonep_unrunnable_reason(vllm_config) -> str | None:
+    """Why ``--all2all-backend moonep`` makes this config fail at its first MoE forward (``None``: it does not).
+
+    A MoE model at data-parallel size > 1 without expert parallelism: vLLM 0.33 still builds the backend's
+    all2all manager for the EP group (``ParallelConfig.use_all2all``) and falls back to its all-gather /
+    reduce-scatter DP path, which calls that manager's ``dispatch``; a moonep manager (vLLM's or ours) has none,
+    so the first forward raises ``NotImplementedError``."""
+    pc = vllm_config.parallel_config
+    if pc.enable_expert_parallel or pc.data_parallel_size <= 1:
+        return None
+    mc = getattr(vllm_config, "model_config", None)
+    try:
+        if mc is not None and not mc.is_moe:
+            return None
+    except Exception:  # a model config without an architecture table: the config is refused as if MoE
+        pass
+    return (f"--all2all-backend moonep with --data-parallel-size {pc.data_parallel_size} needs "
+            "--enable-expert-parallel: without it vLLM 0.33 runs its all-gather/reduce-scatter data-parallel MoE "
+            "path through the EP group's all2all manager, and a moonep manager has no dispatch for it (the first "
+            "forward would raise NotImplementedError). Add --enable-expert-parallel to run MoonEP, or use "
+            "--all2all-backend allgather_reducescatter")
 
 
 def _model_shape(vllm_config) -> dict | None:
@@ -165,6 +191,9 @@ def check_engine_config(vllm_config, seam_error: Exception | None = None) -> Moo
     if seam_error is not None:
         raise seam_error
     opts = options_from_vllm_config(vllm_config)
+    unrunnable = moonep_unrunnable_reason(vllm_config)
+    if unrunnable is not None:
+        raise MoonEPOptionsError(unrunnable)
     why_not = moonep_inactive_reason(vllm_config)
     if why_not is not None:
         _warn_once(
