@@ -112,6 +112,31 @@ def test_pool_switches_capacity_between_steps():
     assert n_buffers <= 4  # log2(1024/128) + 1
 
 
+def every_capacity_at_first_use():
+    """A pool made with make_all_at_first_use: its buffers after the first get, and whether later gets of other
+    sizes reused them (the same objects) or made new ones."""
+    R = dist.get_world_size()
+    pool = MoonEPBufferPool(dict(H=128, K=2, E=8, num_ep_ranks=R, B=2, token_padding=32, device="cpu"), 600,
+                            make_all_at_first_use=True)
+    first = pool.get(3)[0]
+    made = {c: id(b) for c, b in pool.buffers.items()}
+    sizes = {c: b.S for c, b in pool.buffers.items()}
+    later = [pool.get(n)[0] for n in (600, 129, 300, 1)]
+    reused = all(id(pool.buffers[c]) == made[c] for c in later) and len(pool.buffers) == len(made)
+    pool.destroy()
+    return first, sorted(made), sizes, later, reused
+
+
+def test_pool_makes_every_capacity_at_its_first_use():
+    """A pool that makes a capacity at a later step (inside vLLM: after the KV cache was sized from a profile that
+    never saw it, so it must fit what the KV cache left), a buffer of the wrong size under a capacity, or a later
+    step that builds instead of reusing."""
+    first, caps, sizes, later, reused = ranks(2, every_capacity_at_first_use)[0]
+    assert first == 128 and caps == [128, 256, 512, 600], caps
+    assert sizes == {c: c for c in caps}, sizes
+    assert later == [600, 256, 512, 128] and reused
+
+
 def dp_different_counts():
     r, R = dist.get_rank(), dist.get_world_size()
     E, H, I, K = 16, 128, 128, 4

@@ -162,6 +162,7 @@ def rk_vllm_layer(additional: dict, counts: list[int], seed: int, H: int = 256, 
         res["cap"] = pf.last.capacity
         res["slots"] = int((pf.last.experts_to_copy >= 0).sum())
         res["summary"] = state.STATE.last_summary
+        res["made"], res["capacities"] = sorted(pf.buffer_pool.buffers), pf.buffer_pool.capacities
         res["buffer_kwargs"] = {k: v for k, v in pf.buffer_pool.buffer_kwargs.items() if k != "group"}
         res["step_stats"] = state.STATE.stats.last
     # tear down this layer's MoonEP objects (collective), keep vLLM's groups for the next call
@@ -328,6 +329,8 @@ def test_vllm_layer_forward(layout, shared):
         assert r["manager"] == "MoonEPAll2AllManager" and r["backend"] == "MOONEP"
         assert r["step_hooked"] == [True, True], "the manager did not hook the worker's step check"
         assert r["cap"] == 256, r  # max(37, 150) -> 256 on both ranks
+        # every capacity made at the first step (vLLM's profiling run counts them before sizing the KV cache)
+        assert len(r["capacities"]) > 2 and r["made"] == r["capacities"], r["made"]
         assert r["B"] == 4
         assert f"weight_layout={layout}" in r["summary"] and "engine=builtin" in r["summary"], r["summary"]
         assert "per-rank expert memory" in r["summary"]

@@ -4,7 +4,10 @@ A ``Buffer`` fixes its capacity ``S`` at construction, so one full-size buffer w
 decode step to the prefill size. The pool serves the smallest power of two (at least 128, at
 most the configured maximum) that fits the step. The choice must be the same on every rank,
 since dispatch and construction are collective: callers pass the max token count across DP
-ranks. At most ``log2(max / 128) + 2`` buffers ever exist.
+ranks. At most ``log2(max / 128) + 2`` buffers ever exist. With ``make_all_at_first_use`` the first
+``get`` makes every capacity (smallest first, the same order on every rank), so that memory is taken
+at one known step (vLLM's profiling run, before it sizes the KV cache) rather than at the first step
+of each size.
 """
 
 from __future__ import annotations
@@ -57,9 +60,11 @@ class MoonEPBufferPool:
             token_padding, group, num_sms, device, ...``).
         max_tokens_per_rank: the largest capacity.
         engine: ``auto`` | ``builtin`` | ``moonep`` (``vllm_moonep.engine.make_buffer``).
+        make_all_at_first_use: the first ``get`` makes every capacity (``capacities``), not only its own.
     """
 
-    def __init__(self, buffer_kwargs: dict[str, Any], max_tokens_per_rank: int, engine: str = "auto", min_capacity: int = MIN_CAPACITY):
+    def __init__(self, buffer_kwargs: dict[str, Any], max_tokens_per_rank: int, engine: str = "auto",
+                 min_capacity: int = MIN_CAPACITY, *, make_all_at_first_use: bool = False):
         top = as_int(max_tokens_per_rank)
         if top is None or top <= 0:
             raise MoonEPInputError(f"max_tokens_per_rank must be an int > 0, got {type(max_tokens_per_rank).__name__} "
@@ -77,6 +82,7 @@ class MoonEPBufferPool:
         self.max_tokens_per_rank = top
         self.min_capacity = int(min_capacity)
         self.engine = engine
+        self.make_all_at_first_use = bool(make_all_at_first_use)
         self.buffers: dict[int, Any] = {}
         self._destroyed = False
         self._pad_expert: int | None = None
@@ -140,6 +146,9 @@ class MoonEPBufferPool:
         if self._destroyed:
             raise MoonEPStateError("MoonEPBufferPool.get: the pool was destroyed")
         cap = self.capacity_for(num_tokens)
+        if self.make_all_at_first_use and not self.buffers:
+            for c in self.capacities:  # collective, in one order on every rank (its first get is every rank's)
+                self.buffers[c] = make_buffer(S=c, engine=self.engine, **self._kwargs)
         buf = self.buffers.get(cap)
         if buf is None:
             buf = make_buffer(S=cap, engine=self.engine, **self._kwargs)
@@ -147,13 +156,21 @@ class MoonEPBufferPool:
         return cap, buf
 
     @property
-    def max_buffers(self) -> int:
-        """Upper bound on how many buffers this pool can hold."""
-        n, c = 1, self.min_capacity
+    def capacities(self) -> list[int]:
+        """Every capacity a step can get, smallest first."""
+        return sorted({self.capacity_for(min(c, self.max_tokens_per_rank)) for c in self._powers()})
+
+    def _powers(self) -> list[int]:
+        out, c = [self.min_capacity], self.min_capacity
         while c < self.max_tokens_per_rank:
             c *= 2
-            n += 1
-        return n
+            out.append(c)
+        return out
+
+    @property
+    def max_buffers(self) -> int:
+        """Upper bound on how many buffers this pool can hold."""
+        return len(self._powers())
 
     def destroy(self) -> None:
         """Destroy every buffer, newest first; idempotent. With the built-in engine this issues no

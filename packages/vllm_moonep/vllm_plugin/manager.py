@@ -21,6 +21,7 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.device_communicators.base_device_communicator import All2AllManagerBase, Cache
 
 from vllm_moonep.common.pool import MoonEPBufferPool
+from vllm_moonep.engine.defaults import say_once
 from vllm_moonep.engine.faults.teardown import each
 from vllm_moonep.vllm_plugin.checks import check_worker
 from vllm_moonep.vllm_plugin.cudagraphs import check_worker_graphs, graphs_mode
@@ -36,11 +37,24 @@ __all__ = ["MoonEPAll2AllManager", "PluginBufferPool", "attach_manager", "wrap_g
 
 
 class PluginBufferPool(MoonEPBufferPool):
-    """The all2all handle: a ``MoonEPBufferPool`` that logs the start-up line at its first step
-    (vLLM's profiling run), when every layer's layout and the first engine buffer exist."""
+    """The all2all handle: a ``MoonEPBufferPool`` that makes every capacity at its first step (vLLM's
+    profiling run, whose memory profile then counts them before the KV cache is sized: made later, at
+    each size's first step or graph capture, they would have to fit in what the KV cache left) and logs
+    the start-up line then, when every layer's layout and the engine buffers exist."""
+
+    def __init__(self, buffer_kwargs, max_tokens_per_rank: int, engine: str = "auto"):
+        super().__init__(buffer_kwargs, max_tokens_per_rank, engine, make_all_at_first_use=True)
 
     def get(self, num_tokens: int):
+        first = not self.buffers
         cap, buf = super().get(num_tokens)
+        if first:
+            heap = sum(int(getattr(b, "heap_bytes", 0) or 0) for b in self.buffers.values())
+            caps = self.capacities
+            say_once(f"vllm-moonep: the MoonEP buffer pool made all {len(caps)} of its capacities ({caps[0]} to "
+                     f"{caps[-1]} tokens per rank; {heap / 2**20:.0f} MiB of symmetric heap on this rank) at its first "
+                     "step, vLLM's profiling run, so that the memory profile counts them before the KV cache is "
+                     "sized", log.name)
         log_summary_once(buf)
         return cap, buf
 
