@@ -9,8 +9,11 @@
 #                                                                engine folder; carry .device/engine_ab)
 #   there: bash tools/gpu_engine_ab.sh run [BENCH_DISPATCH_ARGS ...]
 #            ROUNDS=3          rounds (each variant once per round)
-#            VARIANTS="..."    order of the variants, the first the anchor (default: the packed ones by name, then tree)
+#            VARIANTS="..."    order of the variants, the first the anchor (default: every folder in .device/engine_ab
+#                              by name, then tree: name them where older packs lie there too)
+#            BENCH_TIMEOUT=300 seconds per bench_dispatch run (the first compiles and captures)
 #            default args: --device cuda --ranks 1 --preset kimi-k2 --tokens 1 128 4096 --maxvio 0 --iters 50
+#                              (world size 1: the kernels and signals, no traffic between GPUs; pass --ranks 2 on two)
 #          files in $OUT: bd_<variant>_<round>.json, dispatch_ab.json; the working tree's engine is put back on exit
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +41,10 @@ case "${1:-}" in
     OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
     ROUNDS=${ROUNDS:-3}
     read -r -a variants <<< "${VARIANTS:-$(ls "$STORE" | tr '\n' ' ') tree}"
+    [ ${#variants[@]} -ge 2 ] || { echo "gpu_engine_ab.sh run: name two variants or more (VARIANTS='${VARIANTS:-}')" >&2; exit 2; }
+    for v in "${variants[@]}"; do
+      [ "$v" = tree ] || [ -d "$STORE/$v/$ENGINE" ] || { echo "gpu_engine_ab.sh run: no variant '$v' in $STORE" >&2; exit 2; }
+    done
     args=("$@")
     [ ${#args[@]} -gt 0 ] || args=(--device cuda --ranks 1 --preset kimi-k2 --tokens 1 128 4096 --maxvio 0 --iters 50)
     source tools/gpu_env.sh > /dev/null
@@ -55,7 +62,7 @@ case "${1:-}" in
       for j in $(seq 0 $((n - 1))); do
         v=${variants[$(((i - 1 + j) % n))]}
         use "$v"
-        if timeout 120 python3 -m vllm_moonep.tools.bench_dispatch "${args[@]}" --json "$OUT/bd_${v}_$i.json" \
+        if timeout "${BENCH_TIMEOUT:-300}" python3 -m vllm_moonep.tools.bench_dispatch "${args[@]}" --json "$OUT/bd_${v}_$i.json" \
             > "$OUT/bd_${v}_$i.log" 2>&1; then
           specs+=("$v:$OUT/bd_${v}_$i.json")
           echo "== $v round $i $(date +%T)"

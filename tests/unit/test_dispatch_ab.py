@@ -16,8 +16,9 @@ import pytest
 from vllm_moonep.tools import dispatch_ab
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN_FIELDS = {"device": "cuda", "gpus": ["NVIDIA H200"], "preset": "kimi-k2", "H": 7168, "E": 384, "K": 8, "ranks": 1,
-              "ranks_per_node": None, "transport": "symmetric"}
+RUN_FIELDS = {"device": "cuda", "gpus": ["NVIDIA H200"], "backend": "nccl", "preset": "kimi-k2", "H": 7168, "E": 384,
+              "K": 8, "ranks": 1, "ranks_per_node": None, "transport": "symmetric",
+              "argv": ["bench_dispatch.py", "--iters", "50", "--json", "a.json"]}
 
 
 def _run(tmp_path: Path, name: str, graph: dict, a2a: dict, **fields) -> str:
@@ -55,9 +56,12 @@ def test_medians_ratios_and_anchor_spread(tmp_path):
     ({"gpus": ["NVIDIA H100 80GB HBM3"]}, "differ in gpus"),
     ({"transport": "collective"}, "differ in transport"),
     ({"ranks": 2}, "differ in ranks"),
+    ({"backend": "gloo"}, "differ in backend"),
+    ({"argv": ["bench_dispatch.py", "--iters", "10", "--json", "b.json"]}, "different options"),
 ])
 def test_runs_that_cannot_be_compared_are_refused(tmp_path, change, needle):
-    """Variants timed on another GPU, transport or world size set side by side: a ratio of two machines."""
+    """Variants timed on another GPU, backend, transport or world size, or with other options (the --json path
+    aside), set side by side: a ratio of two setups."""
     a = _run(tmp_path, "a", {1: 30.0}, {1: 80.0})
     b = _run(tmp_path, "b", {1: 30.0}, {1: 80.0}, **change)
     with pytest.raises(ValueError, match=needle):

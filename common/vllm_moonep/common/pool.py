@@ -83,6 +83,7 @@ class MoonEPBufferPool:
         self.min_capacity = int(min_capacity)
         self.engine = engine
         self.make_all_at_first_use = bool(make_all_at_first_use)
+        self._made_all = False
         self.buffers: dict[int, Any] = {}
         self._destroyed = False
         self._pad_expert: int | None = None
@@ -146,9 +147,11 @@ class MoonEPBufferPool:
         if self._destroyed:
             raise MoonEPStateError("MoonEPBufferPool.get: the pool was destroyed")
         cap = self.capacity_for(num_tokens)
-        if self.make_all_at_first_use and not self.buffers:
-            for c in self.capacities:  # collective, in one order on every rank (its first get is every rank's)
-                self.buffers[c] = make_buffer(S=c, engine=self.engine, **self._kwargs)
+        if self.make_all_at_first_use and not self._made_all:
+            for c in self.capacities:  # collective, in one order on every rank (its first get is every rank's);
+                if c not in self.buffers:  # after a failed first get, the next one makes what is missing
+                    self.buffers[c] = make_buffer(S=c, engine=self.engine, **self._kwargs)
+            self._made_all = True
         buf = self.buffers.get(cap)
         if buf is None:
             buf = make_buffer(S=cap, engine=self.engine, **self._kwargs)

@@ -31,12 +31,25 @@ METRICS = ("graph_dev_us", "dispatch_dev_us", "combine_dev_us", "graph_us", "dis
 #: the anchors' columns: a plain all-to-all of the same payload, device and host time (the table shows the one of
 #: the metric's kind)
 ANCHORS = ("a2a_dev_us", "a2a_us")
-#: the runs' fields that must agree
-SAME = ("device", "gpus", "preset", "H", "E", "K", "ranks", "ranks_per_node", "transport")
+#: the runs' fields that must agree (and their command lines but for the output path)
+SAME = ("device", "gpus", "backend", "preset", "H", "E", "K", "ranks", "ranks_per_node", "transport")
 
 
 def _point(row: dict) -> tuple:
     return row["tokens"], row["maxvio"]
+
+
+def _options(argv: list[str]) -> list[str]:
+    """A run's command line without the program and its ``--json`` path (which differ per run)."""
+    out, skip = [], False
+    for a in argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--json":
+            skip = True
+        elif not a.startswith("--json="):
+            out.append(a)
+    return out
 
 
 def load_variants(specs: list[str]) -> dict[str, list[dict]]:
@@ -57,7 +70,12 @@ def load_variants(specs: list[str]) -> dict[str, list[dict]]:
         seen = {json.dumps(r.get(field)) for r in runs}
         if len(seen) > 1:
             raise ValueError(f"dispatch_ab: the runs differ in {field}: {sorted(seen)}")
+    commands = {json.dumps(_options(r.get("argv", []))) for r in runs}
+    if len(commands) > 1:
+        raise ValueError(f"dispatch_ab: the runs were made with different options: {sorted(commands)}")
     points = {tuple(sorted(_point(row) for row in r["rows"])) for r in runs}
+    if not next(iter(points)):
+        raise ValueError("dispatch_ab: the runs hold no timed point")
     if len(points) > 1:
         raise ValueError(f"dispatch_ab: the runs time different points (tokens, maxvio): {sorted(points)}")
     return variants

@@ -43,10 +43,10 @@ the late peer and marks the group failed (every MoonEP object on it refuses furt
 teardown turns local). Before raising, the rank gives up on the group: it sets its entry of every
 node peer's ``gave_up`` row, in each of its live buffers on the group (a pool holds one per
 capacity). A node peer's wait reads that row with its counters and leaves at once naming the
-rank, and so does its next call on any of those buffers (``check_errors``, before the step's
-all-gather) and its teardown (local): without the row, a node peer that saw its own step complete
-waited out a whole bound in its next step or in the node heap's collective free. (Peers on other
-nodes learn through the EP group's bounded collectives, at their bound.)
+rank; so does a step of any of those buffers that starts after the give-up (``plan``, before the
+step's all-gather over the EP group), and teardown is then local. A node peer already inside that
+all-gather, or in the node heap's collective free, when the rank gives up waits out its own bound
+there, as do peers on other nodes (the bounded collectives do not read the row).
 
 On GPUs a signal follows a stream synchronization, so a peer that sees it
 also sees the rows (writes into peer memory have landed once the kernels that made them have
@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
 import vllm_moonep.engine.heaps as heaps
 from vllm_moonep.engine.errors import (
@@ -160,6 +161,8 @@ class HybridTransport(HostPlannedTransport):
                  S: int, K: int, E: int, B: int, H: int, NvS: int, token_padding: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.coll, self.nodes, self.group = coll, nodes, group
+        # the group as every buffer on it names it (None is the default group): whom a give-up reaches
+        self._group_key = group if group is not None else dist.group.WORLD
         self.rank, self.R = coll.rank, coll.world_size
         self.S, self.K, self.E, self.B, self.H, self.NvS, self.tp = S, K, E, B, H, NvS, token_padding
         self.dtype, self.device = dtype, device
@@ -345,14 +348,21 @@ class HybridTransport(HostPlannedTransport):
             timeout_s=self.coll.timeout_s)
 
     # ------------------------------------------------------------------ errors
-    def check_errors(self, sync: bool) -> None:
-        """Raise when a node peer gave up on the group (``Buffer._alive`` checks this before each call, so a step
-        does not enter the EP group's all-gather that rank will never join). A host read of the gave_up row: on
-        GPUs it synchronizes the stream, as each step of this transport does anyway (its split sizes and waits
-        are on the host)."""
+    def _refuse_if_peer_gave_up(self, op: str, step: int) -> None:
+        """Before the step's all-gather over the EP group (which a rank that gave up never joins): raise, the group
+        marked failed, when a node peer gave up. A host read of the gave_up row (on GPUs a sync, which the plan's
+        all-gather of the counts is anyway)."""
         gone = self._node_peers_gone()
         if gone is None or gone:
-            raise self._gave_up_error(gone, "hybrid transport: the next call", None, mark=False)
+            raise self._gave_up_error(gone, op, step, mark=True)
+
+    def plan(self, tpe: torch.Tensor, step: int) -> GlobalPlan:
+        self._refuse_if_peer_gave_up("dispatch: the step's counts", step)
+        return super().plan(tpe, step)
+
+    def refuse(self, step: int) -> None:
+        self._refuse_if_peer_gave_up("dispatch: the refusal frame", step)
+        super().refuse(step)
 
     def recorded_timeout(self) -> MoonEPCollectiveTimeout | None:
         """A node peer that gave up on the group (its entry of the gave_up row), or a row that cannot be read: the
@@ -369,9 +379,12 @@ class HybridTransport(HostPlannedTransport):
         where = f"step {step}" if step is not None else "a step"
         summary = f"{op!r} timed out at {where}, node peers {missing} did not signal"
         self.coll.mark_broken(f"hybrid transport: {summary}")
-        for t in list(_LIVE):  # the node peers' waits, next call and teardown leave at once, on every buffer
-            if t.group is self.group and not t._closed:
-                t._give_up()
+        try:  # the node peers' waits, next steps and teardown leave at once, on every buffer of the group
+            for t in list(_LIVE):
+                if t._group_key is self._group_key and not t._closed:
+                    t._give_up()
+        except Exception:  # best effort (a buffer made meanwhile by another thread): the timeout is what is raised
+            pass
         raise MoonEPCollectiveTimeout(
             f"MoonEP {op!r} timed out after {elapsed:.1f}s (limit {self.coll.timeout_s:g}s) at {where} on rank "
             f"{self.rank} of {self.R}: peer(s) on this node that did not signal, first rank {missing[0]} (signal "
