@@ -161,7 +161,7 @@ class MoonEPBufferPool:
     @property
     def capacities(self) -> list[int]:
         """Every capacity a step can get, smallest first."""
-        return sorted({self.capacity_for(min(c, self.max_tokens_per_rank)) for c in self._powers()})
+        return sorted({min(c, self.max_tokens_per_rank) for c in self._powers()})
 
     def _powers(self) -> list[int]:
         out, c = [self.min_capacity], self.min_capacity

@@ -21,7 +21,8 @@ step functions as ``common/vllm_moonep/common/moe_step.py`` split at vLLM's seam
 
 Prepare and finalize are strictly paired: a second ``prepare`` before ``finalize`` raises
 ``MoonEPStateError`` and drops the pending step (a forward that failed between the two leaves the
-layer usable; ``reset`` drops it without the error). Constructors accept and ignore extra keyword arguments (vLLM's signatures drift).
+layer usable; ``reset`` drops it without the error). Constructors accept and ignore extra keyword
+arguments (vLLM's signatures drift).
 """
 
 from __future__ import annotations

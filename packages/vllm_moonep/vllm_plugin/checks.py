@@ -6,9 +6,9 @@
   parsed once, so unknown keys, bad values and bounds raise here if not already), checks
   them against the model (``E`` divisible by the EP size, ``num_prefetch_slots <= E``, the
   dispatch shard's row bound, ``impl='grouped_mm'`` with overflow reads) and logs every option
-  with where its value came from. It refuses what would fail at the first MoE forward (DP size > 1
-  without expert parallelism, whose fallback path calls a dispatch no moonep manager has;
-  microbatching with moonep vLLM refuses itself). It warns when moonep
+  with where its value came from. It refuses what would fail at the first MoE forward: DP size > 1
+  without expert parallelism, whose fallback path calls a dispatch no moonep manager has (vLLM
+  refuses microbatching with moonep itself). It warns when moonep
   is requested but will not run (no EP at DP size 1, DP size 1, a dense model), when options are
   set but moonep is not requested, when a setting has no effect with the others, and when a
   top-level ``--additional-config`` key looks like ours.

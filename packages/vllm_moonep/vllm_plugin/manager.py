@@ -46,7 +46,7 @@ class PluginBufferPool(MoonEPBufferPool):
         super().__init__(buffer_kwargs, max_tokens_per_rank, engine, make_all_at_first_use=True)
 
     def get(self, num_tokens: int):
-        first = not self.buffers
+        first = not self._made_all  # (a first get that failed midway says it at the one that completes)
         cap, buf = super().get(num_tokens)
         if first:
             heap = sum(int(getattr(b, "heap_bytes", 0) or 0) for b in self.buffers.values())

@@ -85,6 +85,7 @@ from vllm_moonep.engine.errors import (
     MoonEPUnavailableError,
 )
 from vllm_moonep.engine.faults.bounded_collectives import BoundedCollectives
+from vllm_moonep.engine.faults.teardown import each
 from vllm_moonep.engine.heaps.base import HeapHandle, SymmetricHeap, describe_failure
 from vllm_moonep.engine.nodes import NodeMap, acquire_node_subgroup, release_node_subgroup
 from vllm_moonep.engine.planning.planner import GlobalPlan, padding_rows, place_entries
@@ -286,7 +287,7 @@ class HybridTransport(HostPlannedTransport):
                 late = [j for j in range(self.L) if j != self.me and seen[j] < target]
                 if not late:
                     break
-                gone = [j for j in range(self.L) if j != self.me and rows[_GAVE_UP][j]]
+                gone = self._node_peers_gone(rows[_GAVE_UP])
                 if gone:  # named with the peers this wait still lacks: those it would have timed out on
                     raise self._gave_up_error(gone, _WAIT_OP[phase], step, mark=True, late=late)
                 elapsed = time.monotonic() - t0
@@ -298,25 +299,23 @@ class HybridTransport(HostPlannedTransport):
 
     def _give_up(self) -> None:
         """Set this rank's entry of every node peer's ``gave_up`` row, its own too (on GPUs a small copy into each
-        peer's memory, synchronized so that it has landed before the caller raises). Best effort: the caller's own
-        error is what it raises, and a peer that misses this still times out at its bound."""
-        try:
-            for j in range(self.L):
-                self.peer["sig"][j][_GAVE_UP, self.me] = 1
-            if self.on_gpu:
-                torch.cuda.current_stream(self.device).synchronize()
-        except Exception:
-            pass
+        peer's memory, synchronized so that it has landed before the caller raises)."""
+        for j in range(self.L):
+            self.peer["sig"][j][_GAVE_UP, self.me] = 1
+        if self.on_gpu:
+            torch.cuda.current_stream(self.device).synchronize()
 
-    def _node_peers_gone(self) -> list[int] | None:
-        """Node indices of the peers that gave up on the group (``[]``: none; ``None``: the row could not be read,
-        a sticky CUDA error: the memory is not to be trusted). Host read (on GPUs it synchronizes the stream)."""
-        if self.L == 1 or "sig" not in self.buf:
-            return []
-        try:
-            row = self.buf["sig"][_GAVE_UP].tolist()
-        except Exception:
-            return None
+    def _node_peers_gone(self, row: list[int] | None = None) -> list[int] | None:
+        """Node indices of the peers that gave up on the group, from ``row`` (the gave_up row as read) or a host read
+        of it (on GPUs it synchronizes the stream); ``[]``: none; ``None``: the row could not be read (a sticky CUDA
+        error: the memory is not to be trusted)."""
+        if row is None:
+            if self.L == 1 or "sig" not in self.buf:
+                return []
+            try:
+                row = self.buf["sig"][_GAVE_UP].tolist()
+            except Exception:
+                return None
         return [j for j in range(self.L) if j != self.me and row[j]]
 
     def _gave_up_error(self, gone: list[int] | None, op: str, step: int | None, *, mark: bool,
@@ -379,13 +378,13 @@ class HybridTransport(HostPlannedTransport):
         where = f"step {step}" if step is not None else "a step"
         summary = f"{op!r} timed out at {where}, node peers {missing} did not signal"
         self.coll.mark_broken(f"hybrid transport: {summary}")
+        told: Exception | None = None
         try:  # the node peers' waits, next steps and teardown leave at once, on every buffer of the group
-            for t in list(_LIVE):
-                if t._group_key is self._group_key and not t._closed:
-                    t._give_up()
-        except Exception:  # best effort (a buffer made meanwhile by another thread): the timeout is what is raised
-            pass
-        raise MoonEPCollectiveTimeout(
+            each(HybridTransport._give_up,
+                 [t for t in list(_LIVE) if t._group_key is self._group_key and not t._closed], Exception)
+        except Exception as exc:  # the timeout is what is raised; the note says the peers were not all told
+            told = exc
+        err = MoonEPCollectiveTimeout(
             f"MoonEP {op!r} timed out after {elapsed:.1f}s (limit {self.coll.timeout_s:g}s) at {where} on rank "
             f"{self.rank} of {self.R}: peer(s) on this node that did not signal, first rank {missing[0]} (signal "
             f"{seen[late[0]]} of {target} expected; all late: {missing}); it died, stopped calling, or called another "
@@ -393,6 +392,10 @@ class HybridTransport(HostPlannedTransport):
             "pools and layouts, then the process group, and build a fresh set.",
             op=op, step=step, rank=self.rank, world_size=self.R, missing=missing, timed_out=True, elapsed_s=elapsed,
             timeout_s=self.coll.timeout_s, seq=target)
+        if told is not None:
+            err.add_note(f"telling the node peers that this rank gave up failed ({type(told).__name__}: {told}); "
+                         "they leave at their own bound")
+        raise err
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, hidden: torch.Tensor, route_w: torch.Tensor, ids: torch.Tensor, tpe: torch.Tensor,
